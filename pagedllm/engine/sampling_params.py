@@ -1,0 +1,137 @@
+"""What a request asks of decoding: vLLM's ``SamplingParams``, validated on creation.
+
+Keyword names, defaults and accepted ranges follow vLLM so that its users' code runs
+unchanged. Every bad value raises ``ValueError`` naming the field and the value.
+
+Conventions:
+- ``temperature`` below ``GREEDY_TEMPERATURE`` (including 0) means greedy decoding;
+  top-k, top-p, min-p and the seed are then irrelevant.
+- ``top_k`` 0 or -1 means "off"; -1 is normalised to 0.
+- ``max_tokens=None`` means "as many as fit": the engine resolves it to
+  ``max_model_len - prompt_len``.
+- ``stop`` is normalised to a list of non-empty strings, ``stop_token_ids`` to a list.
+- Sample ``i`` of a request with ``n > 1`` and seed ``s`` uses seed ``s + i``
+  (see :meth:`SamplingParams.derived_seed`), so ``n=4, seed=s`` samples exactly what
+  four ``n=1`` requests with seeds ``s, s+1, s+2, s+3`` sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures strictly below this decode greedily (vLLM uses the same cut-off)."""
+
+
+def _reject(field: str, value: object, rule: str) -> None:
+    raise ValueError(f"{field} {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Decoding options of one request; see the module docstring for conventions."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_distribution_options()
+        self._check_penalties()
+        self.stop = self._normalised_stop(self.stop)
+        self.stop_token_ids = self._normalised_stop_token_ids(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _check_counts(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            _reject("n", self.n, "must be an integer >= 1")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _reject("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            _reject("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _reject("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            _reject("logprobs", self.logprobs, "must be an integer >= 0 or None")
+        if self.seed is not None and not _is_int(self.seed):
+            _reject("seed", self.seed, "must be an integer or None")
+
+    def _check_distribution_options(self) -> None:
+        if not self.temperature >= 0.0:
+            _reject("temperature", self.temperature, "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            _reject("top_p", self.top_p, "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _reject("top_k", self.top_k, "must be an integer >= 1, or 0 or -1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            _reject("min_p", self.min_p, "must be in [0, 1]")
+
+    def _check_penalties(self) -> None:
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _reject("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _reject("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            _reject("repetition_penalty", self.repetition_penalty, "must be > 0")
+
+    @staticmethod
+    def _normalised_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        strings = [stop] if isinstance(stop, str) else stop
+        if not isinstance(strings, (list, tuple)) or not all(
+            isinstance(s, str) and s for s in strings
+        ):
+            _reject("stop", stop, "must be a non-empty string, a list of them, or None")
+        return list(strings)
+
+    @staticmethod
+    def _normalised_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            _reject("stop_token_ids", ids, "must be a list of token ids >= 0, or None")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax of the (penalised) logits."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the three penalties changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def derived_seed(self, sample_index: int) -> int | None:
+        """Seed of sample ``sample_index`` (0-based, < n): ``seed + sample_index``.
+
+        None when the request is unseeded.
+        """
+        if not 0 <= sample_index < self.n:
+            _reject("sample_index", sample_index, f"must be in [0, n={self.n})")
+        return None if self.seed is None else self.seed + sample_index
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,99 @@
+"""SamplingParams: vLLM's defaults, validation of every field, normalisation, seeds."""
+
+import pytest
+
+from pagedllm.engine.sampling_params import SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert not p.is_greedy and not p.has_penalties
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 0),
+        ("n", 1.5),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", -3.0),
+        ("frequency_penalty", 2.01),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("seed", 1.5),
+        ("stop", 42),
+        ("stop", ["ok", 3]),
+        ("stop", [""]),
+        ("stop_token_ids", [1, "2"]),
+        ("stop_token_ids", 7),
+        ("stop_token_ids", [-1]),
+    ],
+)
+def test_bad_value_raises_naming_field_and_value(field, value):
+    with pytest.raises(ValueError, match=field) as info:
+        SamplingParams(**{field: value})
+    assert repr(value) in str(info.value)
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+    assert SamplingParams(min_tokens=10, max_tokens=None).min_tokens == 10
+
+
+def test_boundary_values_are_accepted():
+    p = SamplingParams(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=1,
+        min_p=1.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=0.01,
+        max_tokens=1,
+        logprobs=0,
+    )
+    assert p.is_greedy and p.has_penalties
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_top_k_minus_one_means_off_like_zero():
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_stop_is_normalised_to_lists():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(2, 3)).stop_token_ids == [2, 3]
+
+
+def test_tiny_temperature_counts_as_greedy():
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
+
+
+def test_derived_seeds_are_seed_plus_sample_index():
+    p = SamplingParams(n=4, seed=100)
+    assert [p.derived_seed(i) for i in range(4)] == [100, 101, 102, 103]
+    assert SamplingParams(seed=7).derived_seed(0) == 7
+    assert SamplingParams(n=3).derived_seed(2) is None
+    with pytest.raises(ValueError, match="sample_index"):
+        p.derived_seed(4)
