@@ -1,0 +1,317 @@
+"""Turning one step's logits into next tokens, for a whole batch at once.
+
+The engine builds a :class:`SamplingBatch` each step from the scheduled sequences
+(their params, token history and random generators), then calls :class:`Sampler`.
+
+Order of operations per row: repetition, presence and frequency penalties; ``-inf``
+on the stop ids (eos unless ``ignore_eos``, and ``stop_token_ids``) while the output is
+shorter than ``min_tokens``; then greedy rows take the argmax, and the other rows divide
+by the temperature, apply top-k, top-p and min-p, and draw.
+
+Drawing uses the exponential race: ``argmax(probs / E)`` with ``E`` i.i.d. Exp(1) noise
+over the vocabulary picks token ``t`` with probability ``probs[t] / sum(probs)``. A
+seeded row draws its noise from its own ``torch.Generator``, always ``vocab`` values
+per step, so its tokens depend only on its seed and history, never on the rest of the
+batch. The sequence owns that generator across steps (see :func:`make_generator`);
+unseeded rows share the global generator.
+
+Logprobs are those of the raw model distribution (``log_softmax`` of the logits as
+given, before penalties, temperature and truncation), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
+from pagedllm.engine.penalties import apply_penalties, token_counts
+from pagedllm.engine.sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A fresh generator seeded with ``seed`` on ``device``, or None when unseeded.
+
+    A sequence keeps the one it gets for its whole life; for sample ``i`` of an
+    ``n > 1`` request pass ``params.derived_seed(i)``.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class PenaltyInputs:
+    """Token history and penalty values of every row, for :func:`apply_penalties`.
+
+    Rows without penalties have empty histories and neutral values; the prompt
+    history is only kept for rows with a repetition penalty.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    output_ids: torch.Tensor
+    output_lens: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+
+@dataclass
+class RandomRows:
+    """The rows that are drawn at random (not greedy), with their settings.
+
+    ``rows`` ``[num_random]`` int64 indexes the batch; every other tensor is
+    ``[num_random]`` and aligned with it. ``top_k`` 0 means off.
+    ``uses_top_k_top_p`` and ``uses_min_p`` are False when no row needs that step.
+    """
+
+    rows: torch.Tensor
+    temperatures: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    generators: list[torch.Generator | None]
+    uses_top_k_top_p: bool
+    uses_min_p: bool
+
+
+@dataclass
+class SamplingBatch:
+    """Everything the sampler needs about the rows of one step, in logits row order.
+
+    - ``num_logprobs[i]``: alternatives row ``i`` wants besides its token (None: no
+      logprobs at all).
+    - ``banned_rows``, ``banned_ids`` ``[num_banned]`` int64: (row, token) pairs set to
+      ``-inf`` because the row has not reached ``min_tokens`` yet.
+    - ``penalties``: None when no row has a penalty.
+    - ``random``: None when every row is greedy.
+    """
+
+    num_logprobs: list[int | None]
+    banned_rows: torch.Tensor
+    banned_ids: torch.Tensor
+    penalties: PenaltyInputs | None
+    random: RandomRows | None
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_id: int | None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Describe one step: row ``i`` samples the next token of a sequence with
+        ``params[i]``, its prompt and output ids so far, and its own generator (None
+        when unseeded). ``eos_token_id`` is masked until ``min_tokens`` is reached.
+        """
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
+            raise ValueError("params, token ids and generators must have one entry per row")
+        banned_rows, banned_ids = _min_tokens_bans(params, output_token_ids, eos_token_id)
+        return cls(
+            num_logprobs=[p.logprobs for p in params],
+            banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=device),
+            banned_ids=torch.tensor(banned_ids, dtype=torch.int64, device=device),
+            penalties=_penalty_inputs(params, prompt_token_ids, output_token_ids, device),
+            random=_random_rows(params, generators, device),
+        )
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        """The most alternatives any row wants, None when no row wants logprobs."""
+        return max((k for k in self.num_logprobs if k is not None), default=None)
+
+
+def _min_tokens_bans(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_id: int | None,
+) -> tuple[list[int], list[int]]:
+    rows: list[int] = []
+    ids: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(output) >= p.min_tokens:
+            continue
+        stop_ids = list(p.stop_token_ids)
+        if eos_token_id is not None and not p.ignore_eos:
+            stop_ids.append(eos_token_id)
+        rows.extend([row] * len(stop_ids))
+        ids.extend(stop_ids)
+    return rows, ids
+
+
+def _penalty_inputs(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> PenaltyInputs | None:
+    if not any(p.has_penalties for p in params):
+        return None
+    prompts = [
+        ids if p.repetition_penalty != 1.0 else ()
+        for p, ids in zip(params, prompt_token_ids, strict=True)
+    ]
+    outputs = [
+        ids if p.has_penalties else () for p, ids in zip(params, output_token_ids, strict=True)
+    ]
+    prompt_ids, prompt_lens = _padded(prompts, device)
+    output_ids, output_lens = _padded(outputs, device)
+    return PenaltyInputs(
+        prompt_ids=prompt_ids,
+        prompt_lens=prompt_lens,
+        output_ids=output_ids,
+        output_lens=output_lens,
+        repetition=_floats([p.repetition_penalty for p in params], device),
+        presence=_floats([p.presence_penalty for p in params], device),
+        frequency=_floats([p.frequency_penalty for p in params], device),
+    )
+
+
+def _random_rows(
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device | str,
+) -> RandomRows | None:
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return None
+    chosen = [params[i] for i in rows]
+    return RandomRows(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        temperatures=_floats([p.temperature for p in chosen], device),
+        top_k=torch.tensor([p.top_k for p in chosen], dtype=torch.int64, device=device),
+        top_p=_floats([p.top_p for p in chosen], device),
+        min_p=_floats([p.min_p for p in chosen], device),
+        generators=[generators[i] for i in rows],
+        uses_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in chosen),
+        uses_min_p=any(p.min_p > 0.0 for p in chosen),
+    )
+
+
+def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _padded(
+    rows: Sequence[Sequence[int]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num_rows, max_len]`` int64 ids padded with 0, and ``[num_rows]`` lengths."""
+    lengths = [len(ids) for ids in rows]
+    padded = torch.zeros(len(rows), max(lengths, default=0), dtype=torch.int64)
+    for row, ids in enumerate(rows):
+        if ids:
+            padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    return padded.to(device), torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
+@dataclass
+class TokenLogprobs:
+    """Raw-model logprobs at one position of one sequence.
+
+    ``rank`` is 1 for the most likely token. ``top`` holds the requested number of
+    most likely ``(token_id, logprob)`` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, in logits row order.
+
+    ``logprobs`` is None when no row asked for them; otherwise entry ``i`` is None
+    for rows that did not ask.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+
+
+class Sampler:
+    """Samples one token per row of ``[num_rows, vocab]`` float32 logits.
+
+    When every row is greedy without penalties or bans, a step is one argmax.
+    """
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw_logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        logits = self._processed(logits, batch)
+        token_ids = logits.argmax(dim=-1)
+        if batch.random is not None:
+            token_ids[batch.random.rows] = _draw(logits[batch.random.rows], batch.random)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=None if raw_logprobs is None else _logprobs(raw_logprobs, token_ids, batch),
+        )
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalised logits with min_tokens bans; never modifies the input."""
+        if batch.penalties is not None:
+            inputs = batch.penalties
+            vocab_size = logits.shape[-1]
+            logits = apply_penalties(
+                logits,
+                token_counts(inputs.prompt_ids, inputs.prompt_lens, vocab_size),
+                token_counts(inputs.output_ids, inputs.output_lens, vocab_size),
+                inputs.repetition,
+                inputs.presence,
+                inputs.frequency,
+            )
+        if batch.banned_rows.numel() > 0:
+            ban = torch.tensor(float("-inf"), device=logits.device)
+            logits = logits.index_put((batch.banned_rows, batch.banned_ids), ban)
+        return logits
+
+
+def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
+    """Token ids ``[num_random]`` drawn from the truncated, tempered distributions."""
+    logits = logits / random.temperatures[:, None]
+    if random.uses_top_k_top_p:
+        vocab_size = logits.shape[-1]
+        top_k = torch.where(random.top_k > 0, random.top_k, vocab_size)
+        logits = mask_top_k_top_p(logits, top_k, random.top_p)
+    probs = logits.softmax(dim=-1)
+    if random.uses_min_p:
+        mask_min_p(probs, random.min_p)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(random.generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+) -> list[TokenLogprobs | None]:
+    num_top = min(batch.max_num_logprobs or 0, raw_logprobs.shape[-1])
+    top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
+    chosen = raw_logprobs.gather(-1, token_ids[:, None])
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+    rows = zip(
+        batch.num_logprobs,
+        token_ids.tolist(),
+        chosen[:, 0].tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_logprobs.tolist(),
+        strict=True,
+    )
+    return [
+        None
+        if wanted is None
+        else TokenLogprobs(token, logprob, rank, list(zip(ids[:wanted], lps[:wanted], strict=True)))
+        for wanted, token, logprob, rank, ids, lps in rows
+    ]
