@@ -1,0 +1,106 @@
+"""Every engine knob, its default and its validation, in one place."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.kv.block_pool import validate_block_size
+
+_DTYPES = {
+    "auto": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+}
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """Bytes from ``1073741824``, ``"1GiB"``, ``"512MB"`` or ``"1.5g"``."""
+    if isinstance(size, (int, float)):
+        return int(size)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", size)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read a memory size from {size!r} (try '2GiB' or '512MB')")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a user's ``dtype`` option (float32 on CPU for ``auto``)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype {dtype} is not supported; use float32 or bfloat16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Units: tokens unless a name says blocks or bytes.
+
+    - ``kv_cache_memory``: bytes for the whole KV pool (all layers, K and V).
+    - ``max_model_len``: longest sequence (prompt + output) a request may reach;
+      ``None`` takes the model's own limit, capped by what the pool holds.
+    - ``max_num_batched_tokens``: tokens one step may run (decodes + prefill chunks).
+    - ``reserved_fraction``: share of blocks only high-priority requests (priority < 0)
+      may take, seed 000's two-level allocation.
+    - ``kv_allocation``: ``"paged"`` allocates blocks as sequences grow; ``"contiguous"``
+      reserves ``max_model_len`` slots per request up front (the baseline).
+    """
+
+    model: str | None = None
+    dtype: str | torch.dtype = "float32"
+    block_size: int = 16
+    kv_cache_memory: int | str = "2GiB"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    reserved_fraction: float = 0.05
+    kv_allocation: str = "paged"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    log_stats_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        self.dtype = resolve_dtype(self.dtype)
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        validate_block_size(self.block_size)
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 <= self.reserved_fraction < 1.0:
+            raise ValueError(f"reserved_fraction must be in [0, 1), got {self.reserved_fraction}")
+        if self.kv_allocation not in ("paged", "contiguous"):
+            raise ValueError(
+                f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}"
+            )

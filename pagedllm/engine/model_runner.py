@@ -1,0 +1,84 @@
+"""Turns a scheduler plan into one flattened forward pass and the logits to sample.
+
+The batch is every scheduled token of every sequence, concatenated in plan order,
+with no padding. Only rows that end a sequence's known tokens are projected to the
+vocabulary: a prefill chunk that stops short of the prompt's end samples nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.engine.scheduler import ScheduledSequence
+from pagedllm.kv.block_manager import BlockManager
+
+
+class ModelRunner:
+    """Runs ``model`` over a plan; K/V go through ``attn`` into the paged cache."""
+
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, block_manager: BlockManager):
+        self.model = model
+        self.attn = attn
+        self.block_manager = block_manager
+
+    def build_batch(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Input ids, positions, attention metadata and the row index of each sample."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        tables: list[list[int]] = []
+        for item in scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            if item.num_tokens == 1:
+                token_ids.append(seq.all_token_ids[start])
+                positions.append(start)
+            else:
+                token_ids.extend(seq.all_token_ids[start:end])
+                positions.extend(range(start, end))
+            slots.extend(item.slots)
+            seq_lens.append(end)
+            query_lens.append(item.num_tokens)
+            tables.append(self.block_manager.block_table(seq.seq_id))
+        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        max_blocks = max(len(table) for table in tables)
+        block_tables = np.full((len(tables), max_blocks), -1, dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = table
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.from_numpy(block_tables),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        sample_rows = [
+            int(query_start_loc[row + 1]) - 1 for row, item in enumerate(scheduled) if item.samples
+        ]
+        return (
+            torch.tensor(token_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            metadata,
+            torch.tensor(sample_rows, dtype=torch.int64),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Float32 logits ``[len(sample_rows), vocab]`` for the rows that sample."""
+        hidden = self.model(input_ids, positions, self.attn, metadata)
+        return self.model.compute_logits(hidden[sample_rows])

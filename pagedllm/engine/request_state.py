@@ -1,0 +1,35 @@
+"""One user request: its prompt, its n sequences and their outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.engine.output_state import SequenceOutput
+from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+
+
+@dataclass
+class RequestState:
+    """Everything the engine keeps about a request until it finishes."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceOutput]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(out.seq.is_finished for out in self.sequences)
+
+    def output(self) -> RequestOutput:
+        """A snapshot; each call advances the streaming deltas."""
+        finished = self.finished
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[out.snapshot(out.seq.is_finished) for out in self.sequences],
+            finished=finished,
+            metrics=self.metrics,
+        )

@@ -1,0 +1,154 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+Each step first gives every running sequence its next tokens (one for a decode, a chunk
+for a prefill still in progress), in queue order, then fills what is left of the token
+budget with prefill chunks of waiting sequences, first come first served within a
+priority, up to ``max_num_seqs`` running. Blocks are taken from the pool as sequences
+grow. When the pool cannot supply a running sequence, the lowest-priority, most recently
+arrived running sequence is preempted by recompute: its blocks go back to the pool and
+it waits again ahead of every later arrival of its priority. No new sequence is admitted
+in a step that preempted, so a preempted sequence is never overtaken by a newcomer.
+
+Liveness: a request is only accepted if it fits the pool alone, and the sequence at the
+head of the queue can always evict everything behind it, so some sequence always runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.kv.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledSequence:
+    """``num_tokens`` tokens of ``seq``, from ``seq.num_computed_tokens`` on, written at
+    ``slots``; ``samples`` is True when they reach the end of the sequence, so the step
+    yields its next token."""
+
+    seq: Sequence
+    num_tokens: int
+    slots: list[int]
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: what runs, which blocks to copy first, who was preempted."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues and asks the block manager for slots.
+
+    ``reserve_tokens`` (contiguous mode) is how many slots a sequence takes up front
+    when it is admitted; ``None`` means blocks are taken on demand (paged mode).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        reserve_tokens: int | None = None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.reserve_tokens = reserve_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Waiting sequences that were preempted and wait to be recomputed."""
+        return sum(seq.status is SequenceStatus.PREEMPTED for seq in self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End ``seq`` with a finished ``status`` and return its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+        elif not seq.is_finished:
+            self.waiting.remove(seq)
+        seq.status = status
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        queue = sorted(self.running, key=Sequence.sort_key)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self._can_append(seq, num_tokens):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self._append(seq, num_tokens, out)
+                budget -= num_tokens
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self._can_admit(seq, num_tokens):
+                return
+            self.waiting.pop(0)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            if self.reserve_tokens is not None:
+                self.block_manager.reserve(seq.seq_id, self.reserve_tokens, seq.is_high_priority)
+            self._append(seq, num_tokens, out)
+            budget -= num_tokens
+
+    def _can_admit(self, seq: Sequence, num_tokens: int) -> bool:
+        if self.reserve_tokens is None:
+            return self._can_append(seq, num_tokens)
+        blocks = self.block_manager.num_blocks_needed(seq.seq_id, self.reserve_tokens)
+        return self.block_manager.pool.can_allocate(blocks, seq.is_high_priority)
+
+    def _can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.block_manager.can_append(seq.seq_id, num_tokens, seq.is_high_priority)
+
+    def _append(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+        result = self.block_manager.append_slots(seq.seq_id, num_tokens, seq.is_high_priority)
+        out.block_copies.extend(result.copies)
+        out.scheduled.append(ScheduledSequence(seq, num_tokens, result.slots))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free ``seq``'s blocks and queue it again for recompute."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.reset_for_recompute()
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)

@@ -1,0 +1,116 @@
+"""A sequence: one stream of tokens the scheduler runs, and its life cycle.
+
+States::
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED_{STOPPED, LENGTH, ABORTED}
+       ^                     |
+       +---- PREEMPTED <-----+   (blocks freed; its K/V will be recomputed)
+
+A preempted sequence waits again at the front of its priority class: its arrival time
+is unchanged, and the waiting queue is ordered by (priority, arrival, sequence id).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine.sampling_params import SamplingParams
+
+_sequence_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI/vLLM finish reason: ``"stop"``, ``"length"``, ``"abort"`` or None."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids of one sequence and how far the KV cache has computed them.
+
+    Invariant: ``0 <= num_computed_tokens <= num_tokens``; the tokens
+    ``all_token_ids[num_computed_tokens:]`` still need a forward pass.
+    ``priority``: lower runs earlier (vLLM's convention); priority < 0 may use the
+    reserved blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    index: int = 0
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_high_priority(self) -> bool:
+        return self.priority < 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: priority first, then first come first served."""
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache: every token (prompt and output so far) is prefilled again."""
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.status = SequenceStatus.PREEMPTED

@@ -1,0 +1,89 @@
+"""Engine figures after each step, and the periodic log line built from them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class StepTimes:
+    """Cumulative seconds spent in each part of ``LLMEngine.step``."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    postprocess: float = 0.0
+    steps: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.postprocess
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of step time outside the model forward pass."""
+        return 0.0 if self.total == 0 else 1.0 - self.forward / self.total
+
+
+@dataclass
+class EngineStats:
+    """A snapshot. Blocks are KV pool blocks; tokens are counted since start-up."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int
+    num_preemptions_total: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_reserved: int
+    peak_blocks_used: int
+    kv_cache_usage: float
+    internal_fragmentation_slots: int
+    slots_saved_by_sharing: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_batched_tokens: int
+    max_concurrent_seqs: int
+    step_times: StepTimes = field(default_factory=StepTimes)
+
+
+class StatsLogger:
+    """Logs throughput and pool state at most once every ``interval`` seconds."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._last_prompt = 0
+        self._last_generation = 0
+
+    def maybe_log(self, stats: EngineStats) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if self.interval <= 0 or elapsed < self.interval:
+            return
+        prompt_rate = (stats.prompt_tokens_total - self._last_prompt) / elapsed
+        generation_rate = (stats.generation_tokens_total - self._last_generation) / elapsed
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, Preempted: %d (total %d), "
+            "KV cache usage: %.1f%% (%d/%d blocks), Internal fragmentation: %d slots",
+            prompt_rate,
+            generation_rate,
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_preempted_waiting,
+            stats.num_preemptions_total,
+            100.0 * stats.kv_cache_usage,
+            stats.num_blocks_used,
+            stats.num_blocks_total,
+            stats.internal_fragmentation_slots,
+        )
+        self._last_time = now
+        self._last_prompt = stats.prompt_tokens_total
+        self._last_generation = stats.generation_tokens_total
