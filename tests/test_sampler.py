@@ -111,6 +111,33 @@ def test_top_p_applies_to_the_distribution_left_by_top_k():
     assert kept_tokens(with_k[0]) == {0}  # renormalised: 0.625 >= 0.6
 
 
+def sorted_prefix_oracle(row, k, p):
+    """Top-k then top-p by a full stable sort: the definition, one row at a time."""
+    values, order = row.sort(descending=True, stable=True)
+    values = values[:k]
+    probs = values.double().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    count = max(1, int((mass_before < p).sum())) if p < 1.0 else len(values)
+    return set(order[:count].tolist())
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_top_k_top_p_match_a_full_sort_including_wide_nuclei_and_ties(quantised):
+    vocab = 3000
+    generator = torch.Generator().manual_seed(4)
+    scales = torch.tensor([0.3, 1.0, 3.0, 0.1, 2.0, 0.5, 1.0, 0.2])[:, None]
+    logits = torch.randn(8, vocab, generator=generator) * scales
+    if quantised:
+        logits = (logits * 4).round() / 4
+    top_k = torch.tensor([vocab, vocab, 1, vocab, 5, 300, vocab, 2000])
+    top_p = torch.tensor([0.95, 0.5, 0.9, 0.999, 0.7, 0.9, 1.0, 0.99])
+    masked = mask_top_k_top_p(logits, top_k, top_p)
+    for row in range(8):
+        expected = sorted_prefix_oracle(logits[row], int(top_k[row]), float(top_p[row]))
+        assert kept_tokens(masked[row]) == expected
+        assert torch.equal(masked[row, list(expected)], logits[row, list(expected)])
+
+
 def test_min_p_drops_tokens_below_fraction_of_the_top_probability():
     probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.15, 0.5, 0.05, 0.3]])
     mask_min_p(probs, torch.tensor([0.2, 0.0]))
