@@ -8,12 +8,13 @@ on the stop ids (eos unless ``ignore_eos``, and ``stop_token_ids``) while the ou
 shorter than ``min_tokens``; then greedy rows take the argmax, and the other rows divide
 by the temperature, apply top-k, top-p and min-p, and draw.
 
-Drawing uses the exponential race: ``argmax(probs / E)`` with ``E`` i.i.d. Exp(1) noise
-over the vocabulary picks token ``t`` with probability ``probs[t] / sum(probs)``. A
-seeded row draws its noise from its own ``torch.Generator``, always ``vocab`` values
-per step, so its tokens depend only on its seed and history, never on the rest of the
-batch. The sequence owns that generator across steps (see :func:`make_generator`);
-unseeded rows share the global generator.
+Drawing is by inverse transform: one uniform ``u`` in [0, 1) per row, and the token is
+the first id whose cumulative probability (float64, in id order) exceeds ``u`` times
+the total. One random number per row and step (not one per vocabulary entry) keeps
+drawing cheap. A seeded row takes its ``u`` from its own ``torch.Generator``, so its
+tokens depend only on its seed and history, never on the rest of the batch. The
+sequence owns that generator across steps (see :func:`make_generator`); unseeded rows
+share the global generator.
 
 Logprobs are those of the raw model distribution (``log_softmax`` of the logits as
 given, before penalties, temperature and truncation), as vLLM returns by default.
@@ -285,12 +286,21 @@ def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     if random.uses_min_p:
         mask_min_p(probs, random.min_p)
-    noise = torch.empty_like(probs).exponential_()
-    for row, generator in enumerate(random.generators):
+    cumulative = probs.double().cumsum(dim=-1)
+    targets = _uniforms(random.generators, probs.device) * cumulative[:, -1]
+    token_ids = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
+    return token_ids.clamp_(
+        max=probs.shape[-1] - 1
+    )  # u * total may round up to total (chance ~2**-53)
+
+
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """``[num_rows]`` float64 uniforms in [0, 1): seeded rows from their own generator."""
+    uniforms = torch.rand(len(generators), dtype=torch.float64, device=device)
+    for row, generator in enumerate(generators):
         if generator is not None:
-            noise[row].exponential_(generator=generator)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+            uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+    return uniforms
 
 
 def _logprobs(
