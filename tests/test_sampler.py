@@ -230,8 +230,14 @@ def run_seeded(params_per_row, steps=12):
     return outputs
 
 
-def test_seeded_row_is_the_same_alone_and_anywhere_in_a_batch():
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+@pytest.mark.parametrize(
+    "seeded",
+    [
+        SamplingParams(temperature=1.0, top_p=0.95, seed=1234),
+        SamplingParams(temperature=0.9, seed=99),  # alone it skips truncation entirely
+    ],
+)
+def test_seeded_row_is_the_same_alone_and_anywhere_in_a_batch(seeded):
     (alone,) = run_seeded([seeded])
     others = [
         SamplingParams(temperature=0.7, seed=5),
@@ -307,6 +313,11 @@ def test_logprobs_are_raw_log_softmax_with_sorted_alternatives():
     assert all(lp == pytest.approx(raw[0, token].item()) for token, lp in first.top)
     assert third.top == [] and third.rank == 1
     assert third.logprob == pytest.approx(raw[2].max().item())
+
+
+def test_a_step_with_no_rows_samples_nothing():
+    out = sample(torch.empty(0, VOCAB), [])
+    assert out.token_ids == [] and out.logprobs is None
 
 
 def test_mismatched_row_counts_are_rejected():
