@@ -247,7 +247,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
-        logits = self._processed(logits, batch)
+        logits = _processed_logits(logits, batch)
         token_ids = logits.argmax(dim=-1)
         if batch.random is not None:
             token_ids[batch.random.rows] = _draw(logits[batch.random.rows], batch.random)
@@ -256,24 +256,24 @@ class Sampler:
             logprobs=None if raw_logprobs is None else _logprobs(raw_logprobs, token_ids, batch),
         )
 
-    @staticmethod
-    def _processed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Penalised logits with min_tokens bans; never modifies the input."""
-        if batch.penalties is not None:
-            inputs = batch.penalties
-            vocab_size = logits.shape[-1]
-            logits = apply_penalties(
-                logits,
-                token_counts(inputs.prompt_ids, inputs.prompt_lens, vocab_size),
-                token_counts(inputs.output_ids, inputs.output_lens, vocab_size),
-                inputs.repetition,
-                inputs.presence,
-                inputs.frequency,
-            )
-        if batch.banned_rows.numel() > 0:
-            ban = torch.tensor(float("-inf"), device=logits.device)
-            logits = logits.index_put((batch.banned_rows, batch.banned_ids), ban)
-        return logits
+
+def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalised logits with min_tokens bans; never modifies the input."""
+    if batch.penalties is not None:
+        inputs = batch.penalties
+        vocab_size = logits.shape[-1]
+        logits = apply_penalties(
+            logits,
+            token_counts(inputs.prompt_ids, inputs.prompt_lens, vocab_size),
+            token_counts(inputs.output_ids, inputs.output_lens, vocab_size),
+            inputs.repetition,
+            inputs.presence,
+            inputs.frequency,
+        )
+    if batch.banned_rows.numel() > 0:
+        ban = torch.tensor(float("-inf"), device=logits.device)
+        logits = logits.index_put((batch.banned_rows, batch.banned_ids), ban)
+    return logits
 
 
 def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
@@ -289,9 +289,8 @@ def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     cumulative = probs.double().cumsum(dim=-1)
     targets = _uniforms(random.generators, probs.device) * cumulative[:, -1]
     token_ids = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
-    return token_ids.clamp_(
-        max=probs.shape[-1] - 1
-    )  # u * total may round up to total (chance ~2**-53)
+    # u * total may round up to total (chance about 2**-53): stay inside the vocabulary
+    return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
 def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
