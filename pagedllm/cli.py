@@ -143,7 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    bench = commands.add_parser("bench", help="throughput benchmark (JSON lines)")
+    _add_bench_args(bench)
+    bench.set_defaults(func=_run_bench)
     return parser
+
+
+def _add_bench_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.bench.cli import add_bench_args
+
+    add_bench_args(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pagedllm.bench.cli import run_bench
+
+    return run_bench(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,132 @@
+"""``pagedllm bench`` / ``benchmarks/throughput.py``: the throughput comparison as JSON lines.
+
+Each line is one measurement; comparisons (ratios) are printed last, from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from pagedllm.bench.throughput import (
+    flops_per_output_token,
+    matmul_peak_gflops,
+    run_engine,
+    run_transformers,
+)
+from pagedllm.bench.workload import synthetic_workload
+from pagedllm.config import EngineConfig
+from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.models.loader import load_model
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
+    parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--baseline", action="store_true", help="also run transformers' static batching of 16"
+    )
+    parser.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="also compare paged and contiguous reservation under a budget of 4 x 2,048 tokens",
+    )
+
+
+def emit(record: dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    requests = synthetic_workload(args.num_requests, args.seed)
+    results: dict[str, dict[str, object]] = {}
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        loaded = load_model(args.model, dtype)
+        peak = matmul_peak_gflops(dtype)
+        emit({"measure": "matmul_peak", "dtype": dtype_name, "gflops": peak})
+        config = EngineConfig(
+            model=args.model,
+            dtype=dtype,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            log_stats_interval=0,
+        )
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        result = run_engine(requests, config, LLMEngine(config, loaded))
+        flops = flops_per_output_token(loaded.config)
+        result["gflop_per_output_token"] = flops / 1e9
+        result["mfu_decode_equivalent"] = result["output_tokens_per_s"] * flops / (peak * 1e9)
+        emit({"measure": "throughput", **result})
+        results[f"paged_{dtype_name}"] = result
+        if args.contiguous:
+            results.update(_paged_vs_contiguous(args, requests, loaded, dtype_name))
+    if args.baseline:
+        baseline = run_transformers(requests, str(load_model(args.model).source))
+        emit({"measure": "throughput", **baseline})
+        for key, result in results.items():
+            if key.startswith("paged_") and "budget" not in key:
+                ratio = result["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+                emit({"measure": "ratio_vs_transformers", "run": key, "output_tokens_per_s": ratio})
+    return 0
+
+
+def _paged_vs_contiguous(args, requests, loaded, dtype_name: str) -> dict[str, dict[str, object]]:
+    """Both modes under one KV budget that holds exactly 4 sequences of 2,048 tokens."""
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    mc = loaded.config
+    block_bytes = bytes_per_block(
+        mc.num_layers, args.block_size, mc.num_kv_heads, mc.head_dim, getattr(torch, dtype_name)
+    )
+    budget = 4 * (2048 // args.block_size) * block_bytes
+    out = {}
+    for mode in ("paged", "contiguous"):
+        config = EngineConfig(
+            model=args.model,
+            dtype=dtype_name,
+            block_size=args.block_size,
+            kv_cache_memory=budget,
+            max_model_len=2048,
+            reserved_fraction=0.0,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_allocation=mode,
+            log_stats_interval=0,
+        )
+        result = run_engine(requests, config, LLMEngine(config, loaded))
+        emit({"measure": "throughput_fixed_budget", "kv_budget_bytes": budget, **result})
+        out[f"budget_{mode}_{dtype_name}"] = result
+    paged, contiguous = out[f"budget_paged_{dtype_name}"], out[f"budget_contiguous_{dtype_name}"]
+    emit(
+        {
+            "measure": "ratio_paged_vs_contiguous",
+            "dtype": dtype_name,
+            "max_concurrent_seqs": paged["max_concurrent_seqs"] / contiguous["max_concurrent_seqs"],
+            "output_tokens_per_s": paged["output_tokens_per_s"]
+            / contiguous["output_tokens_per_s"],
+        }
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_bench_args(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The deterministic synthetic workload every throughput comparison runs."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """Random prompt token ids and the exact number of tokens to generate."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def synthetic_workload(
+    num_requests: int = 64,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (32, 512),
+    output_len: tuple[int, int] = (16, 256),
+    vocab_size: int = 49152,
+) -> list[BenchRequest]:
+    """Requests with lengths uniform in the inclusive ranges, ids uniform in the vocab
+    (ids below 16 avoided: they are special tokens in most vocabularies)."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        length = rng.randint(*prompt_len)
+        ids = [rng.randrange(16, vocab_size) for _ in range(length)]
+        requests.append(BenchRequest(ids, rng.randint(*output_len)))
+    return requests
