@@ -1,0 +1,8 @@
+"""Llama-family model definitions, their loaders and the embedded default model."""
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.loader import LoadedModel, load_model
+
+__all__ = ["LlamaDecoder", "LoadedModel", "ModelConfig", "ModelLoadError", "load_model"]

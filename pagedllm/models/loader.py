@@ -1,0 +1,54 @@
+"""``load_model``: one entry point from a model name or path to a ready decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.default import default_model_path
+from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.loader_gguf import load_gguf_model, open_gguf
+from pagedllm.models.loader_safetensors import load_safetensors_model
+from pagedllm.tokenizer import Tokenizer
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    """A decoder with its config and tokenizer (``None`` if the folder has no tokenizer files)."""
+
+    model: LlamaDecoder
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    source: Path
+
+
+def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``model``: ``None`` or ``"default"`` (SmolLM2-135M-Instruct), a ``.gguf``
+    file, or a Hugging Face folder (``config.json`` + safetensors). Nothing is downloaded.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype}; use torch.float32 or torch.bfloat16")
+    is_default = model is None or model == "default"
+    path = default_model_path() if is_default else Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        reader = open_gguf(path)
+        config, decoder = load_gguf_model(path, dtype, reader)
+        tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+    elif (path / "config.json").is_file():
+        config, decoder = load_safetensors_model(path, dtype)
+        has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
+        tokenizer = Tokenizer.from_folder(path, config.eos_token_ids) if has_tokenizer else None
+    else:
+        raise ModelLoadError(
+            f"{model!r} is neither a .gguf file nor a folder with config.json "
+            "(models are never downloaded; pass a local path)"
+        )
+    decoder.eval()
+    return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)

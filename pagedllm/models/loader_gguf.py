@@ -1,0 +1,167 @@
+"""Load a GGUF file: metadata to :class:`ModelConfig`, tensors dequantized to torch.
+
+llama.cpp stores a Llama model's Q and K projection rows in an interleaved
+order (its RoPE rotates adjacent pairs, Hugging Face's rotates halves); the
+rows are put back into the Hugging Face order here, so the decoder sees one
+layout whatever the source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.llama import LlamaDecoder
+
+# GGUF architecture -> (our architecture, whether Q/K rows are interleaved).
+GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+
+# Per-layer tensor names: Hugging Face suffix -> GGUF suffix.
+LAYER_TENSOR_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GLOBAL_TENSOR_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Parse the file's header, metadata and tensor index; damaged files raise ModelLoadError."""
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as err:
+        raise ModelLoadError(f"damaged or truncated GGUF file {path}: {err}") from err
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of a Hugging Face parameter name."""
+    if hf_name in GLOBAL_TENSOR_NAMES:
+        return GLOBAL_TENSOR_NAMES[hf_name]
+    _, _, layer, suffix = hf_name.split(".", 3)
+    return f"blk.{layer}.{LAYER_TENSOR_NAMES[suffix]}"
+
+
+def metadata_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python scalar, string or list; ``default`` when absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    """The decoder shape described by the file's metadata."""
+    gguf_arch = metadata_value(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {gguf_arch!r} in {path}; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+
+    def arch_value(key: str, default: Any = None) -> Any:
+        value = metadata_value(reader, f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata {gguf_arch}.{key} missing in {path}")
+        return value
+
+    num_heads = arch_value("attention.head_count")
+    hidden_size = arch_value("embedding_length")
+    vocab = metadata_value(reader, "tokenizer.ggml.tokens")
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[gguf_arch][0],
+        num_layers=arch_value("block_count"),
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=arch_value("attention.head_count_kv", num_heads),
+        head_dim=arch_value("attention.key_length", hidden_size // num_heads),
+        intermediate_size=arch_value("feed_forward_length"),
+        vocab_size=arch_value("vocab_size", len(vocab) if vocab else None),
+        rms_norm_eps=float(arch_value("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(arch_value("rope.freq_base", 10000.0)),
+        max_position_embeddings=arch_value("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=_rope_scaling(reader, gguf_arch, path),
+        bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(
+            v for v in (metadata_value(reader, k) for k in eos_keys) if v is not None
+        ),
+    )
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, path: Path) -> dict[str, Any] | None:
+    kind = metadata_value(reader, f"{arch}.rope.scaling.type", "none")
+    freq_factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freq_factors is not None:
+        return {"rope_type": "freq_factors", "factors": dequantized(freq_factors).tolist()}
+    if kind == "none":
+        return None
+    if kind == "linear":
+        factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+        return {"rope_type": "linear", "factor": factor}
+    raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r} in {path}")
+
+
+def dequantized(tensor: Any) -> torch.Tensor:
+    """A GGUF tensor as float32 torch, shaped ``[rows, cols]`` (ggml's shape reversed)."""
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as err:
+        raise ModelLoadError(
+            f"unsupported tensor type {tensor.tensor_type.name} for tensor {tensor.name!r}"
+        ) from err
+    if values.size != int(np.prod(expected)):
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} holds {values.size} values, expected shape {expected}"
+        )
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(expected))
+
+
+def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: per head, rows ``(i, half)`` back to ``(half, i)``."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def load_gguf_model(
+    path: Path, dtype: torch.dtype, reader: gguf.GGUFReader | None = None
+) -> tuple[ModelConfig, LlamaDecoder]:
+    """Build the decoder from a GGUF file, dequantized and converted to ``dtype``."""
+    reader = reader or open_gguf(path)
+    config = gguf_config(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    interleaved = GGUF_ARCHITECTURES[metadata_value(reader, "general.architecture")][1]
+    heads_of = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+
+    def get(name: str) -> torch.Tensor:
+        stored = gguf_name(name)
+        if stored not in tensors:
+            raise ModelLoadError(f"missing tensor {stored!r} (for {name}) in {path}")
+        weight = dequantized(tensors[stored])
+        projection = name.split(".")[-2]
+        if interleaved and projection in heads_of:
+            weight = deinterleave_rope_rows(weight, heads_of[projection])
+        return weight
+
+    return config, LlamaDecoder(config, get, dtype)

@@ -1,0 +1,58 @@
+"""Load a Hugging Face checkpoint folder: ``config.json`` plus one or sharded safetensors."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.llama import LlamaDecoder
+
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    """The folder's ``config.json`` as a :class:`ModelConfig`."""
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"cannot read {path}: {err}") from err
+    return ModelConfig.from_hf_dict(raw)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The safetensors files holding the weights: the index's shards, else every file."""
+    index = folder / SHARD_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def load_safetensors_model(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaDecoder]:
+    """Build the decoder from the folder's weights, converted to ``dtype``."""
+    config = read_hf_config(folder)
+    with ExitStack() as stack:
+        handle_of_tensor = {}
+        for path in shard_files(folder):
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            except (OSError, SafetensorError) as err:
+                raise ModelLoadError(f"cannot open {path}: {err}") from err
+            handle_of_tensor.update(dict.fromkeys(handle.keys(), handle))
+
+        def get(name: str) -> torch.Tensor:
+            if name not in handle_of_tensor:
+                raise ModelLoadError(f"missing tensor {name!r} in the safetensors of {folder}")
+            return handle_of_tensor[name].get_tensor(name)
+
+        return config, LlamaDecoder(config, get, dtype)

@@ -1,0 +1,115 @@
+"""Text <-> token ids for a loaded model: encode, decode, chat templates, streaming.
+
+A thin layer over a transformers fast tokenizer, so encoding, decoding and chat
+templates behave exactly as transformers' do; streaming decode uses the Rust
+``tokenizers.decoders.DecodeStream`` so each generated token costs microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Token texts that end a turn in common chat formats; one found among a
+# tokenizer's special tokens is a stop token even if the checkpoint names
+# another EOS (llama.cpp decides end-of-generation the same way).
+END_OF_TURN_TEXTS = (
+    "</s>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+)
+
+# Prompt tokens given to a streaming decoder as context (enough for the
+# decoder to know whether the first generated token starts a word).
+PROMPT_CONTEXT_TOKENS = 8
+
+
+class IncrementalDecoder:
+    """Turns generated token ids into text one token at a time.
+
+    Invariant: ``text`` is always valid UTF-8 text; a token that ends inside a
+    multi-byte character yields ``""`` until the character is complete.
+    Special tokens (EOS, chat markers) are skipped.
+    """
+
+    def __init__(self, backend: object, prompt_ids: Sequence[int] | None) -> None:
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else None
+        self._backend = backend
+        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._pieces: list[str] = []
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; return the text it completes (maybe ``""``)."""
+        piece = self._stream.step(self._backend, token_id)
+        if not piece:
+            return ""
+        self._pieces.append(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        """All complete text decoded so far."""
+        return "".join(self._pieces)
+
+
+class Tokenizer:
+    """A model's tokenizer plus the token ids that end generation."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int] = ()):
+        self._hf = hf_tokenizer
+        self._backend = hf_tokenizer.backend_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        special = set(hf_tokenizer.all_special_tokens) | {
+            t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special
+        }
+        end_of_turn = hf_tokenizer.convert_tokens_to_ids(
+            [text for text in END_OF_TURN_TEXTS if text in special]
+        )
+        stop = {*eos_token_ids, *end_of_turn}
+        if self.eos_token_id is not None:
+            stop.add(self.eos_token_id)
+        self.stop_token_ids: set[int] = stop
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load the tokenizer files of a Hugging Face checkpoint folder."""
+        return cls(AutoTokenizer.from_pretrained(folder), eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, path: Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Build the tokenizer and chat template stored in a GGUF file's metadata."""
+        return cls(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it."""
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered conversation, as transformers renders it.
+
+        ``add_generation_prompt`` appends the header that opens the assistant's turn.
+        """
+        return self._hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+
+    def incremental_decoder(self, prompt_ids: Sequence[int] | None = None) -> IncrementalDecoder:
+        """A streaming decoder for one sequence; ``prompt_ids`` give it context."""
+        return IncrementalDecoder(self._backend, prompt_ids)
