@@ -24,6 +24,14 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._next_id = 0
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere (e.g. sharing an already loaded model)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._next_id = 0
+        return llm
+
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 

@@ -1,0 +1,156 @@
+"""The engine on a tiny random checkpoint: stress under a pool that holds only a few
+requests, bad input, aborts and the start-up memory checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_checkpoints import write_tiny_llama
+
+from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.models.loader import load_model
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return load_model(str(folder))
+
+
+def block_bytes(loaded) -> int:
+    mc = loaded.config
+    return bytes_per_block(mc.num_layers, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, "float32")
+
+
+def make_llm(loaded, num_blocks: int, **overrides) -> LLM:
+    settings = dict(
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=num_blocks * block_bytes(loaded),
+        max_num_seqs=64,
+        max_num_batched_tokens=96,
+        log_stats_interval=0,
+    )
+    settings.update(overrides)
+    return LLM.from_engine(LLMEngine(EngineConfig(**settings), loaded))
+
+
+def random_requests(count: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(count):
+        prompt_len = rng.randint(1, 90)
+        prompts.append({"prompt_token_ids": [rng.randrange(2, 512) for _ in range(prompt_len)]})
+        params.append(
+            SamplingParams(
+                temperature=0.0, max_tokens=rng.randint(1, 150 - prompt_len), ignore_eos=True
+            )
+        )
+    return prompts, params
+
+
+def test_stress_small_pool_equals_unconstrained_run(tiny_model):
+    prompts, params = random_requests(200)
+    roomy = make_llm(tiny_model, num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
+    expected = roomy.generate(prompts, params, use_tqdm=False)
+    cramped = make_llm(tiny_model, num_blocks=40, max_model_len=150)
+    got = cramped.generate(prompts, params, use_tqdm=False)
+    stats = cramped.llm_engine.get_stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.peak_blocks_used <= 40
+    assert stats.num_blocks_used == 0 and stats.num_blocks_free == 40
+    assert not cramped.llm_engine.has_unfinished_requests()
+    for want, have, p in zip(expected, got, params, strict=True):
+        assert have.finished and len(have.outputs[0].token_ids) == p.max_tokens
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_contiguous_mode_runs_fewer_sequences_with_same_outputs(tiny_model):
+    prompts, params = random_requests(24, seed=1)
+    paged = make_llm(tiny_model, num_blocks=160, max_model_len=160, reserved_fraction=0.0)
+    contiguous = make_llm(
+        tiny_model,
+        num_blocks=160,
+        max_model_len=160,
+        reserved_fraction=0.0,
+        kv_allocation="contiguous",
+    )
+    paged_out = paged.generate(prompts, params, use_tqdm=False)
+    contiguous_out = contiguous.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in paged_out] == [
+        o.outputs[0].token_ids for o in contiguous_out
+    ]
+    assert contiguous.llm_engine.get_stats().max_concurrent_seqs == 4  # 160 / 40 blocks each
+    assert paged.llm_engine.get_stats().max_concurrent_seqs > 4
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ({"prompt_token_ids": list(range(2, 200))}, {}, "max_model_len"),
+        ({"prompt_token_ids": [5] * 100}, {"max_tokens": 100}, "beyond max_model_len"),
+        ({"prompt_token_ids": []}, {}, "empty"),
+        ({"prompt_token_ids": [100000]}, {}, "token ids"),
+        ({"prompt_token_ids": [5]}, {"max_tokens": 0}, "max_tokens"),
+        ({"prompt_token_ids": [5]}, {"temperature": -1.0}, "temperature"),
+        ({"prompt_token_ids": [5]}, {"top_p": 0.0}, "top_p"),
+        ({"prompt_token_ids": [5]}, {"top_p": 1.5}, "top_p"),
+        ({"wrong": 1}, {}, "prompt"),
+    ],
+)
+def test_bad_input_raises_and_engine_keeps_serving(tiny_model, prompt, params, message):
+    llm = make_llm(tiny_model, num_blocks=60, max_model_len=150)
+    engine = llm.llm_engine
+    engine.add_request("ok", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=5))
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[-1].request_id == "ok" and outputs[-1].finished
+    assert len(outputs[-1].outputs[0].token_ids) == 5
+
+
+def test_abort_frees_blocks_and_is_harmless_when_repeated(tiny_model):
+    llm = make_llm(tiny_model, num_blocks=60, max_model_len=150)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=50))
+    engine.add_request("b", {"prompt_token_ids": list(range(2, 20))}, SamplingParams(max_tokens=3))
+    engine.step()
+    assert engine.get_stats().num_blocks_used > 0
+    engine.abort_request("a")
+    engine.abort_request("a")
+    engine.abort_request("never-seen")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished.extend(o.request_id for o in engine.step() if o.finished)
+    assert finished == ["b"]
+    engine.abort_request("b")
+    assert engine.get_stats().num_blocks_used == 0
+
+
+def test_refuses_to_start_when_one_full_request_cannot_fit(tiny_model):
+    with pytest.raises(ValueError, match="largest max_model_len that fits is 76"):
+        make_llm(tiny_model, num_blocks=20, max_model_len=400)
+
+
+def test_high_priority_request_may_use_the_reserve(tiny_model):
+    # 40 blocks, 20 of them reserved: normal requests share the other 20
+    llm = make_llm(tiny_model, num_blocks=40, max_model_len=80, reserved_fraction=0.5)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    engine.add_request("normal-a", {"prompt_token_ids": list(range(2, 72))}, params)
+    engine.step()  # 70 tokens: 18 blocks; 2 left below the reserve
+    engine.add_request("normal-b", {"prompt_token_ids": list(range(2, 42))}, params)
+    engine.add_request("urgent", {"prompt_token_ids": list(range(2, 42))}, params, priority=-1)
+    engine.step()
+    running = {seq.request_id for seq in engine.scheduler.running}
+    waiting = [seq.request_id for seq in engine.scheduler.waiting]
+    assert running == {"normal-a", "urgent"} and waiting == ["normal-b"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().num_blocks_used == 0
