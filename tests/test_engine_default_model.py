@@ -4,6 +4,7 @@ preemption must not change a single greedy token."""
 from __future__ import annotations
 
 import pytest
+import torch
 from shared_models import default_model, transformers_greedy
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -12,8 +13,22 @@ from pagedllm.kv.kv_cache import bytes_per_block
 pytestmark = pytest.mark.slow
 
 TOPICS = [
-    "the moon", "bread", "rivers", "compilers", "chess", "tea", "volcanoes", "owls",
-    "bicycles", "glass", "jazz", "maps", "salt", "clocks", "bees", "bridges",
+    "the moon",
+    "bread",
+    "rivers",
+    "compilers",
+    "chess",
+    "tea",
+    "volcanoes",
+    "owls",
+    "bicycles",
+    "glass",
+    "jazz",
+    "maps",
+    "salt",
+    "clocks",
+    "bees",
+    "bridges",
 ]
 FILLER = "Please answer carefully, with concrete details and no repetition. "
 NUM_TOKENS = 32
@@ -35,7 +50,7 @@ def small_pool_llm() -> LLM:
     """A pool of 40 blocks (640 tokens): a few requests at a time, so preemptions happen;
     a 64-token step budget, so prompts are prefilled in chunks."""
     mc = default_model().config
-    block_bytes = bytes_per_block(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, "float32")
+    block_bytes = bytes_per_block(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
     config = EngineConfig(
         kv_cache_memory=POOL_BLOCKS * block_bytes,
         max_model_len=512,
@@ -74,9 +89,7 @@ def test_seeded_sampling_is_independent_of_the_batch(small_pool_llm):
     assert batch[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert batch[0].outputs[0].text == alone[0].outputs[0].text
     reseeded = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24)
-    other_seed = small_pool_llm.generate(
-        {"prompt_token_ids": prompts[0]}, reseeded, use_tqdm=False
-    )
+    other_seed = small_pool_llm.generate({"prompt_token_ids": prompts[0]}, reseeded, use_tqdm=False)
     assert other_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from tiny_checkpoints import write_tiny_llama
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -23,7 +24,7 @@ def tiny_model(tmp_path_factory):
 
 def block_bytes(loaded) -> int:
     mc = loaded.config
-    return bytes_per_block(mc.num_layers, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, "float32")
+    return bytes_per_block(mc.num_layers, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, torch.float32)
 
 
 def make_llm(loaded, num_blocks: int, **overrides) -> LLM:
