@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 @dataclass
 class LoadedModel:
-    """A decoder with its config and tokenizer (``None`` if the folder has no tokenizer files)."""
+    """A decoder with its config and tokenizer (``None`` if the checkpoint holds none)."""
 
     model: LlamaDecoder
     config: ModelConfig
@@ -40,7 +40,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     if path.is_file() and path.suffix == ".gguf":
         reader = open_gguf(path)
         config, decoder = load_gguf_model(path, dtype, reader)
-        tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids)
+        has_tokenizer = "tokenizer.ggml.model" in reader.fields
+        tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
         config, decoder = load_safetensors_model(path, dtype)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)

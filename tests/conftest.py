@@ -1,0 +1,26 @@
+"""Shared test set-up: never reach a model hub; session-wide models loaded once."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The embedded default model (SmolLM2-135M-Instruct, float32), loaded once per session."""
+    from shared_models import default_model as load_once
+
+    return load_once()
+
+
+@pytest.fixture(scope="session")
+def transformers_default_model():
+    """transformers' float32 eager model from the same GGUF, loaded once per session."""
+    from shared_models import transformers_default_model as load_once
+
+    return load_once()

