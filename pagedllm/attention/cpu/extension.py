@@ -1,0 +1,66 @@
+"""Builds (once) and calls the C++ kernels in ``paged_attention.cpp``.
+
+The first call compiles the source with g++ (about ten seconds) into torch's extension
+cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); later
+processes load the cached library in well under a second unless the source changed.
+The kernels run on torch's own OpenMP thread pool (``torch.get_num_threads()``), so they
+never compete with torch's threads.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import cpp_extension
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@functools.cache
+def ops() -> Any:
+    """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed."""
+    cpp_extension.load(
+        name="pagedllm_cpu",
+        sources=[str(SOURCE)],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    return torch.ops.pagedllm_cpu
+
+
+def paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> None:
+    """Writes into ``out`` ``[num_tokens, Hq, D]`` the causal attention of every query row.
+
+    ``q``/``out`` contiguous, same dtype as the caches (float32 or bfloat16); caches
+    ``[num_blocks, num_kv_heads, block_size, head_dim]`` (any strides with ``head_dim``
+    contiguous); ``block_tables``, ``seq_lens``, ``query_start_loc`` contiguous int32 with
+    the meaning of :class:`~pagedllm.attention.metadata.AttentionMetadata`. Every block a
+    sequence uses is checked to lie inside the cache.
+    """
+    ops().paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, Hkv, D]`` at flat slot
+    ``slot_mapping[i]`` (int64, ``block * block_size + offset``); slot ``-1`` is skipped."""
+    ops().write_kv(k_cache, v_cache, k, v, slot_mapping)

@@ -1,0 +1,115 @@
+"""The fast CPU kernels against the gather-then-dense oracle and torch's SDPA.
+
+Tolerances: float32 atol = rtol = 2e-5 (both sides accumulate in float32, in different
+orders). bfloat16 atol = rtol = 1.6e-2, two bfloat16 steps near 1: inputs are the same
+bfloat16 values on every side, but the kernel and the oracle each round their float32
+result to bfloat16 once, and SDPA is run in float32 on the upcast inputs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_cases import build_case, sdpa_expected
+
+from pagedllm.attention.cpu import paged_attention
+from pagedllm.attention.reference import reference_paged_attention
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
+BLOCK_SIZES = [1, 4, 16, 32, 128]
+GQA_RATIOS = [1, 3, 4]
+MODES = ["decode", "prefill", "chunked_prefill", "mixed"]
+
+
+def lengths_for(mode: str, rng: random.Random, max_len: int) -> tuple[list[int], list[int]]:
+    """(seq_lens, query_lens) of a batch of 1 to 4 sequences."""
+
+    def length() -> int:
+        return min(max_len, int(2 ** rng.uniform(0, 11)))  # log-uniform in 1 .. 2000
+
+    seq_lens = [length() for _ in range(rng.randint(1, 4))]
+    if mode == "decode":
+        return seq_lens, [1] * len(seq_lens)
+    if mode == "prefill":
+        seq_lens = [min(n, 300) for n in seq_lens]
+        return seq_lens, seq_lens
+    if mode == "chunked_prefill":
+        return seq_lens, [rng.randint(1, min(n, 200)) for n in seq_lens]
+    seq_lens = [max(2, n) for n in seq_lens] + [rng.randint(1, 150)]
+    query_lens = [1] * (len(seq_lens) - 2) + [rng.randint(2, seq_lens[-2]), seq_lens[-1]]
+    return seq_lens, [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
+
+
+def grid() -> list[tuple]:
+    """Every (block size, GQA ratio, mode) once; head_dim, dtype, and lengths sampled."""
+    rng = random.Random(4)
+    cases = []
+    for block_size in BLOCK_SIZES:
+        for ratio in GQA_RATIOS:
+            for mode in MODES:
+                head_dim = rng.choice([64, 128])
+                dtype = rng.choice([torch.float32, torch.bfloat16])
+                max_len = 2000 if block_size > 1 else 700
+                seq_lens, query_lens = lengths_for(mode, rng, max_len)
+                cases.append((block_size, ratio, head_dim, dtype, mode, seq_lens, query_lens))
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("block_size", "ratio", "head_dim", "dtype", "mode", "seq_lens", "query_lens"), grid()
+)
+def test_kernel_matches_reference_and_sdpa(
+    block_size, ratio, head_dim, dtype, mode, seq_lens, query_lens
+):
+    num_kv_heads = 2
+    case = build_case(
+        seq_lens,
+        query_lens,
+        block_size,
+        ratio * num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        seed=block_size * 100 + ratio * 10 + MODES.index(mode),
+        shared_prefix_blocks=2,
+    )
+    md = case.metadata
+    out = torch.empty_like(case.q)
+    paged_attention(
+        out,
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        md.block_tables,
+        md.seq_lens,
+        md.query_start_loc,
+        case.scale,
+    )
+    expected = reference_paged_attention(case.q, case.k_cache, case.v_cache, md, case.scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), sdpa_expected(case), atol=tol, rtol=tol)
+
+
+def test_sequence_of_length_2000_in_blocks_of_16():
+    case = build_case([2000, 1999], [1, 64], 16, 9, 3, 64, torch.float32, seed=7)
+    md = case.metadata
+    out = torch.empty_like(case.q)
+    paged_attention(
+        out, case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens,
+        md.query_start_loc, case.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out, sdpa_expected(case), atol=2e-5, rtol=2e-5)
+
+
+def test_rejects_block_outside_the_cache():
+    case = build_case([40], [1], 16, 4, 2, 64, torch.float32, seed=1)
+    case.metadata.block_tables[0, 1] = case.k_cache.shape[0]
+    md = case.metadata
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_attention(
+            torch.empty_like(case.q), case.q, case.k_cache, case.v_cache, md.block_tables,
+            md.seq_lens, md.query_start_loc, case.scale,
+        )  # fmt: skip
