@@ -29,6 +29,9 @@ constexpr int kMaxVectors = 16;  // head_dim <= 256
 constexpr int kQueryTile = 16;  // query tokens per work item in prefill
 constexpr int kPrefetchChunks = 2;  // how far ahead K/V rows are prefetched, in chunks of 16
 constexpr float kMinScore = -1e30f;
+// Below this many (query row, position) pairs, waking a second thread costs more than
+// it saves.
+constexpr int64_t kMinParallelWork = 16384;
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -310,7 +313,10 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  int64_t work = 0;  // query rows x visible positions, summed
+  for (const Tile& tile : tiles) work += tile.cost * s.num_q_heads;
+  const int threads = work < kMinParallelWork ? 1 : at::get_num_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t item = 0; item < items; ++item) {
     thread_local Scratch scratch;
     const Tile& tile = tiles[item / s.num_kv_heads];

@@ -1,0 +1,70 @@
+"""The attention backend over a paged :class:`~pagedllm.kv.kv_cache.KVCache` on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.cpu import paged_attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv.kv_cache import KVCache
+
+
+class PagedAttentionBackend:
+    """Stores each layer's new K/V in the cache, then attends through the block tables.
+
+    The engine calls :meth:`forward` once per layer with the same metadata; the int32 /
+    int64 contiguous tensors the kernels need are made once per step and reused by
+    every layer.
+    """
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
+        self._prepared: tuple[torch.Tensor, ...] = ()
+
+    def _prepare(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """Kernel-ready metadata, converted once per step. A step's tensors are not
+        modified in place between its layers."""
+        source = (
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+        )
+        if any(a is not b for a, b in zip(source, self._source, strict=True)):
+            slot_mapping, block_tables, seq_lens, query_start_loc = source
+            self._prepared = (
+                slot_mapping.to(torch.int64).contiguous(),
+                block_tables.to(torch.int32).contiguous(),
+                seq_lens.to(torch.int32).contiguous(),
+                query_start_loc.to(torch.int32).contiguous(),
+            )
+            self._source = source
+        return self._prepared
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``q``, ``k``, ``v``
+        must have the cache's dtype."""
+        slot_mapping, block_tables, seq_lens, query_start_loc = self._prepare(metadata)
+        self.kv_cache.write(layer_idx, k, v, slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        paged_attention(
+            out,
+            q,
+            self.kv_cache.key(layer_idx),
+            self.kv_cache.value(layer_idx),
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+        )
+        return out

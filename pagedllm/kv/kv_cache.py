@@ -1,0 +1,126 @@
+"""The physical K/V tensors of every layer, and their sizing from a memory budget.
+
+Layout: one tensor ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
+(index 0 of the second axis is K, 1 is V). Within a block, each kv head's
+``block_size x head_dim`` tile is contiguous, so the attention kernel, which works on
+one (sequence, kv head) pair at a time, streams whole tiles; the token-major
+alternative ``[num_blocks, block_size, num_kv_heads, head_dim]`` interleaves the heads
+and measured slower (``benchmarks/attention.py`` compares both). A flat cache *slot* is
+``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedllm.attention.cpu import write_kv
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across all layers: K and V, ``block_size`` tokens each."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(
+    budget_bytes: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """How many whole blocks fit in ``budget_bytes`` (rounded down, never negative)."""
+    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    return max(0, budget_bytes // per_block)
+
+
+class KVCache:
+    """Preallocated K/V storage for ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Holds no bookkeeping: which blocks are free or shared is the block pool's business.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self._keys = [self.tensor[i, 0] for i in range(num_layers)]
+        self._values = [self.tensor[i, 1] for i in range(num_layers)]
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """The largest cache whose tensor fits in ``budget_bytes``."""
+        num_blocks = num_blocks_for_budget(
+            budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype
+        )
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    @property
+    def num_slots(self) -> int:
+        """Token positions across all blocks."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def key(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s K, a view ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+        return self._keys[layer_idx]
+
+    def value(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s V, shaped like :meth:`key`."""
+        return self._values[layer_idx]
+
+    def write(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at slot
+        ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
+        equal to ``-1`` are skipped."""
+        write_kv(
+            self._keys[layer_idx],
+            self._values[layer_idx],
+            k.to(self.dtype).contiguous(),
+            v.to(self.dtype).contiguous(),
+            slot_mapping,
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+        """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of
+        every layer in one indexed copy (copy-on-write). Destinations must be distinct
+        and must not appear as sources."""
+        pairs = torch.as_tensor(pairs, dtype=torch.long, device=self.tensor.device)
+        if pairs.numel() == 0:
+            return
+        src, dst = pairs.reshape(-1, 2).unbind(1)
+        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))

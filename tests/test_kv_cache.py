@@ -1,0 +1,71 @@
+"""KVCache: sizing from a byte budget, writes at a slot mapping, copy-on-write copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+
+
+def test_bytes_per_block_of_the_default_model():
+    # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64; block of 16 tokens, K and V.
+    assert bytes_per_block(30, 16, 3, 64, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4 == 737_280
+    assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 368_640
+
+
+def test_num_blocks_for_budget_rounds_down():
+    per_block = bytes_per_block(30, 16, 3, 64, torch.float32)
+    assert num_blocks_for_budget(2 * 2**30, 30, 16, 3, 64, torch.float32) == 2912
+    assert num_blocks_for_budget(10 * per_block - 1, 30, 16, 3, 64, torch.float32) == 9
+    assert num_blocks_for_budget(10 * per_block, 30, 16, 3, 64, torch.float32) == 10
+    assert num_blocks_for_budget(0, 30, 16, 3, 64, torch.float32) == 0
+
+
+def test_from_budget_fits_the_budget():
+    cache = KVCache.from_budget(10**6, 2, 8, 2, 16, torch.bfloat16)
+    assert cache.num_blocks == 10**6 // bytes_per_block(2, 8, 2, 16, torch.bfloat16) == 488
+    assert cache.nbytes <= 10**6
+    assert cache.key(1).shape == (488, 2, 8, 16)
+    assert cache.num_slots == 488 * 8
+
+
+def test_block_size_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        KVCache(1, 4, 12, 1, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_stores_each_token_at_its_slot_and_skips_minus_one(dtype):
+    cache = KVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=16,
+                    dtype=dtype)  # fmt: skip
+    k = torch.randn(4, 2, 16).to(dtype)
+    v = torch.randn(4, 2, 16).to(dtype)
+    slots = torch.tensor(
+        [13, 2, -1, 19]
+    )  # block 3 offset 1, block 0 offset 2, skip, block 4 offset 3
+    cache.write(1, k, v, slots)
+    for row, (block, offset) in {0: (3, 1), 1: (0, 2), 3: (4, 3)}.items():
+        assert torch.equal(cache.key(1)[block, :, offset], k[row])
+        assert torch.equal(cache.value(1)[block, :, offset], v[row])
+    assert int((cache.key(1) != 0).any(-1).sum()) == 3 * 2  # 3 tokens x 2 heads, nothing else
+    assert not cache.key(0).any() and not cache.value(0).any()
+
+
+def test_write_rejects_a_slot_outside_the_cache():
+    cache = KVCache(1, 2, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cache.write(0, torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.tensor([8]))
+
+
+def test_copy_blocks_copies_k_and_v_of_every_layer():
+    cache = KVCache(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=16)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape))
+    before = cache.tensor.clone()
+    cache.copy_blocks([(1, 4), (2, 5)])
+    assert torch.equal(cache.tensor[:, :, 4], before[:, :, 1])
+    assert torch.equal(cache.tensor[:, :, 5], before[:, :, 2])
+    untouched = [0, 1, 2, 3]
+    assert torch.equal(cache.tensor[:, :, untouched], before[:, :, untouched])
+    cache.copy_blocks([])
+    assert torch.equal(cache.tensor[:, :, untouched], before[:, :, untouched])
