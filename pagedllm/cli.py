@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="throughput benchmark (JSON lines)")
     _add_bench_args(bench)
     bench.set_defaults(func=_run_bench)
+
+    from pagedllm.server.cli import add_serve_parser
+
+    add_serve_parser(commands)
     return parser
 
 

@@ -1,0 +1,105 @@
+"""The FastAPI app: routes, error handlers, gate and body limit, engine lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.server.async_engine import AsyncEngine
+from pagedllm.server.chat import create_chat_completion
+from pagedllm.server.completions import create_completion
+from pagedllm.server.errors import APIError, install_error_handlers
+from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.middleware import BodyLimit, Gate
+from pagedllm.server.responses import TokenTexts
+from pagedllm.server.serving import ServingContext
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients use: the model path's last component, without ``.gguf``."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclass
+class ServerSettings:
+    """HTTP-side limits. ``max_body_bytes``: largest request body accepted;
+    ``max_pending_requests``: engine requests admitted and unfinished before 503."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_pending_requests: int = 1024
+
+
+@dataclass
+class Lifecycle:
+    """``draining`` turns true when shutdown begins: new requests then get 503."""
+
+    draining: bool = False
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    """An app serving ``engine``; its engine loop runs from startup to shutdown."""
+    metrics = ServerMetrics(settings.model_name)
+    async_engine = AsyncEngine(engine, metrics, settings.max_pending_requests)
+    ctx = ServingContext(async_engine, settings.model_name, TokenTexts(engine.tokenizer))
+    lifecycle = Lifecycle()
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        lifecycle.draining = True
+        await async_engine.stop()
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    app.state.lifecycle = lifecycle
+    app.state.async_engine = async_engine
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(raw, ctx)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await create_completion(raw, ctx)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "pagedllm",
+            "max_model_len": engine.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            raise APIError(503, "The engine loop is not running")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Gate, api_key=settings.api_key, is_draining=lambda: lifecycle.draining)
+    return app

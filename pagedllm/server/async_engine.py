@@ -1,0 +1,294 @@
+"""The engine on a thread of its own, driven from asyncio through a command queue.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (the loop thread) touches it:
+HTTP handlers put add/abort commands on a ``queue.Queue``; the loop thread applies
+them between steps, runs ``step()`` while anything is unfinished, and hands outputs
+back to the event loop, where one ``asyncio.Queue`` per HTTP request feeds its
+handler. With nothing to run, the loop thread blocks on the command queue (no
+polling). Chat templates and tokenization also run on the loop thread, so the
+tokenizer never encodes on two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptInput
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.server.errors import APIError
+from pagedllm.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pagedllm.server")
+
+DISCONNECT_POLL_S = 0.5
+"""How often a waiting consumer asks whether its client is still connected."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Messages to render with the model's chat template (on the loop thread)."""
+
+    messages: list[dict[str, str]]
+
+
+EnginePrompt = PromptInput | Sequence[int] | ChatPrompt
+
+
+@dataclass
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt of a batch).
+
+    ``items`` receives ``(request_id, item)`` pairs from the loop thread: first
+    ``_ACCEPTED`` or an ``APIError`` per request, then ``RequestOutput`` snapshots
+    until each is finished (or an ``APIError`` if the engine fails). ``items`` is
+    None once the group is released.
+    """
+
+    request_ids: list[str]
+    items: asyncio.Queue | None = field(default_factory=asyncio.Queue)
+    unfinished: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: EnginePrompt
+    params: SamplingParams
+    arrival_time: float
+    group: RequestGroup
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    """Abort whatever is still running and end the loop thread."""
+
+
+_ACCEPTED = object()
+
+
+class AsyncEngine:
+    """Owns the loop thread; every public method is called from the event loop."""
+
+    def __init__(
+        self, engine: LLMEngine, metrics: ServerMetrics, max_pending_requests: int
+    ) -> None:
+        """``max_pending_requests``: engine requests admitted and not yet finished
+        (queued, waiting or running) beyond which new HTTP requests get 503."""
+        self.engine = engine
+        self.metrics = metrics
+        self.max_pending_requests = max_pending_requests
+        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._groups: dict[str, RequestGroup] = {}  # loop thread only
+        self._num_pending = 0  # event loop only
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False  # event loop only
+
+    # ---- lifecycle (event loop) -------------------------------------------------------
+
+    def start(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self._accepting = True
+
+    async def stop(self) -> None:
+        """Refuse new requests, abort what still runs, end the loop thread, wait for it."""
+        self._accepting = False
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and new requests are accepted."""
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        return self._num_pending
+
+    # ---- requests (event loop) --------------------------------------------------------
+
+    async def add_group(
+        self,
+        request_ids: list[str],
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> RequestGroup:
+        """Queue one engine request per prompt and wait until the engine accepts all.
+
+        Raises APIError: 503 when the pending limit is reached or the loop has stopped,
+        400 when the engine rejects a prompt (too long, empty, ...); then nothing of
+        the group stays queued.
+        """
+        if not self.is_running:
+            raise APIError(503, "The server is shutting down", code="shutting_down")
+        if self._num_pending + len(prompts) > self.max_pending_requests:
+            raise APIError(
+                503,
+                f"The server is at its limit of {self.max_pending_requests} pending "
+                "requests; retry later",
+                code="queue_full",
+            )
+        group = RequestGroup(list(request_ids), unfinished=set(request_ids))
+        self._num_pending += len(request_ids)
+        for request_id, prompt in zip(request_ids, prompts, strict=True):
+            self._commands.put(_Add(request_id, prompt, params, arrival_time, group))
+        error: APIError | None = None
+        try:
+            for _ in request_ids:
+                _, item = await group.items.get()
+                if isinstance(item, APIError):
+                    error = error or item
+        except BaseException:
+            self.abort(group)
+            raise
+        if error is not None:
+            self.abort(group)
+            raise error
+        return group
+
+    async def outputs(
+        self,
+        group: RequestGroup,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The group's snapshots until every request finishes.
+
+        Leaving early (a break, cancellation on client disconnect, ``is_disconnected``
+        turning true while waiting) aborts the unfinished requests, freeing their
+        blocks at the engine's next command check.
+        """
+        try:
+            while group.unfinished:
+                try:
+                    request_id, item = await asyncio.wait_for(group.items.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if is_disconnected is not None and await is_disconnected():
+                        return
+                    continue
+                if isinstance(item, APIError):
+                    raise item
+                if item.finished:
+                    group.unfinished.discard(request_id)
+                yield item
+        finally:
+            self.abort(group)
+
+    def abort(self, group: RequestGroup) -> None:
+        """Abort the group's unfinished requests and release it; idempotent."""
+        for request_id in group.unfinished:
+            self._commands.put(_Abort(request_id))
+        group.unfinished.clear()
+        if group.items is not None:
+            self._num_pending -= len(group.request_ids)
+            group.items = None
+
+    # ---- the loop thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if not self._apply_commands(block=not engine.has_unfinished_requests()):
+                return
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._abort_all(APIError(500, "The engine failed while running this request"))
+                    continue
+                self._dispatch(outputs)
+            self.metrics.record_step(engine.get_stats())
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands, waiting for one if ``block``; False once stopped."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                # Nothing is added after _Stop: stop() stops accepting before sending it.
+                self._abort_all(APIError(503, "The server is shutting down", code="shutting_down"))
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        try:
+            prompt = command.prompt
+            if isinstance(prompt, ChatPrompt):
+                ids = self.engine.tokenizer.apply_chat_template(prompt.messages)
+                prompt = {"prompt_token_ids": ids}
+            self.engine.add_request(
+                command.request_id, prompt, command.params, arrival_time=command.arrival_time
+            )
+        except (ValueError, TemplateError) as error:
+            self._send([(command.group, command.request_id, APIError(400, str(error)))])
+            return
+        self._groups[command.request_id] = command.group
+        self.metrics.request_added(command.request_id)
+        self._send([(command.group, command.request_id, _ACCEPTED)])
+
+    def _abort(self, request_id: str) -> None:
+        if self._groups.pop(request_id, None) is None:
+            return
+        self.engine.abort_request(request_id)
+        self.metrics.request_aborted(request_id)
+
+    def _abort_all(self, error: APIError) -> None:
+        """Abort every request in flight and end each one's stream with ``error``."""
+        deliveries = [(group, request_id, error) for request_id, group in self._groups.items()]
+        for request_id in list(self._groups):
+            self._abort(request_id)
+        self._send(deliveries)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        deliveries = []
+        for output in outputs:
+            group = self._groups.get(output.request_id)
+            if group is None:
+                continue
+            self.metrics.request_progressed(output, now)
+            if output.finished:
+                del self._groups[output.request_id]
+            deliveries.append((group, output.request_id, output))
+        self._send(deliveries)
+
+    def _send(self, deliveries: list[tuple[RequestGroup, str, object]]) -> None:
+        """Hand items to their groups on the event loop, in order, in one callback."""
+        loop = self._event_loop
+        if deliveries and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_deliver, deliveries)
+
+
+def _deliver(deliveries: list[tuple[RequestGroup, str, object]]) -> None:
+    for group, request_id, item in deliveries:
+        if group.items is not None:
+            group.items.put_nowait((request_id, item))

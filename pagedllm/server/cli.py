@@ -1,0 +1,86 @@
+"""``pagedllm serve``: the OpenAI-compatible server on uvicorn.
+
+SIGINT/SIGTERM start a graceful shutdown: the listening socket closes, requests that
+arrive on open connections get 503, requests in flight may finish for
+``--shutdown-timeout`` seconds, then the rest are aborted and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedllm.config import parse_bytes
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``serve`` with its HTTP options and the shared engine options."""
+    from pagedllm.cli import add_engine_args
+
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: from path)"
+    )
+    serve.add_argument(
+        "--max-body-size", default="1MiB", help="largest request body accepted, e.g. 1MiB"
+    )
+    serve.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="admitted, unfinished requests beyond which new ones get 503",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may run after SIGINT/SIGTERM before being aborted",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=run_server)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.cli import engine_config
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.server.app import ServerSettings, build_app, served_model_name
+
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    settings = ServerSettings(
+        model_name=args.served_model_name or served_model_name(args.model),
+        api_key=args.api_key,
+        max_body_bytes=parse_bytes(args.max_body_size),
+        max_pending_requests=args.max_pending_requests,
+    )
+    engine = LLMEngine(engine_config(args))
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info" if args.verbose else "warning",
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+    )
+    lifecycle = app.state.lifecycle
+
+    class DrainingServer(uvicorn.Server):
+        """Marks the app draining as soon as a signal arrives."""
+
+        def handle_exit(self, sig, frame) -> None:
+            lifecycle.draining = True
+            super().handle_exit(sig, frame)
+
+    print(
+        f"Serving {settings.model_name} on http://{args.host}:{args.port} "
+        f"(max_model_len {engine.max_model_len})",
+        file=sys.stderr,
+        flush=True,
+    )
+    DrainingServer(config).run()
+    return 0

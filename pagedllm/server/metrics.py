@@ -1,0 +1,124 @@
+"""Prometheus collectors for ``GET /metrics``, with vLLM's names where vLLM has one.
+
+Each app gets its own ``CollectorRegistry``, so several servers can live in one
+process (tests). Every collector carries a ``model_name`` label, as vLLM's do.
+Gauges and token counters follow ``EngineStats`` after each step; per-request
+histograms are fed by the loop thread as outputs arrive. All times in seconds.
+
+Meanings:
+- ``vllm:kv_cache_usage_perc``: fraction (0..1) of KV pool blocks in use.
+- ``vllm:num_requests_waiting`` counts sequences waiting for blocks, including
+  preempted ones; ``pagedllm:num_requests_preempted`` counts only the preempted.
+- ``vllm:time_per_output_token_seconds``: each interval between two steps that gave
+  a request new tokens (inter-token latency; a step adds at most one token per
+  sequence).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.stats import EngineStats
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+"""Histogram bucket bounds in seconds: from a fast decode step to a long CPU request."""
+
+
+class ServerMetrics:
+    """The server's collectors and the bookkeeping that feeds them.
+
+    ``request_*`` and ``record_step`` are called only by the engine loop thread;
+    prometheus-client makes reading them from the HTTP thread safe.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                name, doc, label, buckets=LATENCY_BUCKETS, registry=self.registry
+            ).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Sequences running on the engine.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.preempted = gauge(
+            "pagedllm:num_requests_preempted", "Preempted sequences waiting to be resumed."
+        )
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        self.blocks_used = gauge("pagedllm:kv_blocks_used", "KV cache blocks in use.")
+        self.blocks_free = gauge("pagedllm:kv_blocks_free", "KV cache blocks free.")
+        self.blocks_total = gauge("pagedllm:kv_blocks_total", "KV cache blocks in the pool.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions since start-up.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.aborted = counter(
+            "pagedllm:num_requests_aborted", "Requests aborted (client gone or shutdown)."
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Requests finished, by the finish reason of their first sequence.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Inter-token latency.")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
+        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self._last_token_time: dict[str, float | None] = {}
+
+    def record_step(self, stats: EngineStats) -> None:
+        """Follow the engine's gauges and cumulative counters."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.preempted.set(stats.num_preempted_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.blocks_used.set(stats.num_blocks_used)
+        self.blocks_free.set(stats.num_blocks_free)
+        self.blocks_total.set(stats.num_blocks_total)
+        self._advance(self.preemptions, "preemptions", stats.num_preemptions_total)
+        self._advance(self.prompt_tokens, "prompt", stats.prompt_tokens_total)
+        self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
+
+    def _advance(self, counter: Counter, key: str, total: int) -> None:
+        counter.inc(max(0, total - self._last_totals[key]))
+        self._last_totals[key] = total
+
+    def request_added(self, request_id: str) -> None:
+        self._last_token_time[request_id] = None
+
+    def request_progressed(self, output: RequestOutput, now: float) -> None:
+        """Observe latencies for a request that got tokens or finished at ``now``."""
+        request_id = output.request_id
+        new_tokens = any(o.delta_token_ids for o in output.outputs)
+        previous = self._last_token_time.get(request_id)
+        if new_tokens:
+            if previous is None:
+                ttft = output.metrics.time_to_first_token
+                if ttft is not None:
+                    self.ttft.observe(ttft)
+            else:
+                self.tpot.observe(now - previous)
+            self._last_token_time[request_id] = now
+        if output.finished:
+            self._last_token_time.pop(request_id, None)
+            latency = output.metrics.e2e_latency
+            if latency is not None:
+                self.e2e.observe(latency)
+            reason = output.outputs[0].finish_reason or "abort"
+            self._success.labels(self._model_name, reason).inc()
+
+    def request_aborted(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        self.aborted.inc()

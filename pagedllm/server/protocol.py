@@ -1,0 +1,148 @@
+"""Request bodies of the OpenAI endpoints, and their translation to ``SamplingParams``.
+
+Pydantic checks types and presence; ranges (n >= 1, max_tokens >= 1, penalties in
+[-2, 2], ...) are checked once, by :class:`SamplingParams`. Unknown fields are
+rejected, as OpenAI does, so a misspelt option never goes silently unused.
+Besides OpenAI's fields, vLLM's common sampling extras are accepted (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.engine.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position a client may ask for (OpenAI's chat limit)."""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Decoding fields both endpoints share, with OpenAI's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range."""
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+        )
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` piece of a message's content."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` dict a chat template renders; parts are joined."""
+        if isinstance(self.content, list):
+            text = "".join(part.text for part in self.content)
+        else:
+            text = self.content or ""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": text}
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. Without ``max_tokens`` the reply may fill the
+    context (``max_model_len`` less the prompt)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.as_template_input() for message in self.messages]
+
+
+PromptIds = list[int]
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: text, token ids, or a batch of either; 16 tokens by
+    default, as OpenAI's API."""
+
+    prompt: str | list[str] | PromptIds | list[PromptIds]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | dict[str, list[int]]]:
+        """One engine prompt per batch entry; raises ValueError for an empty batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(prompt[0], int):
+            return [{"prompt_token_ids": list(prompt)}]
+        if isinstance(prompt[0], str):
+            return list(prompt)
+        return [{"prompt_token_ids": list(ids)} for ids in prompt]

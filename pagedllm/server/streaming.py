@@ -1,0 +1,101 @@
+"""Server-sent events for both generation endpoints: one chunk per choice update."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.sampler import TokenLogprobs
+from pagedllm.server.errors import APIError
+from pagedllm.server.responses import new_logprobs, sse, usage
+from pagedllm.server.serving import Admitted, ServingContext
+
+
+@dataclass
+class ChoiceUpdate:
+    """What one step added to one choice: text, logprobs, or its finish."""
+
+    index: int
+    completion: CompletionOutput
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass
+class StreamFormat:
+    """How an endpoint shapes its chunks.
+
+    ``object_name``: the chunks' ``object``; ``opening``: choices sent before any
+    token (chat's role announcements); ``choice``: the choice JSON of an update.
+    """
+
+    object_name: str
+    n: int
+    with_logprobs: bool
+    include_usage: bool
+    choice: Callable[[ChoiceUpdate], dict[str, object]]
+    opening: list[dict[str, object]]
+
+
+async def choice_updates(
+    ctx: ServingContext, admitted: Admitted, fmt: StreamFormat, latest: dict[str, RequestOutput]
+) -> AsyncIterator[ChoiceUpdate]:
+    """Updates with news in step order; each choice's last one carries its finish
+    reason. ``latest`` collects each request's newest snapshot (for usage)."""
+    finished: set[int] = set()
+    async for output in ctx.engine.outputs(admitted.group):
+        latest[output.request_id] = output
+        first_index = admitted.group.request_ids.index(output.request_id) * fmt.n
+        for completion in output.outputs:
+            index = first_index + completion.index
+            if index in finished:
+                continue
+            entries = new_logprobs(completion) if fmt.with_logprobs else []
+            if completion.delta_text or entries or completion.finish_reason:
+                yield ChoiceUpdate(index, completion, entries)
+            if completion.finish_reason:
+                finished.add(index)
+
+
+async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> AsyncIterator[str]:
+    head = {
+        "id": admitted.response_id,
+        "object": fmt.object_name,
+        "created": admitted.created,
+        "model": ctx.model_name,
+    }
+    tail = {"usage": None} if fmt.include_usage else {}
+    for choice in fmt.opening:
+        yield sse({**head, "choices": [choice], **tail})
+    latest: dict[str, RequestOutput] = {}
+    async for update in choice_updates(ctx, admitted, fmt, latest):
+        yield sse({**head, "choices": [fmt.choice(update)], **tail})
+    if fmt.include_usage:
+        yield sse({**head, "choices": [], "usage": usage(list(latest.values()))})
+    yield sse("[DONE]")
+
+
+def event_stream(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> StreamingResponse:
+    """An SSE response; an engine failure mid-stream becomes an error event.
+
+    The group is aborted when the response ends for any reason, also when the client
+    leaves before the first event (the generator then never starts, so only the
+    background task runs).
+    """
+
+    async def with_errors() -> AsyncIterator[str]:
+        try:
+            async for event in events(ctx, admitted, fmt):
+                yield event
+        except APIError as error:
+            yield sse(error.body())
+            yield sse("[DONE]")
+
+    return StreamingResponse(
+        with_errors(),
+        media_type="text/event-stream",
+        background=BackgroundTask(ctx.engine.abort, admitted.group),
+    )
