@@ -70,6 +70,14 @@ def test_copy_on_write_of_a_shared_partial_block():
     assert parent.block_ids == [0, 1]
 
 
+def test_appending_nothing_to_a_shared_block_copies_nothing():
+    pool = make_pool()
+    parent, child = forked_pair(pool, 6)
+    assert child.num_blocks_needed(0) == 0
+    assert child.append_slots(0).copies == []
+    assert child.block_ids == parent.block_ids == [0, 1]
+
+
 def test_shared_full_block_is_not_copied():
     pool = make_pool()
     parent, child = forked_pair(pool, 4)
@@ -111,3 +119,38 @@ def test_adopted_blocks_must_match_token_count():
     pool = make_pool()
     with pytest.raises(ValueError):
         BlockTable(pool, [0], num_tokens=5)
+
+
+def test_reserve_holds_blocks_ahead_and_appends_use_them():
+    pool = make_pool()
+    table = BlockTable(pool)
+    table.reserve(10)
+    assert table.block_ids == [0, 1, 2] and table.num_tokens == 0
+    assert table.num_blocks_needed(10) == 0
+    assert table.append_slots(5).slots == [0, 1, 2, 3, 4]
+    assert table.block_ids == [0, 1, 2]
+    assert table.append_slots(7).slots == [5, 6, 7, 8, 9, 10, 11]
+    assert table.block_ids == [0, 1, 2]
+    assert table.append_slots(1).slots == [12]
+    assert table.block_ids == [0, 1, 2, 3]
+
+
+def test_fork_of_a_reserved_table_copies_every_shared_block_it_writes():
+    pool = make_pool()
+    parent = BlockTable(pool)
+    parent.reserve(12)
+    parent.append_slots(2)
+    child = parent.fork()
+    assert child.num_blocks_needed(3) == 2
+    result = child.append_slots(3)
+    assert result.copies == [(0, 3), (1, 4)]
+    assert child.block_ids == [3, 4, 2]
+    assert [pool.ref_count(b) for b in range(5)] == [1, 1, 2, 1, 1]
+
+
+def test_failed_reserve_changes_nothing():
+    pool = make_pool(num_blocks=2)
+    table = BlockTable(pool)
+    with pytest.raises(OutOfBlocksError):
+        table.reserve(9)
+    assert table.block_ids == [] and pool.num_free == 2

@@ -3,10 +3,11 @@
 Logical block ``j`` holds the sequence's tokens ``j * block_size .. (j + 1) * block_size - 1``
 and lives in physical block ``block_ids[j]``. Invariants:
 
-- a table of ``num_tokens`` tokens holds exactly ``ceil(num_tokens / block_size)`` blocks,
-  each with one reference owned by this table;
-- only the last block may be partly filled, and it is written in place only while this
-  table is its sole holder: a shared last block is first copied (copy-on-write).
+- a table of ``num_tokens`` tokens holds exactly ``ceil(num_tokens / block_size)`` blocks
+  (more only after :meth:`BlockTable.reserve`), each with one reference owned by this table;
+- blocks before the one holding token ``num_tokens`` are full and never written again;
+- a block is written in place only while this table is its sole holder: a shared block
+  about to be written is first copied (copy-on-write).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class BlockTable:
         self._pool = pool
         self._block_size = pool.block_size
         self._block_ids: list[int] = [] if block_ids is None else block_ids
-        if len(self._block_ids) != -(-num_tokens // self._block_size):
+        if len(self._block_ids) < -(-num_tokens // self._block_size):
             raise ValueError(f"{len(self._block_ids)} blocks cannot hold {num_tokens} tokens")
         self.num_tokens = num_tokens
 
@@ -45,19 +46,26 @@ class BlockTable:
         """The physical block of each logical block; read-only for callers."""
         return self._block_ids
 
-    def _last_block_needs_copy(self, num_new_tokens: int) -> bool:
-        """True when the next write lands in a partly filled block that others also hold."""
-        return (
-            num_new_tokens > 0
-            and self.num_tokens % self._block_size != 0
-            and self._pool.ref_count(self._block_ids[-1]) > 1
-        )
+    def _growth(self, num_tokens: int) -> int:
+        """Blocks to add so the table can hold ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self._block_size) - len(self._block_ids))
+
+    def _shared_write_targets(self, num_new_tokens: int) -> list[int]:
+        """Logical indexes of held blocks the next write lands in that others also hold.
+
+        Without reservations that is at most the partly filled last block (after a fork).
+        """
+        if num_new_tokens == 0:
+            return []
+        first = self.num_tokens // self._block_size
+        end = min(len(self._block_ids), -(-(self.num_tokens + num_new_tokens) // self._block_size))
+        ref_count = self._pool.ref_count
+        return [i for i in range(first, end) if ref_count(self._block_ids[i]) > 1]
 
     def num_blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks an append of ``num_new_tokens`` tokens would allocate, copies included."""
-        total_blocks = -(-(self.num_tokens + num_new_tokens) // self._block_size)
-        growth = total_blocks - len(self._block_ids)
-        return growth + int(self._last_block_needs_copy(num_new_tokens))
+        growth = self._growth(self.num_tokens + num_new_tokens)
+        return growth + len(self._shared_write_targets(num_new_tokens))
 
     def append_slots(self, num_new_tokens: int, high_priority: bool = False) -> AppendResult:
         """Make room for ``num_new_tokens`` more tokens and return where they go.
@@ -67,17 +75,26 @@ class BlockTable:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        new_blocks = self._pool.allocate(self.num_blocks_needed(num_new_tokens), high_priority)
+        targets = self._shared_write_targets(num_new_tokens)
+        growth = self._growth(self.num_tokens + num_new_tokens)
+        new_blocks = self._pool.allocate(growth + len(targets), high_priority)
         result = AppendResult()
-        if self._last_block_needs_copy(num_new_tokens):
-            src, dst = self._block_ids[-1], new_blocks.pop(0)
-            self._block_ids[-1] = dst
+        for index, dst in zip(targets, new_blocks, strict=False):
+            src = self._block_ids[index]
+            self._block_ids[index] = dst
             self._pool.free([src])
             result.copies.append((src, dst))
-        self._block_ids.extend(new_blocks)
+        self._block_ids.extend(new_blocks[len(targets) :])
         result.slots = self._slots(self.num_tokens, self.num_tokens + num_new_tokens)
         self.num_tokens += num_new_tokens
         return result
+
+    def reserve(self, num_tokens: int, high_priority: bool = False) -> None:
+        """Hold blocks for ``num_tokens`` tokens in advance (contiguous-reservation baseline).
+
+        All-or-nothing like :meth:`append_slots`; the token count does not change.
+        """
+        self._block_ids.extend(self._pool.allocate(self._growth(num_tokens), high_priority))
 
     def _slots(self, start: int, end: int) -> list[int]:
         """Flat cache slots of token positions ``start .. end - 1``."""
