@@ -1,12 +1,16 @@
 """A hypothesis state machine over the block manager, checked against a shadow memory.
 
-The shadow memory maps each flat cache slot to the K/V "content" written there; the
-content of a sequence's token at position p is the tuple of its token ids up to p, which
-is exactly what real K/V depend on. After every step each sequence must read back, through
-its block table, the content it wrote, whatever the others wrote or freed meanwhile.
+The shadow memory maps each flat cache slot to the K/V "content" written there. The
+content of a sequence's token at position p is its cache salt and its token ids up to p,
+which is what real K/V depend on (the salt stands in for everything that must keep two
+requests apart). After every step each sequence must read back, through its block table,
+the content it wrote, and every cached block must still hold the content its key names,
+whatever other sequences wrote, forked, evicted or freed meanwhile.
 """
 
-from hypothesis import settings
+from dataclasses import dataclass
+
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -21,36 +25,68 @@ from pagedllm.kv.block_pool import OutOfBlocksError
 from pagedllm.kv.fragmentation import fragmentation_stats
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=12)
+SYSTEM_PROMPTS = ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1] * 12)
+# Prompts sharing a system prompt's first tokens, so that prefix-cache hits are common.
+PROMPTS = st.builds(
+    lambda system, length, tail: system[:length] + tail,
+    st.sampled_from(SYSTEM_PROMPTS),
+    st.integers(0, 12),
+    TOKENS,
+)
+SALTS = st.sampled_from(["tenant-a", "tenant-b"])
+
+
+@dataclass
+class ShadowSequence:
+    salt: str
+    tokens: list[int]
+    reserved_tokens: int = 0
+
+    def content(self, position: int):
+        return self.salt, tuple(self.tokens[: position + 1])
 
 
 class KVManagerMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 4, 8]),
-        num_blocks=st.integers(1, 24),
+        num_blocks=st.integers(1, 32),
         reserved_fraction=st.sampled_from([0.0, 0.1, 0.25]),
+        enable_prefix_caching=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, reserved_fraction):
-        self.manager = BlockManager(num_blocks, block_size, reserved_fraction)
+    def setup(self, block_size, num_blocks, reserved_fraction, enable_prefix_caching):
+        self.manager = BlockManager(
+            num_blocks, block_size, reserved_fraction, enable_prefix_caching
+        )
         self.pool = self.manager.pool
         self.block_size = block_size
-        self.memory: dict[int, tuple[int, ...]] = {}
-        self.tokens: dict[int, list[int]] = {}
+        self.memory: dict[int, tuple] = {}
+        self.cached_content: dict[bytes, tuple] = {}
+        self.seqs: dict[int, ShadowSequence] = {}
         self.next_seq_id = 0
 
     # -- helpers -------------------------------------------------------------------------
 
     def snapshot(self):
         refs = [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]
-        tables = {s: self.manager.block_table(s) for s in self.tokens}
-        return refs, tables, self.pool.free_block_ids(), self.pool.stats()
+        tables = {s: self.manager.block_table(s) for s in self.seqs}
+        keys = [self.pool.block_key(b) for b in range(self.pool.num_blocks)]
+        stats = self.manager.stats()
+        return refs, tables, keys, self.pool.free_block_ids(), stats
 
-    def write(self, seq_id, new_tokens, high_priority):
-        """Reserve slots for ``new_tokens``, perform the copies, write their K/V."""
+    def block_content(self, block_id):
+        first = block_id * self.block_size
+        return tuple(self.memory.get(first + offset) for offset in range(self.block_size))
+
+    def write(self, seq_id, shadow, new_tokens, high_priority, prefix=None):
+        """Reserve slots for ``new_tokens``, copy, write their K/V, commit them.
+
+        Returns False (after checking nothing changed) when the blocks are not available.
+        """
         manager, block_size = self.manager, self.block_size
-        expected_ok = manager.can_append(seq_id, len(new_tokens), high_priority)
+        expected_ok = manager.can_append(seq_id, len(new_tokens), high_priority, prefix)
         before = self.snapshot()
         try:
-            result = manager.append_slots(seq_id, len(new_tokens), high_priority)
+            result = manager.append_slots(seq_id, len(new_tokens), high_priority, prefix)
         except OutOfBlocksError:
             assert not expected_ok
             assert self.snapshot() == before
@@ -62,55 +98,95 @@ class KVManagerMachine(RuleBasedStateMachine):
                 src_slot, dst_slot = src * block_size + offset, dst * block_size + offset
                 if src_slot in self.memory:
                     self.memory[dst_slot] = self.memory[src_slot]
-        history = self.tokens.setdefault(seq_id, [])
         for slot, token in zip(result.slots, new_tokens, strict=True):
             assert self.pool.ref_count(slot // block_size) == 1, "wrote a shared block"
-            history.append(token)
-            self.memory[slot] = tuple(history)
+            shadow.tokens.append(token)
+            self.memory[slot] = shadow.content(len(shadow.tokens) - 1)
+        self.seqs[seq_id] = shadow
+        manager.commit_tokens(seq_id, new_tokens)
+        self.record_cached_blocks(seq_id)
         return True
 
+    def record_cached_blocks(self, seq_id):
+        """Remember the content each newly cached block holds; equal keys, equal content."""
+        for block_id in self.manager.block_table(seq_id):
+            key = self.pool.block_key(block_id)
+            if key is None:
+                continue
+            content = self.block_content(block_id)
+            assert self.cached_content.setdefault(key.digest, content) == content
+
+    def admit(self, new_tokens, high_priority, shadow, prefix):
+        seq_id = self.new_id()
+        if not self.write(seq_id, shadow, new_tokens, high_priority, prefix):
+            assert seq_id not in self.manager
+
+    def new_id(self):
+        self.next_seq_id += 1
+        return self.next_seq_id - 1
+
     def pick(self, index):
-        return sorted(self.tokens)[index % len(self.tokens)]
+        return sorted(self.seqs)[index % len(self.seqs)]
 
     # -- rules ---------------------------------------------------------------------------
 
-    @rule(new_tokens=TOKENS, high_priority=st.booleans())
-    def new_sequence(self, new_tokens, high_priority):
-        seq_id = self.next_seq_id
-        self.next_seq_id += 1
-        if not self.write(seq_id, new_tokens, high_priority):
-            assert seq_id not in self.manager
+    @rule(prompt=PROMPTS, high_priority=st.booleans(), salt=SALTS)
+    def new_sequence(self, prompt, high_priority, salt):
+        """Admit a prompt without looking up the prefix cache (it is never cached)."""
+        self.admit(prompt, high_priority, ShadowSequence(salt, []), prefix=None)
 
-    @precondition(lambda self: self.tokens)
+    @rule(prompt=PROMPTS, high_priority=st.booleans(), salt=SALTS)
+    def new_sequence_on_cached_prefix(self, prompt, high_priority, salt):
+        """Admit a prompt on its longest cached prefix; only the rest is computed."""
+        prefix = self.manager.find_cached_prefix(prompt, (salt,))
+        skipped = prefix.num_tokens
+        assert skipped <= max(0, len(prompt) - 1)
+        event(f"prefix hit of {skipped // self.block_size} blocks" if skipped else "miss")
+        shadow = ShadowSequence(salt, prompt[:skipped])
+        self.admit(prompt[skipped:], high_priority, shadow, prefix)
+
+    @rule(reserved=st.integers(0, 40), high_priority=st.booleans(), salt=SALTS)
+    def new_reserved_sequence(self, reserved, high_priority, salt):
+        """Admit a sequence the contiguous-reservation way: its blocks held up front."""
+        seq_id = self.new_id()
+        try:
+            self.manager.reserve(seq_id, reserved, high_priority)
+        except OutOfBlocksError:
+            assert seq_id not in self.manager
+            return
+        self.seqs[seq_id] = ShadowSequence(salt, [], reserved)
+
+    @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99), new_tokens=TOKENS, high_priority=st.booleans())
     def append(self, index, new_tokens, high_priority):
-        self.write(self.pick(index), new_tokens, high_priority)
+        seq_id = self.pick(index)
+        self.write(seq_id, self.seqs[seq_id], new_tokens, high_priority)
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
     def fork(self, index):
         parent = self.pick(index)
-        child = self.next_seq_id
-        self.next_seq_id += 1
+        child = self.new_id()
         free_before = self.pool.num_free
         self.manager.fork(parent, child)
         assert self.pool.num_free == free_before
-        self.tokens[child] = list(self.tokens[parent])
+        shadow = self.seqs[parent]
+        self.seqs[child] = ShadowSequence(shadow.salt, list(shadow.tokens), shadow.reserved_tokens)
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
     def free_sequence(self, index):
         """A sequence finishing, or being preempted: all its blocks go back at once."""
         seq_id = self.pick(index)
         self.manager.free(seq_id)
-        del self.tokens[seq_id]
+        del self.seqs[seq_id]
 
     # -- invariants ----------------------------------------------------------------------
 
     @invariant()
     def blocks_are_free_xor_referenced_and_counted_by_holders(self):
         holders = [0] * self.pool.num_blocks
-        for seq_id in self.tokens:
+        for seq_id in self.seqs:
             for block_id in self.manager.block_table(seq_id):
                 holders[block_id] += 1
         free = self.pool.free_block_ids()
@@ -118,41 +194,56 @@ class KVManagerMachine(RuleBasedStateMachine):
         for block_id in range(self.pool.num_blocks):
             assert self.pool.ref_count(block_id) == holders[block_id]
             assert (block_id in free) == (holders[block_id] == 0)
+        stats = self.pool.stats()
+        keyed = [b for b in range(self.pool.num_blocks) if self.pool.block_key(b) is not None]
+        assert stats.shared == sum(count > 1 for count in holders)
+        assert stats.cached == len(keyed)
+        assert stats.evictable == sum(holders[b] == 0 for b in keyed)
 
     @invariant()
     def each_sequence_holds_ceil_tokens_over_block_size_blocks(self):
-        for seq_id, history in self.tokens.items():
-            assert self.manager.num_tokens(seq_id) == len(history)
-            expected = -(-len(history) // self.block_size)
+        for seq_id, shadow in self.seqs.items():
+            assert self.manager.num_tokens(seq_id) == len(shadow.tokens)
+            capacity = max(len(shadow.tokens), shadow.reserved_tokens)
+            expected = -(-capacity // self.block_size)
             assert len(self.manager.block_table(seq_id)) == expected
 
     @invariant()
     def every_sequence_reads_what_it_wrote(self):
-        for seq_id, history in self.tokens.items():
+        for seq_id, shadow in self.seqs.items():
             table = self.manager.block_table(seq_id)
-            for position in range(len(history)):
+            for position in range(len(shadow.tokens)):
                 block_id = table[position // self.block_size]
                 slot = block_id * self.block_size + position % self.block_size
-                assert self.memory.get(slot) == tuple(history[: position + 1])
+                assert self.memory.get(slot) == shadow.content(position)
+
+    @invariant()
+    def cached_blocks_hold_what_their_keys_name(self):
+        for block_id in range(self.pool.num_blocks):
+            key = self.pool.block_key(block_id)
+            if key is not None:
+                assert self.block_content(block_id) == self.cached_content[key.digest]
 
     @invariant()
     def manager_fragmentation_equals_the_pure_count(self):
-        seq_ids = sorted(self.tokens)
+        seq_ids = sorted(self.seqs)
         tables = [self.manager.block_table(s) for s in seq_ids]
-        lengths = [len(self.tokens[s]) for s in seq_ids]
+        lengths = [len(self.seqs[s].tokens) for s in seq_ids]
         expected = fragmentation_stats(tables, lengths, self.block_size)
         assert self.manager.fragmentation() == expected
 
     def teardown(self):
         if not hasattr(self, "manager"):
             return
-        for seq_id in list(self.tokens):
+        for seq_id in list(self.seqs):
             self.manager.free(seq_id)
         assert sorted(self.pool.free_block_ids()) == list(range(self.pool.num_blocks))
-        assert self.pool.num_used == 0
+        stats = self.pool.stats()
+        assert stats.used == 0 and stats.shared == 0
+        assert stats.evictable == stats.cached
 
 
 KVManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=50, deadline=None
+    max_examples=200, stateful_step_count=50, deadline=None
 )
 test_kv_manager_state_machine = KVManagerMachine.TestCase

@@ -5,104 +5,295 @@ compute fit (:meth:`BlockManager.can_append`) and then reserves their slots
 (:meth:`BlockManager.append_slots`); a finished or preempted sequence returns its blocks
 with :meth:`BlockManager.free`. Every call costs O(tokens appended) or O(blocks of that
 sequence), never O(blocks in the pool).
+
+Automatic prefix caching (``enable_prefix_caching``, on by default), in three calls:
+
+1. ``prefix = find_cached_prefix(prompt_token_ids, extra_keys)`` looks up the longest
+   chain of cached full blocks of the prompt (a query; nothing changes). It never covers
+   the whole prompt: the last prompt token is always computed, to produce logits.
+2. ``append_slots(seq_id, len(prompt) - prefix.num_tokens, prefix=prefix)`` starts the
+   sequence on those blocks (ref count + 1) and reserves slots for the rest, all or nothing.
+3. ``commit_tokens(seq_id, token_ids)`` after the model step has written K/V for those
+   tokens: every block they complete becomes cached under its content key, findable by
+   later requests. Tokens are committed in order, never beyond the reserved slots.
+
+A sequence started without a prefix object (``prefix=None``) is never cached: its extra
+keys (``cache_salt``) are unknown, and sharing without them could leak across tenants.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.kv.block_pool import BlockPool, BlockPoolStats
+from pagedllm.kv.block_pool import BlockPool, BlockPoolStats, OutOfBlocksError
 from pagedllm.kv.block_table import AppendResult, BlockTable
 from pagedllm.kv.fragmentation import FragmentationStats
+from pagedllm.kv.prefix_hash import BlockKey, PrefixHasher, iter_block_keys
 
 SeqId = int | str
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """A hit from :meth:`BlockManager.find_cached_prefix`, valid until blocks are allocated.
+
+    ``block_ids``/``keys``: the cached full blocks covering the first ``num_tokens`` tokens
+    of a ``num_prompt_tokens``-token prompt; ``extra_keys`` carry on to the sequence's
+    later blocks.
+    """
+
+    block_ids: tuple[int, ...]
+    keys: tuple[BlockKey, ...]
+    num_tokens: int
+    num_prompt_tokens: int
+    extra_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BlockManagerStats:
-    """Monitoring figures: pool counters and the fragmentation of the live tables."""
+    """Monitoring figures: pool counters, fragmentation of the live tables, prefix cache.
+
+    ``prefix_cache_queries``/``prefix_cache_hits`` count prompt tokens looked up and found
+    (cumulative, once per sequence started with a prefix).
+    """
 
     num_seqs: int
     pool: BlockPoolStats
     fragmentation: FragmentationStats
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass
+class _Sequence:
+    table: BlockTable
+    hasher: PrefixHasher | None  # None: this sequence's blocks are never cached
 
 
 class BlockManager:
     """Owns one :class:`BlockPool` and the :class:`BlockTable` of every live sequence."""
 
-    def __init__(self, num_blocks: int, block_size: int, reserved_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        reserved_fraction: float = 0.05,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.pool = BlockPool(num_blocks, block_size, reserved_fraction)
         self.block_size = block_size
-        self._tables: dict[SeqId, BlockTable] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._seqs: dict[SeqId, _Sequence] = {}
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
 
     def __contains__(self, seq_id: SeqId) -> bool:
-        return seq_id in self._tables
+        return seq_id in self._seqs
 
-    def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
-        """Free blocks an append of ``num_new_tokens`` to ``seq_id`` would take (new or unknown
-        sequence: blocks for its first tokens)."""
-        table = self._tables.get(seq_id)
-        if table is None:
+    # -- prefix cache --------------------------------------------------------------------
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()
+    ) -> CachedPrefix:
+        """The longest chain of cached full blocks starting ``token_ids`` (a query).
+
+        Covers at most ``len(token_ids) - 1`` tokens rounded down to whole blocks; empty
+        when prefix caching is off.
+        """
+        block_ids: list[int] = []
+        keys: list[BlockKey] = []
+        if self.enable_prefix_caching:
+            cacheable = token_ids[: max(0, len(token_ids) - 1)]
+            for key in iter_block_keys(cacheable, self.block_size, extra_keys):
+                block_id = self.pool.lookup(key)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+                keys.append(key)
+        return CachedPrefix(
+            block_ids=tuple(block_ids),
+            keys=tuple(keys),
+            num_tokens=len(block_ids) * self.block_size,
+            num_prompt_tokens=len(token_ids),
+            extra_keys=extra_keys,
+        )
+
+    def _prefix_blocks_needed(self, prefix: CachedPrefix, num_new_tokens: int) -> int:
+        """Free blocks starting on ``prefix`` takes: evictable hits plus blocks for new tokens."""
+        revived = sum(1 for block_id in prefix.block_ids if self.pool.ref_count(block_id) == 0)
+        total_blocks = -(-(prefix.num_tokens + num_new_tokens) // self.block_size)
+        return revived + total_blocks - len(prefix.block_ids)
+
+    def _check_prefix(self, prefix: CachedPrefix) -> None:
+        for block_id, key in zip(prefix.block_ids, prefix.keys, strict=True):
+            cached = self.pool.block_key(block_id)
+            if cached is None or cached.digest != key.digest:
+                raise ValueError("stale prefix: its blocks were evicted; find it again")
+
+    def _start(
+        self,
+        seq_id: SeqId,
+        num_new_tokens: int,
+        high_priority: bool,
+        prefix: CachedPrefix | None,
+    ) -> _Sequence:
+        """Register ``seq_id``, on the blocks of ``prefix`` if given, once its first
+        ``num_new_tokens`` tokens are known to fit (else raise, changing nothing)."""
+        if prefix is not None:
+            self._check_prefix(prefix)
+        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix)
+        if not self.pool.can_allocate(needed, high_priority):
+            raise OutOfBlocksError(needed, self.pool.num_available(high_priority))
+        if prefix is None:
+            seq = _Sequence(BlockTable(self.pool), hasher=None)
+        else:
+            self.pool.incref(prefix.block_ids)
+            table = BlockTable(self.pool, list(prefix.block_ids), prefix.num_tokens)
+            seq = _Sequence(table, self._start_hasher(prefix))
+        self._seqs[seq_id] = seq
+        return seq
+
+    def _start_hasher(self, prefix: CachedPrefix) -> PrefixHasher | None:
+        """The hash chain continuing after ``prefix``; counts the prefix-cache query."""
+        if not self.enable_prefix_caching:
+            return None
+        self._prefix_cache_queries += prefix.num_prompt_tokens
+        self._prefix_cache_hits += prefix.num_tokens
+        parent = prefix.keys[-1].digest if prefix.keys else None
+        return PrefixHasher(self.block_size, prefix.extra_keys, parent, prefix.num_tokens)
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def num_blocks_needed(
+        self, seq_id: SeqId, num_new_tokens: int, prefix: CachedPrefix | None = None
+    ) -> int:
+        """Free blocks an append of ``num_new_tokens`` tokens would take from the pool.
+
+        Counts new blocks, copy-on-write copies and evictable blocks a prefix hit revives.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            return seq.table.num_blocks_needed(num_new_tokens)
+        if prefix is None:
             return -(-num_new_tokens // self.block_size)
-        return table.num_blocks_needed(num_new_tokens)
+        return self._prefix_blocks_needed(prefix, num_new_tokens)
 
-    def can_append(self, seq_id: SeqId, num_new_tokens: int, high_priority: bool = False) -> bool:
+    def can_append(
+        self,
+        seq_id: SeqId,
+        num_new_tokens: int,
+        high_priority: bool = False,
+        prefix: CachedPrefix | None = None,
+    ) -> bool:
         """Whether :meth:`append_slots` with the same arguments would succeed now."""
-        needed = self.num_blocks_needed(seq_id, num_new_tokens)
+        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix)
         return self.pool.can_allocate(needed, high_priority)
 
     def append_slots(
-        self, seq_id: SeqId, num_new_tokens: int, high_priority: bool = False
+        self,
+        seq_id: SeqId,
+        num_new_tokens: int,
+        high_priority: bool = False,
+        prefix: CachedPrefix | None = None,
     ) -> AppendResult:
         """Reserve slots for the ``num_new_tokens`` tokens ``seq_id`` computes next.
 
-        Creates the sequence on first use. All-or-nothing: raises
+        Creates the sequence on first use, on the blocks of ``prefix`` if given (the new
+        tokens then follow the prefix's ``num_tokens``). All-or-nothing: raises
         :class:`~pagedllm.kv.block_pool.OutOfBlocksError` and changes nothing when the
         blocks are not available to this priority.
         """
-        table = self._tables.get(seq_id)
-        if table is None:
-            table = BlockTable(self.pool)
-        result = table.append_slots(num_new_tokens, high_priority)
-        self._tables[seq_id] = table
-        return result
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._start(seq_id, num_new_tokens, high_priority, prefix)
+        elif prefix is not None:
+            raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
+        return seq.table.append_slots(num_new_tokens, high_priority)
+
+    def reserve(self, seq_id: SeqId, num_tokens: int, high_priority: bool = False) -> None:
+        """Hold blocks for ``num_tokens`` tokens of ``seq_id`` up front.
+
+        The pre-PagedAttention baseline (contiguous per-request reservation) under the same
+        pool. Creates the sequence (never cached) on first use; all-or-nothing.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = _Sequence(BlockTable(self.pool), hasher=None)
+        seq.table.reserve(num_tokens, high_priority)
+        self._seqs[seq_id] = seq
+
+    def commit_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+        """Record that K/V of ``token_ids`` (the next uncommitted tokens) are now written.
+
+        Blocks they complete become cached. Raises ValueError beyond the reserved slots.
+        """
+        seq = self._seqs[seq_id]
+        hasher = seq.hasher
+        if hasher is None:
+            return
+        if hasher.num_tokens + len(token_ids) > seq.table.num_tokens:
+            raise ValueError(
+                f"committing {len(token_ids)} tokens after {hasher.num_tokens} exceeds "
+                f"the {seq.table.num_tokens} reserved slots of {seq_id!r}"
+            )
+        first_block = hasher.num_tokens // self.block_size
+        block_ids = seq.table.block_ids
+        for index, key in enumerate(hasher.extend(token_ids), start=first_block):
+            self.pool.cache_block(block_ids[index], key)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks."""
-        if child_id in self._tables:
+        if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
-        self._tables[child_id] = self._tables[parent_id].fork()
+        parent = self._seqs[parent_id]
+        hasher = None if parent.hasher is None else parent.hasher.copy()
+        self._seqs[child_id] = _Sequence(parent.table.fork(), hasher)
 
     def free(self, seq_id: SeqId) -> None:
-        """Release every block of ``seq_id`` and forget it (finish or preemption)."""
-        self._tables.pop(seq_id).free()
+        """Release every block of ``seq_id`` and forget it (finish or preemption).
+
+        Its cached blocks stay findable until evicted.
+        """
+        self._seqs.pop(seq_id).table.free()
+
+    # -- views ---------------------------------------------------------------------------
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """A copy of the physical block ids of ``seq_id``, in logical order."""
-        return list(self._tables[seq_id].block_ids)
+        return list(self._seqs[seq_id].table.block_ids)
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens ``seq_id`` has slots for."""
-        return self._tables[seq_id].num_tokens
+        return self._seqs[seq_id].table.num_tokens
 
     def fragmentation(self) -> FragmentationStats:
-        """Seed 004's figures for the live tables in O(number of sequences).
+        """Seed 004's figures for the live tables, as :func:`fragmentation_stats` counts them.
 
-        Relies on the tables' invariants: every referenced block belongs to a table and only
-        a table's last block can be partly filled (all holders of a block agree on its fill).
+        O(number of sequences) plus reserved blocks: it relies on the tables' invariants
+        (every referenced block belongs to a table; blocks before a table's write position
+        are full; all holders of a block agree on its fill) to visit only blocks that are
+        not full.
         """
         block_size = self.block_size
-        partial_fill: dict[int, int] = {}
+        not_full: dict[int, int] = {}
         unshared_blocks = 0
-        for table in self._tables.values():
-            unshared_blocks += len(table.block_ids)
-            fill = table.num_tokens % block_size
-            if fill:
-                last = table.block_ids[-1]
-                partial_fill[last] = max(partial_fill.get(last, 0), fill)
+        for seq in self._seqs.values():
+            table = seq.table
+            num_tokens, block_ids = table.num_tokens, table.block_ids
+            unshared_blocks += -(-num_tokens // block_size)
+            for index in range(num_tokens // block_size, len(block_ids)):
+                fill = max(0, num_tokens - index * block_size)
+                not_full[block_ids[index]] = max(not_full.get(block_ids[index], 0), fill)
         unique_blocks = self.pool.num_used
         allocated = unique_blocks * block_size
-        live = allocated - sum(block_size - fill for fill in partial_fill.values())
+        live = allocated - sum(block_size - fill for fill in not_full.values())
         return FragmentationStats(
             unique_blocks=unique_blocks,
             allocated_slots=allocated,
@@ -113,7 +304,9 @@ class BlockManager:
 
     def stats(self) -> BlockManagerStats:
         return BlockManagerStats(
-            num_seqs=len(self._tables),
+            num_seqs=len(self._seqs),
             pool=self.pool.stats(),
             fragmentation=self.fragmentation(),
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
         )

@@ -9,6 +9,11 @@ A pool of ``num_blocks`` blocks (ids ``0 .. num_blocks - 1``), each holding the 
   :class:`OutOfBlocksError` and changes nothing;
 - the last ``num_reserved`` free blocks (seed 000's two-level allocation) go only to
   high-priority requests.
+
+Prefix caching: a full block may carry a :class:`~pagedllm.kv.prefix_hash.BlockKey`
+(its content identity). Such a block stays findable by its key while referenced and, once
+free, while it waits in the free queue (evictable, least recently freed first); it is
+evicted (forgets its key) when allocation takes it from the head of the queue.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedllm.kv.free_queue import FreeBlockQueue
+from pagedllm.kv.prefix_hash import BlockKey
 
 MAX_BLOCK_SIZE = 256
 
@@ -44,15 +50,23 @@ def validate_block_size(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class BlockPoolStats:
-    """A snapshot of the pool's counters; all counts are in blocks."""
+    """A snapshot of the pool's counters; all counts are in blocks.
+
+    ``free`` includes ``evictable`` (cached blocks nobody references); ``shared`` blocks have
+    more than one reference; ``num_*`` are cumulative since the pool was made.
+    """
 
     num_blocks: int
     used: int
     free: int
     reserved: int
     peak_used: int
+    shared: int
+    cached: int
+    evictable: int
     num_allocations: int
     num_frees: int
+    num_evictions: int
 
     @property
     def usage(self) -> float:
@@ -73,9 +87,14 @@ class BlockPool:
         self.num_reserved = int(num_blocks * reserved_fraction)
         self._free_queue = FreeBlockQueue(num_blocks)
         self._ref_counts = [0] * num_blocks
+        self._block_keys: list[BlockKey | None] = [None] * num_blocks
+        self._cached_blocks: dict[bytes, int] = {}
+        self._num_evictable = 0
+        self._num_shared = 0
         self._peak_used = 0
         self._num_allocations = 0
         self._num_frees = 0
+        self._num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -114,16 +133,30 @@ class BlockPool:
         block_ids = [self._free_queue.popleft() for _ in range(num_blocks)]
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
+            if self._block_keys[block_id] is not None:
+                self._evict(block_id)
         self._num_allocations += num_blocks
         self._peak_used = max(self._peak_used, self.num_used)
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each block; every block must already be referenced."""
+        """Add one reference to each block.
+
+        A block must be referenced already, or be cached: a free cached block (a prefix-cache
+        hit) leaves the free queue from wherever it is. Callers check the priority's
+        allowance (:meth:`can_allocate`) for such blocks first, as they leave the free pool.
+        """
         for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
-                raise ValueError(f"block {block_id} is free and cannot gain a reference")
-            self._ref_counts[block_id] += 1
+            count = self._ref_counts[block_id]
+            if count == 0:
+                if self._block_keys[block_id] is None:
+                    raise ValueError(f"block {block_id} is free and cannot gain a reference")
+                self._free_queue.remove(block_id)
+                self._num_evictable -= 1
+                self._peak_used = max(self._peak_used, self.num_used)
+            elif count == 1:
+                self._num_shared += 1
+            self._ref_counts[block_id] = count + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in order.
@@ -136,9 +169,51 @@ class BlockPool:
             if count == 0:
                 raise ValueError(f"block {block_id} is already free")
             self._ref_counts[block_id] = count - 1
-            if count == 1:
+            if count == 2:
+                self._num_shared -= 1
+            elif count == 1:
                 self._free_queue.append(block_id)
                 self._num_frees += 1
+                if self._block_keys[block_id] is not None:
+                    self._num_evictable += 1
+
+    def block_key(self, block_id: int) -> BlockKey | None:
+        """The content identity ``block_id`` is cached under, if any."""
+        return self._block_keys[block_id]
+
+    def cache_block(self, block_id: int, key: BlockKey) -> bool:
+        """Make the referenced, full block ``block_id`` findable by ``key``.
+
+        Returns False (and leaves the block uncached) when another block already holds the
+        same content; caching a block again under its own key is a no-op.
+        """
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free; only referenced blocks are cached")
+        current = self._block_keys[block_id]
+        if current is not None:
+            if current != key:
+                raise ValueError(f"block {block_id} is already cached with other content")
+            return True
+        if key.digest in self._cached_blocks:
+            return False
+        self._block_keys[block_id] = key
+        self._cached_blocks[key.digest] = block_id
+        return True
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The cached block whose content is exactly ``key``, referenced or evictable."""
+        block_id = self._cached_blocks.get(key.digest)
+        if block_id is None or self._block_keys[block_id] != key:
+            return None
+        return block_id
+
+    def _evict(self, block_id: int) -> None:
+        """Forget the key of a block that allocation just took from the free queue."""
+        key = self._block_keys[block_id]
+        del self._cached_blocks[key.digest]
+        self._block_keys[block_id] = None
+        self._num_evictable -= 1
+        self._num_evictions += 1
 
     def stats(self) -> BlockPoolStats:
         return BlockPoolStats(
@@ -147,6 +222,10 @@ class BlockPool:
             free=self.num_free,
             reserved=self.num_reserved,
             peak_used=self._peak_used,
+            shared=self._num_shared,
+            cached=len(self._cached_blocks),
+            evictable=self._num_evictable,
             num_allocations=self._num_allocations,
             num_frees=self._num_frees,
+            num_evictions=self._num_evictions,
         )
