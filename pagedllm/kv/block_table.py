@@ -77,7 +77,8 @@ class BlockTable:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         targets = self._shared_write_targets(num_new_tokens)
         growth = self._growth(self.num_tokens + num_new_tokens)
-        new_blocks = self._pool.allocate(growth + len(targets), high_priority)
+        num_needed = growth + len(targets)
+        new_blocks = self._pool.allocate(num_needed, high_priority) if num_needed else []
         result = AppendResult()
         for index, dst in zip(targets, new_blocks, strict=False):
             src = self._block_ids[index]

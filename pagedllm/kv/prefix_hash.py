@@ -99,6 +99,8 @@ class PrefixHasher:
         """Commit ``token_ids`` and return the keys of the blocks they complete."""
         self.pending.extend(token_ids)
         self.num_tokens += len(token_ids)
+        if len(self.pending) < self.block_size:
+            return []
         keys = list(
             iter_block_keys(self.pending, self.block_size, self.extra_keys, self.parent_digest)
         )
