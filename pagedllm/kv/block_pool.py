@@ -44,7 +44,9 @@ def validate_block_size(block_size: int) -> int:
         or not 1 <= block_size <= MAX_BLOCK_SIZE
         or block_size & (block_size - 1)
     ):
-        raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size!r}")
+        raise ValueError(
+            f"block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}"
+        )
     return block_size
 
 

@@ -80,7 +80,7 @@ class BlockTable:
         num_needed = growth + len(targets)
         new_blocks = self._pool.allocate(num_needed, high_priority) if num_needed else []
         result = AppendResult()
-        for index, dst in zip(targets, new_blocks, strict=False):
+        for index, dst in zip(targets, new_blocks[: len(targets)], strict=True):
             src = self._block_ids[index]
             self._block_ids[index] = dst
             self._pool.free([src])
