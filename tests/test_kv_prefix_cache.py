@@ -211,3 +211,13 @@ def test_misuse_is_rejected():
     manager.append_slots("filler", 8 * 4)  # evicts block 0
     with pytest.raises(ValueError, match="stale"):
         manager.append_slots("b", 1, prefix=prefix)
+
+
+def test_fork_before_commit_caches_the_shared_block_once():
+    manager = make_manager()
+    manager.append_slots("p", 6, prefix=manager.find_cached_prefix([1, 2, 3, 4, 5, 6]))
+    manager.fork("p", "c")  # slots reserved, K/V not yet committed
+    manager.commit_tokens("p", [1, 2, 3, 4, 5, 6])
+    manager.commit_tokens("c", [1, 2, 3, 4, 5, 6])
+    assert manager.stats().pool.cached == 1
+    assert manager.find_cached_prefix([1, 2, 3, 4, 0]).block_ids == (0,)

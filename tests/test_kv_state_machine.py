@@ -40,6 +40,7 @@ SALTS = st.sampled_from(["tenant-a", "tenant-b"])
 class ShadowSequence:
     salt: str
     tokens: list[int]
+    num_committed: int = 0
     reserved_tokens: int = 0
 
     def content(self, position: int):
@@ -77,8 +78,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         first = block_id * self.block_size
         return tuple(self.memory.get(first + offset) for offset in range(self.block_size))
 
-    def write(self, seq_id, shadow, new_tokens, high_priority, prefix=None):
-        """Reserve slots for ``new_tokens``, copy, write their K/V, commit them.
+    def write(self, seq_id, shadow, new_tokens, high_priority, commit, prefix=None):
+        """Reserve slots for ``new_tokens``, copy, write their K/V, and ``commit`` them
+        (else they wait, as when the engine schedules before the model step has run).
 
         Returns False (after checking nothing changed) when the blocks are not available.
         """
@@ -103,9 +105,15 @@ class KVManagerMachine(RuleBasedStateMachine):
             shadow.tokens.append(token)
             self.memory[slot] = shadow.content(len(shadow.tokens) - 1)
         self.seqs[seq_id] = shadow
-        manager.commit_tokens(seq_id, new_tokens)
-        self.record_cached_blocks(seq_id)
+        if commit:
+            self.commit(seq_id)
         return True
+
+    def commit(self, seq_id):
+        shadow = self.seqs[seq_id]
+        self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed :])
+        shadow.num_committed = len(shadow.tokens)
+        self.record_cached_blocks(seq_id)
 
     def record_cached_blocks(self, seq_id):
         """Remember the content each newly cached block holds; equal keys, equal content."""
@@ -118,7 +126,7 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     def admit(self, new_tokens, high_priority, shadow, prefix):
         seq_id = self.new_id()
-        if not self.write(seq_id, shadow, new_tokens, high_priority, prefix):
+        if not self.write(seq_id, shadow, new_tokens, high_priority, True, prefix):
             assert seq_id not in self.manager
 
     def new_id(self):
@@ -142,7 +150,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         skipped = prefix.num_tokens
         assert skipped <= max(0, len(prompt) - 1)
         event(f"prefix hit of {skipped // self.block_size} blocks" if skipped else "miss")
-        shadow = ShadowSequence(salt, prompt[:skipped])
+        shadow = ShadowSequence(salt, prompt[:skipped], num_committed=skipped)
         self.admit(prompt[skipped:], high_priority, shadow, prefix)
 
     @rule(reserved=st.integers(0, 40), high_priority=st.booleans(), salt=SALTS)
@@ -154,13 +162,24 @@ class KVManagerMachine(RuleBasedStateMachine):
         except OutOfBlocksError:
             assert seq_id not in self.manager
             return
-        self.seqs[seq_id] = ShadowSequence(salt, [], reserved)
+        self.seqs[seq_id] = ShadowSequence(salt, [], reserved_tokens=reserved)
 
     @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 99), new_tokens=TOKENS, high_priority=st.booleans())
-    def append(self, index, new_tokens, high_priority):
+    @rule(
+        index=st.integers(0, 99),
+        new_tokens=TOKENS,
+        high_priority=st.booleans(),
+        commit=st.booleans(),
+    )
+    def append(self, index, new_tokens, high_priority, commit):
         seq_id = self.pick(index)
-        self.write(seq_id, self.seqs[seq_id], new_tokens, high_priority)
+        self.write(seq_id, self.seqs[seq_id], new_tokens, high_priority, commit)
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 99))
+    def commit_pending(self, index):
+        """The model step has run: the waiting tokens' K/V are now committed."""
+        self.commit(self.pick(index))
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
@@ -171,7 +190,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.manager.fork(parent, child)
         assert self.pool.num_free == free_before
         shadow = self.seqs[parent]
-        self.seqs[child] = ShadowSequence(shadow.salt, list(shadow.tokens), shadow.reserved_tokens)
+        self.seqs[child] = ShadowSequence(
+            shadow.salt, list(shadow.tokens), shadow.num_committed, shadow.reserved_tokens
+        )
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
