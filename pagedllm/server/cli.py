@@ -8,9 +8,14 @@ arrive on open connections get 503, requests in flight may finish for
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 
 from pagedllm.config import parse_bytes
+
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -70,11 +75,21 @@ def run_server(args: argparse.Namespace) -> int:
     lifecycle = app.state.lifecycle
 
     class DrainingServer(uvicorn.Server):
-        """Marks the app draining as soon as a signal arrives."""
+        """Marks the app draining as soon as a signal arrives, and exits 0 after a
+        graceful shutdown (uvicorn would re-raise the signal and die by it)."""
 
         def handle_exit(self, sig, frame) -> None:
             lifecycle.draining = True
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in SHUTDOWN_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     print(
         f"Serving {settings.model_name} on http://{args.host}:{args.port} "
