@@ -104,16 +104,11 @@ class KVCache:
     def write(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at slot
-        ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
-        equal to ``-1`` are skipped."""
-        write_kv(
-            self._keys[layer_idx],
-            self._values[layer_idx],
-            k.to(self.dtype).contiguous(),
-            v.to(self.dtype).contiguous(),
-            slot_mapping,
-        )
+        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (the
+        cache's dtype) at slot ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all
+        tokens in one call; slots equal to ``-1`` are skipped."""
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        write_kv(keys, values, k.contiguous(), v.contiguous(), slot_mapping)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of

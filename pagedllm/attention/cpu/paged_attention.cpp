@@ -189,13 +189,14 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
       k_rows[t] = k_cache + off;
       v_rows[t] = v_cache + off;
     }
-    // Blocks are scattered, so the hardware prefetcher cannot run ahead of us.
+    // Blocks are scattered, so the hardware prefetcher cannot run ahead of us; fetching
+    // into L2 (locality 1) measured faster than into L1 or not at all.
     const int64_t ahead_end = std::min(visible_end, c0 + (kPrefetchChunks + 1) * kLanes);
     for (int64_t pos = c0 + kPrefetchChunks * kLanes; pos < ahead_end; ++pos) {
       const int64_t off = row_offset(pos);
       for (int64_t line = 0; line < row_bytes; line += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off) + line);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + off) + line);
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off) + line, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + off) + line, 0, 1);
       }
     }
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {

@@ -1,0 +1,211 @@
+"""Paged attention on CPU against torch's SDPA, side by side in one run.
+
+Prints JSON lines: the machine (cores, measured memory bandwidth), the extension's load
+time, then per shape the median time of the paged kernel, of SDPA on the same K/V
+already contiguous, and of gathering K/V through the block table followed by SDPA,
+with the ratios and the K/V read bandwidth each achieves. Candidates are timed
+round-robin so that background load hits them alike.
+
+    python benchmarks/attention.py [--reps 9] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.cpu import paged_attention
+from pagedllm.attention.cpu.extension import ops
+
+NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 9, 3, 64  # SmolLM2-135M's attention
+
+
+def emit(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def race(candidates: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds per call of each candidate, timed in turns after one warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for fn in candidates.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def memory_bandwidth(reps: int) -> dict[str, float]:
+    """GB/s of a 512 MiB sum (reads only) and of a 256 MiB copy (read + write)."""
+    x = torch.ones(128 * 2**20)
+    src, dst = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
+    t = race({"sum": x.sum, "copy": lambda: dst.copy_(src)}, reps)
+    return {"sum_gb_s": x.nbytes / t["sum"] / 1e9, "copy_gb_s": 2 * src.nbytes / t["copy"] / 1e9}
+
+
+class PagedBatch:
+    """``num_seqs`` sequences of ``seq_len`` tokens in scattered blocks; the last
+    ``q_len`` tokens of each are the queries."""
+
+    def __init__(
+        self,
+        num_seqs: int,
+        seq_len: int,
+        q_len: int,
+        block_size: int,
+        dtype: torch.dtype,
+        token_major: bool = False,
+    ):
+        blocks_per_seq = -(-seq_len // block_size)
+        num_blocks = num_seqs * blocks_per_seq
+        if token_major:  # [blocks, block_size, heads, dim], seen through a permuted view
+            storage = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+            self.k_cache, self.v_cache = storage.permute(0, 1, 3, 2, 4).unbind(0)
+        else:
+            storage = torch.randn(2, num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM).to(dtype)
+            self.k_cache, self.v_cache = storage.unbind(0)
+        self.kv_bytes = storage.numel() * storage.element_size()
+        perm = torch.randperm(num_blocks, dtype=torch.int32)
+        self.block_tables = perm.view(num_seqs, blocks_per_seq)
+        self.seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+        self.query_start_loc = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
+        self.q = torch.randn(num_seqs * q_len, NUM_Q_HEADS, HEAD_DIM).to(dtype)
+        self.out = torch.empty_like(self.q)
+        self.shape = (num_seqs, seq_len, q_len)
+        self.q_sdpa = self.q.view(num_seqs, q_len, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
+        context = seq_len - q_len
+        self.visible = torch.arange(seq_len) <= torch.arange(context, seq_len)[:, None]
+        self.keys, self.values = self.gather()
+
+    def paged(self) -> None:
+        paged_attention(
+            self.out, self.q, self.k_cache, self.v_cache, self.block_tables,
+            self.seq_lens, self.query_start_loc, HEAD_DIM**-0.5,
+        )  # fmt: skip
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as contiguous ``[num_seqs, kv_heads, seq_len, head_dim]``."""
+        num_seqs, seq_len, _ = self.shape
+        index = self.block_tables.long()
+
+        def one(cache: torch.Tensor) -> torch.Tensor:
+            blocks = cache[index].transpose(1, 2)  # [seqs, heads, blocks, block_size, dim]
+            return blocks.reshape(num_seqs, NUM_KV_HEADS, -1, HEAD_DIM)[:, :, :seq_len]
+
+        return one(self.k_cache), one(self.v_cache)
+
+    def sdpa(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        mask = self.visible if self.shape[2] > 1 else None
+        return F.scaled_dot_product_attention(
+            self.q_sdpa, keys, values, attn_mask=mask, enable_gqa=True
+        )
+
+    def sdpa_contiguous(self) -> torch.Tensor:
+        return self.sdpa(self.keys, self.values)
+
+    def gather_then_sdpa(self) -> torch.Tensor:
+        return self.sdpa(*self.gather())
+
+
+def bench_decode(reps: int, contexts: list[int], dtypes: list[torch.dtype]) -> None:
+    for dtype in dtypes:
+        for context in contexts:
+            batch = PagedBatch(NUM_SEQS, context, 1, 16, dtype)
+            t = race(
+                {
+                    "paged": batch.paged,
+                    "sdpa_contiguous": batch.sdpa_contiguous,
+                    "gather_then_sdpa": batch.gather_then_sdpa,
+                },
+                reps,
+            )
+            emit(
+                bench="decode",
+                dtype=str(dtype).removeprefix("torch."),
+                num_seqs=NUM_SEQS,
+                context=context,
+                block_size=16,
+                ms={k: round(v * 1e3, 3) for k, v in t.items()},
+                paged_over_sdpa=round(t["paged"] / t["sdpa_contiguous"], 3),
+                gather_sdpa_over_paged=round(t["gather_then_sdpa"] / t["paged"], 2),
+                paged_kv_gb_s=round(batch.kv_bytes / t["paged"] / 1e9, 2),
+                sdpa_kv_gb_s=round(batch.kv_bytes / t["sdpa_contiguous"] / 1e9, 2),
+            )
+
+
+def bench_block_sizes(reps: int, block_sizes: list[int], context: int) -> None:
+    """Decode time per block size, and the token-major layout at the same block sizes."""
+    for dtype in (torch.float32, torch.bfloat16):
+        candidates, sizes = {}, {}
+        for block_size in block_sizes:
+            for token_major in (False, True):
+                batch = PagedBatch(NUM_SEQS, context, 1, block_size, dtype, token_major)
+                name = f"{'token' if token_major else 'head'}_major_{block_size}"
+                candidates[name] = batch.paged
+                sizes[name] = batch.kv_bytes
+        t = race(candidates, reps)
+        for block_size in block_sizes:
+            head, token = t[f"head_major_{block_size}"], t[f"token_major_{block_size}"]
+            emit(
+                bench="decode_block_size",
+                dtype=str(dtype).removeprefix("torch."),
+                context=context,
+                block_size=block_size,
+                head_major_ms=round(head * 1e3, 3),
+                token_major_ms=round(token * 1e3, 3),
+                head_major_kv_gb_s=round(sizes[f"head_major_{block_size}"] / head / 1e9, 2),
+            )
+
+
+def bench_prefill(reps: int, chunk: int, context: int) -> None:
+    """One sequence: ``chunk`` new tokens after ``context`` cached ones."""
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = PagedBatch(1, context + chunk, chunk, 16, dtype)
+        t = race({"paged": batch.paged, "sdpa_contiguous": batch.sdpa_contiguous}, reps)
+        flops = 4 * chunk * NUM_Q_HEADS * HEAD_DIM * (context + (chunk + 1) / 2)
+        emit(
+            bench="prefill",
+            dtype=str(dtype).removeprefix("torch."),
+            chunk=chunk,
+            context=context,
+            block_size=16,
+            ms={k: round(v * 1e3, 3) for k, v in t.items()},
+            paged_over_sdpa=round(t["paged"] / t["sdpa_contiguous"], 3),
+            paged_gflops=round(flops / t["paged"] / 1e9, 1),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=9, help="timed calls per candidate")
+    parser.add_argument("--quick", action="store_true", help="decode targets only")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    ops()
+    emit(
+        bench="machine",
+        cpus=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        extension_load_s=round(time.perf_counter() - start, 2),
+        **{k: round(v, 1) for k, v in memory_bandwidth(args.reps).items()},
+    )
+    bench_decode(args.reps, [512, 2048], [torch.float32, torch.bfloat16])
+    if args.quick:
+        return
+    bench_prefill(args.reps, chunk=256, context=2048)
+    bench_block_sizes(args.reps, [8, 16, 32, 64, 128, 256], context=2048)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
