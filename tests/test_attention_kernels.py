@@ -33,10 +33,10 @@ def lengths_for(mode: str, rng: random.Random, max_len: int) -> tuple[list[int],
     if mode == "decode":
         return seq_lens, [1] * len(seq_lens)
     if mode == "prefill":
-        seq_lens = [min(n, 300) for n in seq_lens]
+        seq_lens = [min(n, 200) for n in seq_lens]
         return seq_lens, seq_lens
     if mode == "chunked_prefill":
-        return seq_lens, [rng.randint(1, min(n, 200)) for n in seq_lens]
+        return seq_lens, [rng.randint(1, min(n, 128)) for n in seq_lens]
     seq_lens = [max(2, n) for n in seq_lens] + [rng.randint(1, 150)]
     query_lens = [1] * (len(seq_lens) - 2) + [rng.randint(2, seq_lens[-2]), seq_lens[-1]]
     return seq_lens, [min(q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
