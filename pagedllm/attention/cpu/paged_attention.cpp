@@ -27,7 +27,9 @@ typedef uint16_t vhalf __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 constexpr int kMaxVectors = 16;  // head_dim <= 256
 constexpr int kQueryTile = 16;  // query tokens per work item in prefill
-constexpr int kPrefetchChunks = 2;  // how far ahead K/V rows are prefetched, in chunks of 16
+constexpr int kChunkVectors = 2;
+constexpr int kChunk = kChunkVectors * kLanes;  // positions per online-softmax step
+constexpr int kPrefetchDistance = 32;           // positions ahead that K/V rows are prefetched
 constexpr float kMinScore = -1e30f;
 // Below this many (query row, position) pairs, waking a second thread costs more than
 // it saves.
@@ -72,8 +74,12 @@ inline float hsum(vfloat v) {
 }
 
 inline float hmax(vfloat v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  typedef float half8 __attribute__((vector_size(32)));
+  const half8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const half8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const half8 h = a > b ? a : b;
+  float m = h[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, h[i]);
   return m;
 }
 
@@ -171,10 +177,10 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
     w.row_max[r] = kMinScore;
     w.row_sum[r] = 0.f;
   }
-  const T* k_rows[kLanes];
-  const T* v_rows[kLanes];
-  vfloat parts[RB][kLanes];
-  alignas(64) float probs[RB][kLanes];
+  const T* k_rows[kChunk];
+  const T* v_rows[kChunk];
+  vfloat parts[RB][kChunk];
+  alignas(64) float probs[RB][kChunk];
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t visible_end = first_pos + num_tokens;
   const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
@@ -182,8 +188,8 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
     return table[pos >> s.block_size_shift] * s.block_stride + kv_head * s.head_stride +
            (pos & block_mask) * s.token_stride;
   };
-  for (int64_t c0 = 0; c0 < visible_end; c0 += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, visible_end - c0);
+  for (int64_t c0 = 0; c0 < visible_end; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, visible_end - c0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t off = row_offset(c0 + t);
       k_rows[t] = k_cache + off;
@@ -191,8 +197,8 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
     }
     // Blocks are scattered, so the hardware prefetcher cannot run ahead of us; fetching
     // into L2 (locality 1) measured faster than into L1 or not at all.
-    const int64_t ahead_end = std::min(visible_end, c0 + (kPrefetchChunks + 1) * kLanes);
-    for (int64_t pos = c0 + kPrefetchChunks * kLanes; pos < ahead_end; ++pos) {
+    const int64_t ahead_end = std::min(visible_end, c0 + kPrefetchDistance + kChunk);
+    for (int64_t pos = c0 + kPrefetchDistance; pos < ahead_end; ++pos) {
       const int64_t off = row_offset(pos);
       for (int64_t line = 0; line < row_bytes; line += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k_cache + off) + line, 0, 1);
@@ -208,7 +214,7 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
       }
       if (seen_max == 0) continue;
       const vfloat* qr = &w.query[r0 * nv];
-      for (int64_t t = 0; t < kLanes; ++t) {
+      for (int64_t t = 0; t < kChunk; ++t) {
         if (t >= seen_max) {
           for (int i = 0; i < RB; ++i) parts[i][t] = vfloat{};
           continue;
@@ -223,18 +229,30 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
       }
       for (int i = 0; i < RB; ++i) {
         const int64_t r = r0 + i;
-        const vfloat visible = lane < static_cast<float>(seen[i]) ? vfloat{} + 1.f : vfloat{};
-        const vfloat score = visible > 0.f ? transpose_sum(parts[i]) : vfloat{} + kMinScore;
-        const float new_max = std::max(w.row_max[r], hmax(score));
+        vfloat visible[kChunkVectors], score[kChunkVectors];
+        vfloat chunk_max = vfloat{} + kMinScore;
+        for (int c = 0; c < kChunkVectors; ++c) {
+          visible[c] = lane + static_cast<float>(c * kLanes) < static_cast<float>(seen[i])
+                           ? vfloat{} + 1.f
+                           : vfloat{};
+          score[c] = visible[c] > 0.f ? transpose_sum(&parts[i][c * kLanes])
+                                      : vfloat{} + kMinScore;
+          chunk_max = chunk_max > score[c] ? chunk_max : score[c];
+        }
+        const float new_max = std::max(w.row_max[r], hmax(chunk_max));
         if (new_max > w.row_max[r]) {
           const float correction = vexp(vfloat{} + (w.row_max[r] - new_max))[0];
           w.row_sum[r] *= correction;
           for (int64_t j = 0; j < nv; ++j) w.acc[r * nv + j] *= correction;
           w.row_max[r] = new_max;
         }
-        const vfloat p = vexp(score - new_max) * visible;
-        w.row_sum[r] += hsum(p);
-        std::memcpy(probs[i], &p, sizeof p);
+        vfloat sum = vfloat{};
+        for (int c = 0; c < kChunkVectors; ++c) {
+          const vfloat p = vexp(score[c] - new_max) * visible[c];
+          sum += p;
+          std::memcpy(&probs[i][c * kLanes], &p, sizeof p);
+        }
+        w.row_sum[r] += hsum(sum);
       }
       vfloat acc[RB][kNV];
       for (int i = 0; i < RB; ++i)
