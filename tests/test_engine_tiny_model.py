@@ -39,17 +39,15 @@ def make_llm(loaded, num_blocks: int, **overrides) -> LLM:
     return LLM.from_engine(LLMEngine(EngineConfig(**settings), loaded))
 
 
-def random_requests(count: int, seed: int = 0):
+def random_requests(count: int, seed: int = 0, max_len: int = 80):
+    """Greedy requests of random prompt and output lengths, each at most ``max_len``."""
     rng = random.Random(seed)
     prompts, params = [], []
     for _ in range(count):
-        prompt_len = rng.randint(1, 90)
+        prompt_len = rng.randint(1, max_len // 2)
         prompts.append({"prompt_token_ids": [rng.randrange(2, 512) for _ in range(prompt_len)]})
-        params.append(
-            SamplingParams(
-                temperature=0.0, max_tokens=rng.randint(1, 150 - prompt_len), ignore_eos=True
-            )
-        )
+        max_tokens = rng.randint(1, max_len // 2)
+        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return prompts, params
 
 
@@ -57,12 +55,13 @@ def test_stress_small_pool_equals_unconstrained_run(tiny_model):
     prompts, params = random_requests(200)
     roomy = make_llm(tiny_model, num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=4096)
     expected = roomy.generate(prompts, params, use_tqdm=False)
-    cramped = make_llm(tiny_model, num_blocks=40, max_model_len=150)
+    # 24 blocks of 4 tokens: about three of these requests at a time
+    cramped = make_llm(tiny_model, num_blocks=24, max_model_len=80, max_num_batched_tokens=64)
     got = cramped.generate(prompts, params, use_tqdm=False)
     stats = cramped.llm_engine.get_stats()
     assert stats.num_preemptions_total > 0
-    assert stats.peak_blocks_used <= 40
-    assert stats.num_blocks_used == 0 and stats.num_blocks_free == 40
+    assert stats.peak_blocks_used <= 24
+    assert stats.num_blocks_used == 0 and stats.num_blocks_free == 24
     assert not cramped.llm_engine.has_unfinished_requests()
     for want, have, p in zip(expected, got, params, strict=True):
         assert have.finished and len(have.outputs[0].token_ids) == p.max_tokens
@@ -70,7 +69,7 @@ def test_stress_small_pool_equals_unconstrained_run(tiny_model):
 
 
 def test_contiguous_mode_runs_fewer_sequences_with_same_outputs(tiny_model):
-    prompts, params = random_requests(24, seed=1)
+    prompts, params = random_requests(24, seed=1, max_len=160)
     paged = make_llm(tiny_model, num_blocks=160, max_model_len=160, reserved_fraction=0.0)
     contiguous = make_llm(
         tiny_model,
