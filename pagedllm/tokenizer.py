@@ -44,20 +44,15 @@ class IncrementalDecoder:
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else None
         self._backend = backend
         self._stream = DecodeStream(ids=context, skip_special_tokens=True)
-        self._pieces: list[str] = []
+        self.text = ""  # all complete text decoded so far
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; return the text it completes (maybe ``""``)."""
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return ""
-        self._pieces.append(piece)
+        self.text += piece
         return piece
-
-    @property
-    def text(self) -> str:
-        """All complete text decoded so far."""
-        return "".join(self._pieces)
 
 
 class Tokenizer:

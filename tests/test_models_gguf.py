@@ -88,7 +88,9 @@ def round_trip(hf_model, qtype: QType) -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype", [QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda q: q.name
+    "qtype",
+    [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q5_1, QType.Q4_0, QType.Q4_1],
+    ids=lambda q: q.name,
 )
 def test_gguf_and_safetensors_with_same_weights_agree(tmp_path, qtype):
     hf_model = write_checkpoint(tmp_path / "hf", "llama-gqa-untied")
