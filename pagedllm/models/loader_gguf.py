@@ -134,7 +134,9 @@ def dequantized(tensor: Any) -> torch.Tensor:
         raise ModelLoadError(
             f"tensor {tensor.name!r} holds {values.size} values, expected shape {expected}"
         )
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(expected))
+    values = np.asarray(values, dtype=np.float32).reshape(expected)
+    # Unquantized tensors come back as read-only views of the file: copy those only.
+    return torch.from_numpy(values if values.flags.writeable else values.copy())
 
 
 def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
