@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.server.cli import add_serve_parser
 
     add_serve_parser(commands)
+
+    from pagedllm.plan.cli import add_plan_parser
+
+    add_plan_parser(commands)
     return parser
 
 

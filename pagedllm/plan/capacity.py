@@ -1,0 +1,242 @@
+"""Capacity arithmetic: KV bytes per token, blocks in a budget, sequences in a pool.
+
+Units: tokens, blocks of ``block_size`` tokens, bytes. The KV cache of one token holds
+K and V for every layer and KV head: ``2 x layers x kv_heads x head_dim`` elements.
+Blocks are counted with the engine's own :func:`~pagedllm.kv.kv_cache.bytes_per_block`,
+so an unquantized plan holds exactly the blocks the engine allocates for that budget.
+
+Quantized caches (fp8, int8) are assumed to carry one float32 scale per layer, K/V,
+block and KV head: ``4 / (block_size x head_dim)`` bytes per element, 0.2 % at block
+size 16 and head_dim 128. Weights take ``parameters x bytes per weight``; the
+activation reserve is a fraction of the weight bytes (seed 003 suggests 10-20 %).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.models.config import ModelConfig
+from pagedllm.plan.model_shape import ModelShape
+
+SCALE_BYTES = 4  # one float32 scale
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """A KV cache element type; ``quantized`` ones carry per-block, per-head scales."""
+
+    name: str
+    torch_dtype: torch.dtype
+    quantized: bool = False
+
+    @property
+    def element_bytes(self) -> int:
+        return self.torch_dtype.itemsize
+
+    def scale_bytes_per_block(self, config: ModelConfig) -> int:
+        """Scale bytes one block adds across all layers (0 when not quantized)."""
+        return 2 * config.num_layers * config.num_kv_heads * SCALE_BYTES if self.quantized else 0
+
+
+KV_DTYPES: dict[str, KVDtype] = {
+    "float32": KVDtype("float32", torch.float32),
+    "bfloat16": KVDtype("bfloat16", torch.bfloat16),
+    "float16": KVDtype("float16", torch.float16),
+    "fp8": KVDtype("fp8", torch.float8_e4m3fn, quantized=True),
+    "int8": KVDtype("int8", torch.int8, quantized=True),
+}
+
+# Bytes per weight by storage type (int4: two weights per byte, scales ignored).
+WEIGHT_BYTES: dict[str, float] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
+
+
+def kv_elements_per_token(config: ModelConfig) -> int:
+    """K and V elements one token stores across all layers: ``2 x layers x kv_heads x head_dim``."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: KVDtype) -> int:
+    """Bytes of K/V per token across all layers, scales excluded."""
+    return kv_elements_per_token(config) * kv_dtype.element_bytes
+
+
+def hidden_size_estimate(config: ModelConfig, num_tokens: int, element_bytes: int) -> int:
+    """Seed 003's formula ``2 x layers x tokens x hidden x bytes``: exact without GQA, an
+    overestimate by ``num_heads / num_kv_heads`` with it."""
+    return 2 * config.num_layers * num_tokens * config.hidden_size * element_bytes
+
+
+def block_elements_per_layer(config: ModelConfig, block_size: int) -> int:
+    """K and V elements of one block in one layer (seed 000's 16 x 32 x 128 x 2)."""
+    return 2 * block_size * config.num_kv_heads * config.head_dim
+
+
+def block_bytes(config: ModelConfig, block_size: int, kv_dtype: KVDtype) -> int:
+    """Bytes of one block across all layers, K and V, scales included."""
+    data = bytes_per_block(
+        config.num_layers, block_size, config.num_kv_heads, config.head_dim, kv_dtype.torch_dtype
+    )
+    return data + kv_dtype.scale_bytes_per_block(config)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens holds: ``ceil(num_tokens / block_size)``."""
+    return -(-num_tokens // block_size)
+
+
+def max_seqs_paged(num_blocks: int, block_size: int, seq_len: int, prefix_len: int = 0) -> int:
+    """Sequences of ``seq_len`` tokens that fit in ``num_blocks`` blocks allocated on demand.
+
+    The first ``prefix_len`` tokens are shared by every sequence: their full blocks are held
+    once; a partial last prefix block is private (only full blocks are shared).
+    """
+    shared = prefix_len // block_size
+    private = blocks_for_tokens(seq_len, block_size) - shared
+    if num_blocks < shared:
+        return 0
+    return (num_blocks - shared) // private
+
+
+def max_seqs_contiguous(num_blocks: int, block_size: int, max_model_len: int) -> int:
+    """Sequences that fit when each reserves ``max_model_len`` tokens up front."""
+    return num_blocks // blocks_for_tokens(max_model_len, block_size)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where memory goes, in bytes. ``total_bytes`` is ``None`` when the KV budget was
+    given directly; otherwise ``kv_bytes = total - weights - activation reserve``, the
+    reserve being ``activation_reserve`` (a fraction) of the weight bytes."""
+
+    total_bytes: int | None
+    weight_dtype: str
+    weight_bytes: int
+    activation_reserve: float
+    activation_reserve_bytes: int
+    kv_bytes: int
+
+
+def memory_budget(
+    num_parameters: int,
+    weight_dtype: str,
+    activation_reserve: float,
+    total_bytes: int | None = None,
+    kv_bytes: int | None = None,
+) -> MemoryBudget:
+    """Split ``total_bytes`` into weights, activation reserve (a fraction of the weights)
+    and KV cache, or take ``kv_bytes`` as the KV budget. Exactly one must be given."""
+    if (total_bytes is None) == (kv_bytes is None):
+        raise ValueError("give either a total memory size or a KV cache budget, not both")
+    if activation_reserve < 0:
+        raise ValueError(f"activation reserve must be a fraction >= 0, got {activation_reserve}")
+    weights = math.ceil(num_parameters * WEIGHT_BYTES[weight_dtype])
+    reserve = math.ceil(weights * activation_reserve)
+    if kv_bytes is None:
+        kv_bytes = total_bytes - weights - reserve
+        if kv_bytes <= 0:
+            raise ValueError(
+                f"{total_bytes:,} bytes do not hold the weights ({weights:,} bytes in "
+                f"{weight_dtype}) and the activation reserve ({reserve:,} bytes)"
+            )
+    return MemoryBudget(total_bytes, weight_dtype, weights, activation_reserve, reserve, kv_bytes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sequences to plan for, in tokens: ``avg_len`` per sequence (prompt + output),
+    ``max_model_len`` reserved per sequence by contiguous allocation, the first
+    ``prefix_len`` tokens shared by all, and a ``batch`` of sequences to size."""
+
+    avg_len: int
+    max_model_len: int
+    prefix_len: int = 0
+    batch: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.avg_len <= self.max_model_len:
+            raise ValueError(
+                f"average length {self.avg_len} must be in 1 .. max_model_len {self.max_model_len}"
+            )
+        if not 0 <= self.prefix_len <= self.avg_len:
+            raise ValueError(f"prefix length {self.prefix_len} must be in 0 .. {self.avg_len}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+
+
+@dataclass(frozen=True)
+class DtypeCapacity:
+    """One KV dtype's figures. Bytes include quantization scales only in ``block_bytes``
+    and what derives from it (``num_blocks``, sequence counts)."""
+
+    kv_dtype: str
+    element_bytes: int
+    kv_bytes_per_token: int
+    block_bytes_per_layer: int
+    block_bytes: int
+    batch_kv_bytes: int
+    num_blocks: int
+    num_tokens: int
+    paged_seqs: int
+    paged_seqs_with_prefix: int
+    contiguous_seqs: int
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """A model's memory plan for one block size, budget and workload, per KV dtype."""
+
+    model: ModelShape
+    block_size: int
+    budget: MemoryBudget
+    workload: Workload
+    rows: tuple[DtypeCapacity, ...]
+
+
+def dtype_capacity(
+    config: ModelConfig, block_size: int, kv_bytes: int, workload: Workload, kv_dtype: KVDtype
+) -> DtypeCapacity:
+    """The figures of one KV dtype for a budget of ``kv_bytes`` bytes."""
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_block = block_bytes(config, block_size, kv_dtype)
+    num_blocks = max(0, kv_bytes // per_block)
+    return DtypeCapacity(
+        kv_dtype=kv_dtype.name,
+        element_bytes=kv_dtype.element_bytes,
+        kv_bytes_per_token=per_token,
+        block_bytes_per_layer=block_elements_per_layer(config, block_size) * kv_dtype.element_bytes,
+        block_bytes=per_block,
+        batch_kv_bytes=workload.batch * workload.avg_len * per_token,
+        num_blocks=num_blocks,
+        num_tokens=num_blocks * block_size,
+        paged_seqs=max_seqs_paged(num_blocks, block_size, workload.avg_len),
+        paged_seqs_with_prefix=max_seqs_paged(
+            num_blocks, block_size, workload.avg_len, workload.prefix_len
+        ),
+        contiguous_seqs=max_seqs_contiguous(num_blocks, block_size, workload.max_model_len),
+    )
+
+
+def plan_capacity(
+    model: ModelShape,
+    block_size: int,
+    budget: MemoryBudget,
+    workload: Workload,
+    kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES),
+) -> CapacityPlan:
+    """Every figure of the plan, one row per name in ``kv_dtypes``."""
+    rows = tuple(
+        dtype_capacity(model.config, block_size, budget.kv_bytes, workload, KV_DTYPES[name])
+        for name in kv_dtypes
+    )
+    return CapacityPlan(model, block_size, budget, workload, rows)

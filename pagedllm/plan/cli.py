@@ -1,0 +1,137 @@
+"""``pagedllm plan``: print a capacity plan (text or JSON) and optionally draw it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedllm.config import EngineConfig, parse_bytes
+from pagedllm.kv.block_pool import validate_block_size
+from pagedllm.plan.capacity import (
+    KV_DTYPES,
+    WEIGHT_BYTES,
+    CapacityPlan,
+    Workload,
+    memory_budget,
+    plan_capacity,
+)
+from pagedllm.plan.model_shape import resolve_model
+from pagedllm.plan.presets import PRESETS
+from pagedllm.plan.report import format_text, to_json
+
+DEFAULT_AVG_LEN = 2048
+DEFAULT_ACTIVATION_RESERVE = 0.15
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``plan`` on the ``pagedllm`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="KV cache capacity planner: bytes per token, blocks, concurrent sequences",
+        description=__doc__,
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help=f"preset ({', '.join(PRESETS)}), .gguf file, config.json or HF folder "
+        "(default: the embedded SmolLM2)",
+    )
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--memory",
+        default=None,
+        help="total device memory, e.g. 80GB: weights and the "
+        "activation reserve are taken out first",
+    )
+    memory.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="the KV cache budget itself, as the engine's option (default "
+        f"{EngineConfig.kv_cache_memory} when --memory is not given)",
+    )
+    parser.add_argument("--weight-dtype", default="bfloat16", choices=list(WEIGHT_BYTES))
+    parser.add_argument(
+        "--activation-reserve",
+        type=float,
+        default=DEFAULT_ACTIVATION_RESERVE,
+        help="memory for activations as a fraction of the weight bytes (seed 003: 0.1-0.2)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default=",".join(KV_DTYPES),
+        help=f"comma list of KV cache dtypes among {', '.join(KV_DTYPES)}",
+    )
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    parser.add_argument(
+        "--avg-len",
+        type=int,
+        default=None,
+        help=f"average sequence length in tokens (default {DEFAULT_AVG_LEN} or max-model-len)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens contiguous allocation reserves per sequence (default: the model's context; "
+        "a larger value is planned as asked and flagged)",
+    )
+    parser.add_argument(
+        "--prefix-len", type=int, default=0, help="tokens every sequence shares at its start"
+    )
+    parser.add_argument("--batch", type=int, default=8, help="sequences for the batch KV column")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG", help="draw contiguous against paged layout"
+    )
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="comma list of sequence lengths (tokens) for --plot (default: a spread around "
+        "--avg-len)",
+    )
+    parser.set_defaults(func=run_plan)
+
+
+def build_plan(args: argparse.Namespace) -> CapacityPlan:
+    """The plan the command line describes."""
+    model = resolve_model(args.model)
+    kv_dtypes = tuple(name.strip() for name in args.kv_dtype.split(","))
+    unknown = [name for name in kv_dtypes if name not in KV_DTYPES]
+    if unknown:
+        raise ValueError(f"unknown KV dtype(s) {unknown}; choose among {list(KV_DTYPES)}")
+    max_model_len = args.max_model_len or model.max_context
+    workload = Workload(
+        avg_len=args.avg_len or min(DEFAULT_AVG_LEN, max_model_len),
+        max_model_len=max_model_len,
+        prefix_len=args.prefix_len,
+        batch=args.batch,
+    )
+    kv_memory = args.kv_cache_memory
+    if args.memory is None and kv_memory is None:
+        kv_memory = EngineConfig.kv_cache_memory
+    budget = memory_budget(
+        model.num_parameters,
+        args.weight_dtype,
+        args.activation_reserve,
+        total_bytes=None if args.memory is None else parse_bytes(args.memory),
+        kv_bytes=None if kv_memory is None else parse_bytes(kv_memory),
+    )
+    return plan_capacity(model, validate_block_size(args.block_size), budget, workload, kv_dtypes)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan; draw it when ``--plot`` is given."""
+    plan = build_plan(args)
+    print(json.dumps(to_json(plan), indent=2) if args.json else format_text(plan))
+    if args.plot:
+        workload = plan.workload
+        from pagedllm.plan.plot import default_lengths, draw_layouts
+
+        lengths = (
+            [int(n) for n in args.lengths.split(",")]
+            if args.lengths
+            else default_lengths(workload.avg_len, workload.max_model_len, workload.prefix_len)
+        )
+        draw_layouts(plan, lengths, args.plot)
+    return 0

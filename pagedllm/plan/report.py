@@ -1,0 +1,204 @@
+"""The plan as a readable text table or a JSON document (exact bytes, no rounding)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pagedllm.plan.capacity import (
+    KV_DTYPES,
+    SCALE_BYTES,
+    CapacityPlan,
+    DtypeCapacity,
+    block_elements_per_layer,
+    hidden_size_estimate,
+)
+
+QUANTIZED_SCALES = (
+    f"fp8 and int8 blocks carry one float32 scale ({SCALE_BYTES} bytes) per layer, K/V, "
+    "block and KV head"
+)
+
+
+def decimal_bytes(num_bytes: float) -> str:
+    """``8589934592`` -> ``"8.59 GB"`` (powers of 1000, as memory sizes are sold)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def binary_bytes(num_bytes: float) -> str:
+    """``262144`` -> ``"256 KiB"`` (powers of 1024, natural for block sizes)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.4g} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def gqa_explanation(plan: CapacityPlan) -> str:
+    """Why the KV width is ``kv_heads x head_dim`` and what seed 003's formula gets wrong."""
+    config = plan.model.config
+    kv_width = config.num_kv_heads * config.head_dim
+    ratio = f"{config.num_kv_heads}/{config.num_heads}"
+    if config.num_kv_heads == config.num_heads and kv_width == config.hidden_size:
+        return (
+            f"kv_heads/heads = {ratio}: no grouped-query attention, so the K/V width "
+            f"kv_heads x head_dim = {kv_width:,} equals the hidden size and the formula "
+            "2 x layers x tokens x hidden x bytes is exact."
+        )
+    workload, row = plan.workload, plan.rows[0]
+    naive = hidden_size_estimate(config, workload.batch * workload.avg_len, row.element_bytes)
+    return (
+        f"kv_heads/heads = {ratio}: the K/V width is kv_heads x head_dim = {kv_width:,}, "
+        f"not the hidden size {config.hidden_size:,}. The formula 2 x layers x tokens x "
+        f"hidden x bytes assumes kv_heads == heads; multiply it by {ratio} "
+        f"(batch {workload.batch} x {workload.avg_len:,} tokens in {row.kv_dtype}: "
+        f"{decimal_bytes(row.batch_kv_bytes)}, not {decimal_bytes(naive)})."
+    )
+
+
+def _memory_line(plan: CapacityPlan) -> str:
+    budget = plan.budget
+    weights = (
+        f"weights {decimal_bytes(budget.weight_bytes)} "
+        f"({plan.model.num_parameters / 1e9:.3g} B params in {budget.weight_dtype})"
+    )
+    reserve = (
+        f"activation reserve {decimal_bytes(budget.activation_reserve_bytes)} "
+        f"({budget.activation_reserve:.0%} of weights)"
+    )
+    if budget.total_bytes is None:
+        return (
+            f"KV cache budget {decimal_bytes(budget.kv_bytes)} ({budget.kv_bytes:,} bytes), "
+            f"given directly; {weights} and {reserve} come on top"
+        )
+    return (
+        f"{decimal_bytes(budget.total_bytes)} total = {weights} + {reserve} "
+        f"+ KV cache {decimal_bytes(budget.kv_bytes)}"
+    )
+
+
+def _workload_line(plan: CapacityPlan) -> str:
+    workload = plan.workload
+    line = (
+        f"blocks of {plan.block_size} tokens; sequences of {workload.avg_len:,} tokens on "
+        f"average; contiguous allocation reserves {workload.max_model_len:,} tokens per sequence"
+    )
+    if workload.max_model_len > plan.model.max_context:
+        line += " (beyond the model's context)"
+    if workload.prefix_len:
+        line += f"; the first {workload.prefix_len:,} tokens are a prefix all sequences share"
+    return line
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *rows)
+    ]
+
+
+def _per_token_rows(plan: CapacityPlan) -> list[str]:
+    elements = block_elements_per_layer(plan.model.config, plan.block_size)
+    workload = plan.workload
+    header = [
+        "KV dtype",
+        "bytes/elem",
+        "KV per token",
+        f"block per layer ({elements:,} elements)",
+        "block, all layers",
+        f"batch {workload.batch} x {workload.avg_len:,} tokens",
+    ]
+    rows = [
+        [
+            row.kv_dtype,
+            str(row.element_bytes),
+            f"{row.kv_bytes_per_token:,} B",
+            binary_bytes(row.block_bytes_per_layer),
+            binary_bytes(row.block_bytes),
+            decimal_bytes(row.batch_kv_bytes),
+        ]
+        for row in plan.rows
+    ]
+    return _table(header, rows)
+
+
+def _ratio(row: DtypeCapacity) -> str:
+    return f"{row.paged_seqs / row.contiguous_seqs:.1f}x" if row.contiguous_seqs else "-"
+
+
+def _capacity_rows(plan: CapacityPlan) -> list[str]:
+    workload = plan.workload
+    header = [
+        "KV dtype",
+        "blocks",
+        "tokens",
+        f"paged seqs @ {workload.avg_len:,}",
+        f"contiguous seqs @ {workload.max_model_len:,}",
+        "paged/contiguous",
+    ]
+    if workload.prefix_len:
+        header.insert(4, f"paged, {workload.prefix_len:,}-token shared prefix")
+    rows = []
+    for row in plan.rows:
+        cells = [
+            row.kv_dtype,
+            f"{row.num_blocks:,}",
+            f"{row.num_tokens:,}",
+            f"{row.paged_seqs:,}",
+            f"{row.contiguous_seqs:,}",
+            _ratio(row),
+        ]
+        if workload.prefix_len:
+            cells.insert(4, f"{row.paged_seqs_with_prefix:,}")
+        rows.append(cells)
+    return _table(header, rows)
+
+
+def format_text(plan: CapacityPlan) -> str:
+    """The plan as aligned tables with a few lines of context."""
+    config = plan.model.config
+    model = (
+        f"{plan.model.name}: {config.num_layers} layers, {config.num_heads} heads, "
+        f"{config.num_kv_heads} KV heads x {config.head_dim} dims (hidden "
+        f"{config.hidden_size:,}), {plan.model.num_parameters / 1e9:.3g} B parameters, "
+        f"max context {plan.model.max_context:,} tokens"
+    )
+    lines = [
+        f"Model     {model}",
+        f"GQA       {gqa_explanation(plan)}",
+        f"Memory    {_memory_line(plan)}",
+        f"Workload  {_workload_line(plan)}",
+    ]
+    if any(KV_DTYPES[row.kv_dtype].quantized for row in plan.rows):
+        lines.append(f"Scales    {QUANTIZED_SCALES} (in 'block, all layers' and the counts)")
+    lines += ["", "KV cache per token and per block", *_per_token_rows(plan)]
+    lines += ["", f"Capacity of {decimal_bytes(plan.budget.kv_bytes)} of KV cache"]
+    lines += _capacity_rows(plan)
+    return "\n".join(lines)
+
+
+def to_json(plan: CapacityPlan) -> dict[str, Any]:
+    """The plan as plain data: every size in bytes, lengths in tokens."""
+    config = plan.model.config
+    return {
+        "model": {
+            "name": plan.model.name,
+            "num_layers": config.num_layers,
+            "hidden_size": config.hidden_size,
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "num_parameters": plan.model.num_parameters,
+            "max_context": plan.model.max_context,
+            "gqa_ratio": plan.model.gqa_ratio,
+        },
+        "block_size": plan.block_size,
+        "block_elements_per_layer": block_elements_per_layer(config, plan.block_size),
+        "budget": dataclasses.asdict(plan.budget),
+        "workload": dataclasses.asdict(plan.workload),
+        "assumptions": {"quantized_scales": QUANTIZED_SCALES},
+        "kv_dtypes": [dataclasses.asdict(row) for row in plan.rows],
+    }

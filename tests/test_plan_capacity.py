@@ -1,0 +1,145 @@
+"""The planner's arithmetic against the seeds' worked examples and published model sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kv.fragmentation import fragmentation_stats
+from pagedllm.kv.kv_cache import num_blocks_for_budget
+from pagedllm.plan.capacity import (
+    KV_DTYPES,
+    Workload,
+    block_bytes,
+    block_elements_per_layer,
+    dtype_capacity,
+    hidden_size_estimate,
+    kv_bytes_per_token,
+    max_seqs_contiguous,
+    max_seqs_paged,
+    memory_budget,
+)
+from pagedllm.plan.layout import SHARED_OWNER, paged_layout
+from pagedllm.plan.model_shape import count_parameters, resolve_model
+from pagedllm.plan.presets import PRESETS
+from pagedllm.plan.report import binary_bytes, decimal_bytes
+
+FP16 = KV_DTYPES["float16"]
+
+
+@pytest.mark.parametrize(
+    ("length", "exact", "shown"),
+    [(2048, 8_589_934_592, "8.59 GB"), (8192, 34_359_738_368, "34.36 GB")],
+)
+def test_seed003_batch_of_8_in_fp16(length, exact, shown):
+    """32 layers, hidden 4096, no GQA: 8 x 2,048 tokens ~ 8.6 GB, 8 x 8,192 ~ 34 GB."""
+    config = resolve_model("llama-2-7b").config
+    assert (config.num_layers, config.hidden_size) == (32, 4096)
+    assert config.num_kv_heads * config.head_dim == config.hidden_size
+    workload = Workload(avg_len=length, max_model_len=length, batch=8)
+    row = dtype_capacity(config, 16, 10**12, workload, FP16)
+    assert row.batch_kv_bytes == exact == hidden_size_estimate(config, 8 * length, 2)
+    assert decimal_bytes(row.batch_kv_bytes) == shown
+
+
+def test_seed000_block_of_16_tokens_32_heads_128_dims():
+    """131,072 elements per layer, 256 KiB at fp16."""
+    config = resolve_model("llama-2-7b").config
+    assert block_elements_per_layer(config, 16) == 131_072
+    row = dtype_capacity(config, 16, 10**9, Workload(16, 16), FP16)
+    assert row.block_bytes_per_layer == 262_144
+    assert binary_bytes(row.block_bytes_per_layer) == "256 KiB"
+    assert row.block_bytes == 32 * 262_144
+
+
+def test_gqa_scales_the_hidden_size_formula_by_kv_heads_over_heads():
+    config = resolve_model("llama-3-8b").config
+    per_token = kv_bytes_per_token(config, KV_DTYPES["bfloat16"])
+    assert per_token == 131_072
+    assert per_token * config.num_heads == hidden_size_estimate(config, 1, 2) * config.num_kv_heads
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_parameter_counts_match_their_shapes(name):
+    shape = resolve_model(name)
+    assert count_parameters(shape.config) == PRESETS[name].num_parameters == shape.num_parameters
+
+
+def test_blocks_match_the_kv_cache_sizing_for_unquantized_dtypes():
+    config = resolve_model("mistral-7b").config
+    budget = 3 * 10**9 + 12345
+    for name in ("float32", "bfloat16", "float16"):
+        row = dtype_capacity(config, 16, budget, Workload(100, 1000), KV_DTYPES[name])
+        expected = num_blocks_for_budget(
+            budget,
+            config.num_layers,
+            16,
+            config.num_kv_heads,
+            config.head_dim,
+            KV_DTYPES[name].torch_dtype,
+        )
+        assert row.num_blocks == expected
+        assert row.num_tokens == 16 * expected
+
+
+def test_quantized_blocks_carry_scales_and_hold_about_twice_bfloat16():
+    config = resolve_model("llama-3-8b").config
+    scales = 2 * config.num_layers * config.num_kv_heads * 4
+    assert (
+        block_bytes(config, 16, KV_DTYPES["int8"])
+        == block_bytes(config, 16, KV_DTYPES["bfloat16"]) // 2 + scales
+    )
+    budget = 10 * 10**9
+    counts = {
+        name: dtype_capacity(config, 16, budget, Workload(100, 1000), KV_DTYPES[name]).num_blocks
+        for name in ("float32", "bfloat16", "int8", "fp8")
+    }
+    assert counts["int8"] == counts["fp8"] >= 1.9 * counts["bfloat16"]
+    assert counts["int8"] >= 3.8 * counts["float32"]
+
+
+def test_paged_against_contiguous_and_a_shared_prefix():
+    # 100 blocks of 16: 300-token sequences take 19 blocks, 2,048-token reservations 128.
+    assert max_seqs_paged(100, 16, 300) == 5
+    assert max_seqs_contiguous(100, 16, 2048) == 0
+    assert max_seqs_contiguous(256, 16, 2048) == 2
+    # A 100-token prefix shares 6 full blocks; each sequence keeps 13 private blocks.
+    assert max_seqs_paged(100, 16, 300, prefix_len=100) == (100 - 6) // 13
+    assert max_seqs_paged(5, 16, 300, prefix_len=100) == 0
+
+
+def test_memory_budget_takes_weights_and_activation_reserve_first():
+    params = PRESETS["llama-3-8b"].num_parameters
+    budget = memory_budget(params, "bfloat16", 0.2, total_bytes=80 * 10**9)
+    assert budget.weight_bytes == 2 * params
+    assert budget.activation_reserve_bytes == pytest.approx(0.4 * params, abs=1)
+    assert budget.kv_bytes == 80 * 10**9 - budget.weight_bytes - budget.activation_reserve_bytes
+    with pytest.raises(ValueError, match="do not hold the weights"):
+        memory_budget(params, "bfloat16", 0.2, total_bytes=16 * 10**9)
+    with pytest.raises(ValueError, match="either"):
+        memory_budget(params, "bfloat16", 0.2)
+
+
+def test_paged_layout_counts_like_seed004():
+    """Lengths 10 and 7, block size 4, a 4-token shared prefix: 4 blocks, 13 live tokens."""
+    layout = paged_layout([10, 7], 4, prefix_len=4)
+    assert [use.owner for use in layout] == [SHARED_OWNER, 0, 1, 0]
+    tables = [
+        [use.block_id for use in layout if use.owner in (SHARED_OWNER, owner)] for owner in (0, 1)
+    ]
+    stats = fragmentation_stats(tables, [10, 7], 4)
+    assert stats.unique_blocks == len(layout) == 4
+    assert stats.live_tokens == sum(use.filled for use in layout) == 13
+    assert stats.internal_fragmentation_slots == 3
+
+
+def test_workload_rejects_impossible_lengths():
+    with pytest.raises(ValueError):
+        Workload(avg_len=5000, max_model_len=4096)
+    with pytest.raises(ValueError):
+        Workload(avg_len=100, max_model_len=4096, prefix_len=200)
+
+
+def test_kv_dtypes_use_the_torch_element_sizes():
+    assert [KV_DTYPES[n].element_bytes for n in KV_DTYPES] == [4, 2, 2, 1, 1]
+    assert KV_DTYPES["fp8"].torch_dtype == torch.float8_e4m3fn

@@ -1,0 +1,139 @@
+"""``pagedllm plan`` end to end: model sources, text and JSON output, the layout picture,
+and the block count the engine really allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedllm.cli import main
+from pagedllm.config import EngineConfig
+from pagedllm.plan.model_shape import resolve_model
+from pagedllm.plan.presets import PRESETS
+
+
+def run_plan(capsys, *argv: str) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_text_output_shows_the_seed_examples(capsys):
+    out = run_plan(capsys, "llama-2-7b", "--kv-dtype", "float16", "--batch", "8")
+    assert "131,072 elements" in out and "256 KiB" in out
+    assert "8.59 GB" in out
+    assert "no grouped-query attention" in out
+    out = run_plan(
+        capsys,
+        "llama-2-7b",
+        "--kv-dtype",
+        "float16",
+        "--avg-len",
+        "8192",
+        "--max-model-len",
+        "8192",
+    )
+    assert "34.36 GB" in out and "beyond the model's context" in out
+
+
+def test_text_output_explains_the_gqa_correction(capsys):
+    out = run_plan(capsys, "llama-3-8b", "--kv-dtype", "bfloat16")
+    assert "multiply it by 8/32" in out
+    assert "2.15 GB, not 8.59 GB" in out
+
+
+def test_json_output_with_total_memory_and_shared_prefix(capsys):
+    out = run_plan(
+        capsys,
+        "llama-3-70b",
+        "--json",
+        "--memory",
+        "320GB",
+        "--weight-dtype",
+        "fp8",
+        "--activation-reserve",
+        "0.1",
+        "--avg-len",
+        "1000",
+        "--prefix-len",
+        "500",
+    )
+    plan = json.loads(out)
+    params = PRESETS["llama-3-70b"].num_parameters
+    assert plan["model"]["num_parameters"] == params
+    budget = plan["budget"]
+    assert budget["weight_bytes"] == params
+    assert budget["kv_bytes"] == 320 * 10**9 - params - budget["activation_reserve_bytes"]
+    rows = {row["kv_dtype"]: row for row in plan["kv_dtypes"]}
+    assert set(rows) == {"float32", "bfloat16", "float16", "fp8", "int8"}
+    bf16 = rows["bfloat16"]
+    assert bf16["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2
+    assert bf16["paged_seqs_with_prefix"] > bf16["paged_seqs"] > bf16["contiguous_seqs"]
+
+
+def test_unknown_model_or_dtype_is_a_clear_error(capsys):
+    assert main(["plan", "no-such-model"]) == 2
+    assert "not a preset" in capsys.readouterr().err
+    assert main(["plan", "llama-3-8b", "--kv-dtype", "int3"]) == 2
+    assert "unknown KV dtype" in capsys.readouterr().err
+
+
+def test_hf_config_file_and_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen2-7b"].hf_config))
+    for source in (tmp_path, tmp_path / "config.json"):
+        shape = resolve_model(str(source))
+        assert shape.config.num_kv_heads == 4
+        assert shape.num_parameters == PRESETS["qwen2-7b"].num_parameters
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    path = tmp_path / "layout.png"
+    run_plan(
+        capsys,
+        "smollm2-135m",
+        "--max-model-len",
+        "512",
+        "--avg-len",
+        "200",
+        "--prefix-len",
+        "40",
+        "--plot",
+        str(path),
+    )
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (
+        main(
+            [
+                "plan",
+                "smollm2-135m",
+                "--max-model-len",
+                "512",
+                "--lengths",
+                "600",
+                "--plot",
+                str(path),
+            ]
+        )
+        == 2
+    )
+
+
+@pytest.mark.slow
+def test_default_model_blocks_equal_what_the_engine_allocates(capsys, default_model):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    budget = 300_000_000
+    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, log_stats_interval=0), default_model)
+    plan = json.loads(run_plan(capsys, "--json", "--kv-cache-memory", str(budget)))
+    config = engine.model_config
+    shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+    assert (
+        plan["model"]["num_layers"],
+        plan["model"]["num_kv_heads"],
+        plan["model"]["head_dim"],
+    ) == shape
+    rows = {row["kv_dtype"]: row for row in plan["kv_dtypes"]}
+    assert engine.config.dtype == torch.float32
+    assert rows["float32"]["num_blocks"] == engine.num_blocks == engine.kv_cache.num_blocks
+    assert rows["float32"]["block_bytes"] * engine.num_blocks == engine.kv_cache.nbytes
