@@ -50,7 +50,7 @@ def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", sk
             continue
         data = tensor.numpy()
         projection = name.split(".")[-2]
-        if projection in heads:
+        if arch == "llama" and projection in heads:  # llama.cpp keeps Qwen2's order
             data = interleave_rope_rows(data, heads[projection])
         if qtype == QType.I32:  # a type no loader can read as weights
             writer.add_tensor(stored, data.astype(np.int32))
@@ -105,6 +105,15 @@ def test_gguf_and_safetensors_with_same_weights_agree(tmp_path, qtype):
     torch.testing.assert_close(
         logits_of(from_gguf.model), logits_of(from_folder.model), atol=TOLERANCE, rtol=0
     )
+
+
+def test_qwen2_gguf_with_biases_matches_transformers(tmp_path):
+    hf_model = write_checkpoint(tmp_path / "hf", "qwen2-bias-tied")
+    loaded = load_model(write_gguf(tmp_path / "q.gguf", hf_model, arch="qwen2"))
+    assert loaded.config.architecture == "qwen2" and loaded.config.attention_bias
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model), expected, atol=TOLERANCE, rtol=0)
 
 
 def test_gguf_without_output_tensor_ties_embeddings(tmp_path):
