@@ -1,22 +1,20 @@
 // Paged attention on CPU: K/V are read block by block through each sequence's block
 // table, never copied into a contiguous tensor.
 //
-// Cache layout (per layer, K and V alike): [num_blocks, num_kv_heads, block_size, head_dim],
-// so one (block, kv head) pair is a contiguous block_size x head_dim tile.
+// Cache (per layer, K and V alike): [num_blocks, num_kv_heads, block_size, head_dim] with
+// any strides but a contiguous head_dim; KVCache makes each (block, kv head) pair one
+// contiguous block_size x head_dim tile.
 // Work items are (sequence, query tile, kv head); every item handles the
 // query_heads / kv_heads query heads that share one kv head (grouped-query attention),
 // so each K/V row is loaded once per group. Softmax is online, chunk by chunk.
 // Numbers are accumulated in float32 whatever the storage dtype (float32 or bfloat16).
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -51,17 +49,15 @@ inline vfloat load(const uint16_t* p) {
   return v;
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t w = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
 inline void store(float* p, float x) { *p = x; }
 inline void store(uint16_t* p, float x) {
-  c10::BFloat16 b(x);  // round to nearest even
-  std::memcpy(p, &b, sizeof b);
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = 0x7fc0;  // NaN stays NaN
+    return;
+  }
+  *p = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // nearest even
 }
 
 inline float hsum(vfloat v) {
@@ -132,12 +128,7 @@ inline vfloat vexp(vfloat x) {
   return p * scale;
 }
 
-// Strides are in elements and shared by the K and V caches; head_dim is contiguous.
-struct Shapes {
-  int64_t num_q_heads, num_kv_heads, head_dim, block_size_shift, max_blocks;
-  int64_t block_stride, head_stride, token_stride;
-  float scale;
-};
+using Shapes = pagedllm::AttentionBatch;
 
 // Running state of one query row: float32 accumulator, max score and softmax sum.
 struct Scratch {
@@ -307,141 +298,67 @@ struct Tile {
 };
 
 template <typename T>
-void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-         const at::Tensor& v_cache, const at::Tensor& block_tables,
-         const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const Shapes& s) {
-  const int64_t num_seqs = seq_lens.size(0);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+void run(const Shapes& s) {
   std::vector<Tile> tiles;
-  tiles.reserve(num_seqs);
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = starts[i + 1] - starts[i];
-    const int64_t context = lens[i] - q_len;
+  tiles.reserve(s.num_seqs);
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t start = s.query_start_loc[i];
+    const int64_t q_len = s.query_start_loc[i + 1] - start;
+    const int64_t context = s.seq_lens[i] - q_len;
     for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) {
       const int64_t n = std::min<int64_t>(kQueryTile, q_len - t0);
-      tiles.push_back({i, starts[i] + t0, n, context + t0, n * (context + t0 + n)});
+      tiles.push_back({i, start + t0, n, context + t0, n * (context + t0 + n)});
     }
   }
   // Longest first: dynamic scheduling then balances the two ends of the queue.
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
-  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-  T* op = reinterpret_cast<T*>(out.data_ptr());
-  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const T* qp = static_cast<const T*>(s.q);
+  T* op = static_cast<T*>(s.out);
+  const T* kp = static_cast<const T*>(s.k_cache);
+  const T* vp = static_cast<const T*>(s.v_cache);
   const int64_t items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
   int64_t work = 0;  // query rows x visible positions, summed
   for (const Tile& tile : tiles) work += tile.cost * s.num_q_heads;
-  const int threads = work < kMinParallelWork ? 1 : at::get_num_threads();
+  const int threads = work < kMinParallelWork ? 1 : s.num_threads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t item = 0; item < items; ++item) {
     thread_local Scratch scratch;
     const Tile& tile = tiles[item / s.num_kv_heads];
-    attend_tile_dispatch<T>(qp, op, kp, vp, tables + tile.seq * s.max_blocks, tile.first_token,
-                            tile.num_tokens, tile.first_pos, item % s.num_kv_heads, s, scratch);
-  }
-}
-
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4, "cache is [num_blocks, num_kv_heads, block_size, head_dim]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-              k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must match");
-  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be contiguous in the cache");
-}
-
-void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale) {
-  check_cache(k_cache, v_cache);
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
-              out.sizes() == q.sizes(), "q and out are contiguous [num_tokens, Hq, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "q, out and the cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-              query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
-              query_start_loc.is_contiguous());
-  const int64_t block_size = k_cache.size(2);
-  TORCH_CHECK((block_size & (block_size - 1)) == 0, "block size must be a power of two");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % kLanes == 0 &&
-              q.size(2) <= kLanes * kMaxVectors, "head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must span q");
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = starts[i + 1] - starts[i];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[i], "sequence ", i, ": bad query length");
-    const int64_t used_blocks = (lens[i] + block_size - 1) / block_size;
-    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", i,
-                " is longer than its block table");
-    const int32_t* table = block_tables.data_ptr<int32_t>() + i * block_tables.size(1);
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "sequence ", i,
-                  " refers to block ", table[b], " outside the cache");
-    }
-  }
-  Shapes s{q.size(1), k_cache.size(1), q.size(2), __builtin_ctzll(block_size),
-           block_tables.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-           static_cast<float>(scale)};
-  if (q.scalar_type() == at::kFloat) {
-    run<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-    run<uint16_t>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s);
-  }
-}
-
-// Copies row i of k and v to flat slot slot_mapping[i] of the caches; slot -1 is skipped.
-void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
-              const at::Tensor& v, const at::Tensor& slot_mapping) {
-  check_cache(k_cache, v_cache);
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && slot_mapping.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
-              "new K/V must have the cache's dtype");
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&
-              k.size(2) == k_cache.size(3) && k.size(0) == slot_mapping.size(0),
-              "k and v are [num_tokens, num_kv_heads, head_dim], one slot per token");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(2);
-  const int64_t heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t block_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
-  const int64_t token_stride = k_cache.stride(2);
-  const int64_t row_bytes = k_cache.size(3) * k.element_size();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* ks = static_cast<const char*>(k.data_ptr());
-  const auto* vs = static_cast<const char*>(v.data_ptr());
-  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
-    const int64_t slot = slots[i];
-    if (slot < 0) continue;
-    TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t dst = ((slot / block_size) * block_stride + h * head_stride +
-                           (slot % block_size) * token_stride) * k.element_size();
-      const int64_t src = (i * heads + h) * row_bytes;
-      std::memcpy(kc + dst, ks + src, row_bytes);
-      std::memcpy(vc + dst, vs + src, row_bytes);
-    }
+    attend_tile_dispatch<T>(qp, op, kp, vp, s.block_tables + tile.seq * s.max_blocks,
+                            tile.first_token, tile.num_tokens, tile.first_pos,
+                            item % s.num_kv_heads, s, scratch);
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY(pagedllm_cpu, m) {
-  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
-  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
-        "Tensor slot_mapping) -> ()");
+namespace pagedllm {
+
+void paged_attention(const AttentionBatch& batch) {
+  if (batch.bfloat16) {
+    run<uint16_t>(batch);
+  } else {
+    run<float>(batch);
+  }
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv", &write_kv);
+void write_kv(const KVWrite& w) {
+  auto* kc = static_cast<char*>(w.k_cache);
+  auto* vc = static_cast<char*>(w.v_cache);
+  const auto* ks = static_cast<const char*>(w.k);
+  const auto* vs = static_cast<const char*>(w.v);
+  for (int64_t i = 0; i < w.num_tokens; ++i) {
+    const int64_t slot = w.slots[i];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      const int64_t dst = ((slot / w.block_size) * w.block_stride + h * w.head_stride +
+                           (slot % w.block_size) * w.token_stride) * w.element_size;
+      const int64_t src = (i * w.num_kv_heads + h) * w.row_bytes;
+      std::memcpy(kc + dst, ks + src, w.row_bytes);
+      std::memcpy(vc + dst, vs + src, w.row_bytes);
+    }
+  }
 }
+
+}  // namespace pagedllm

@@ -1,0 +1,114 @@
+// Torch operators over the kernels in paged_attention.cpp: argument checks, then raw
+// pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv}.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16, kMaxVectors = 16;  // head_dim: multiple of 16, at most 256
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4, "cache is [num_blocks, num_kv_heads, block_size, head_dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+              k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must match");
+  TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be contiguous in the cache");
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     double scale) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
+              out.sizes() == q.sizes(), "q and out are contiguous [num_tokens, Hq, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "q, out and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+              query_start_loc.is_contiguous());
+  const int64_t block_size = k_cache.size(2);
+  TORCH_CHECK((block_size & (block_size - 1)) == 0, "block size must be a power of two");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % kLanes == 0 &&
+              q.size(2) <= kLanes * kMaxVectors, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must span q");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[i], "sequence ", i, ": bad query length");
+    const int64_t used_blocks = (lens[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", i,
+                " is longer than its block table");
+    const int32_t* table = block_tables.data_ptr<int32_t>() + i * block_tables.size(1);
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "sequence ", i,
+                  " refers to block ", table[b], " outside the cache");
+    }
+  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 only");
+  pagedllm::AttentionBatch batch{q.data_ptr(),
+                                 out.data_ptr(),
+                                 k_cache.data_ptr(),
+                                 v_cache.data_ptr(),
+                                 block_tables.data_ptr<int32_t>(),
+                                 lens,
+                                 starts,
+                                 num_seqs,
+                                 q.size(1),
+                                 k_cache.size(1),
+                                 q.size(2),
+                                 __builtin_ctzll(block_size),
+                                 block_tables.size(1),
+                                 k_cache.stride(0),
+                                 k_cache.stride(1),
+                                 k_cache.stride(2),
+                                 static_cast<float>(scale),
+                                 q.scalar_type() == at::kBFloat16,
+                                 at::get_num_threads()};
+  pagedllm::paged_attention(batch);
+}
+
+// Copies row i of k and v to flat slot slot_mapping[i] of the caches; slot -1 is skipped.
+void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& slot_mapping) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && slot_mapping.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "new K/V must have the cache's dtype");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&
+              k.size(2) == k_cache.size(3) && k.size(0) == slot_mapping.size(0),
+              "k and v are [num_tokens, num_kv_heads, head_dim], one slot per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
+  }
+  pagedllm::write_kv({k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots,
+                      k.size(0), k_cache.size(1), k_cache.size(2),
+                      k_cache.size(3) * k.element_size(), k_cache.stride(0), k_cache.stride(1),
+                      k_cache.stride(2), k.element_size()});
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+        "Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}

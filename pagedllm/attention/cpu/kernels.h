@@ -1,0 +1,43 @@
+// Interface between the torch bindings (bindings.cpp) and the torch-free kernels
+// (paged_attention.cpp), so that the two compile in parallel.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedllm {
+
+// One flattened batch, as raw pointers. Strides are in elements and shared by the K and
+// V caches ([num_blocks, num_kv_heads, block_size, head_dim], head_dim contiguous);
+// q and out are contiguous [num_tokens, num_q_heads, head_dim]. Metadata has the meaning
+// of pagedllm.attention.metadata.AttentionMetadata and has been validated.
+struct AttentionBatch {
+  const void* q;
+  void* out;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size_shift, max_blocks;
+  int64_t block_stride, head_stride, token_stride;
+  float scale;
+  bool bfloat16;    // else float32
+  int num_threads;  // torch's intra-op thread count
+};
+
+void paged_attention(const AttentionBatch& batch);
+
+// Copies row i (row_bytes bytes per kv head) of k and v to flat slot slots[i]; -1 skips.
+struct KVWrite {
+  void* k_cache;
+  void* v_cache;
+  const void* k;
+  const void* v;
+  const int64_t* slots;
+  int64_t num_tokens, num_kv_heads, block_size, row_bytes;
+  int64_t block_stride, head_stride, token_stride, element_size;  // cache strides
+};
+
+void write_kv(const KVWrite& w);
+
+}  // namespace pagedllm
