@@ -188,6 +188,8 @@ def test_metrics_follow_the_engine(server, client):
         "pagedllm:kv_blocks_free",
         "pagedllm:num_requests_preempted",
         "pagedllm:num_requests_aborted_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
     ):
         assert name in text, name
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0' in text

@@ -9,6 +9,10 @@ Meanings:
 - ``vllm:kv_cache_usage_perc``: fraction (0..1) of KV pool blocks in use.
 - ``vllm:num_requests_waiting`` counts sequences waiting for blocks, including
   preempted ones; ``pagedllm:num_requests_preempted`` counts only the preempted.
+- ``vllm:prefix_cache_queries``/``vllm:prefix_cache_hits``: prompt tokens looked up in
+  and found in the prefix cache.
+- ``pagedllm:kv_internal_fragmentation_slots``: allocated but unwritten slots in the
+  last blocks of live sequences.
 - ``vllm:time_per_output_token_seconds``: each interval between two steps that gave
   a request new tokens (inter-token latency; a step adds at most one token per
   sequence).
@@ -20,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
+from pagedllm.kv.block_manager import BlockManagerStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -59,9 +64,18 @@ class ServerMetrics:
         self.blocks_used = gauge("pagedllm:kv_blocks_used", "KV cache blocks in use.")
         self.blocks_free = gauge("pagedllm:kv_blocks_free", "KV cache blocks free.")
         self.blocks_total = gauge("pagedllm:kv_blocks_total", "KV cache blocks in the pool.")
+        self.fragmentation = gauge(
+            "pagedllm:kv_internal_fragmentation_slots", "Allocated, unwritten KV slots."
+        )
         self.preemptions = counter("vllm:num_preemptions", "Preemptions since start-up.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
         self.aborted = counter(
             "pagedllm:num_requests_aborted", "Requests aborted (client gone or shutdown)."
         )
@@ -75,11 +89,13 @@ class ServerMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Inter-token latency.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
-        self._last_totals = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self._last_totals = dict.fromkeys(
+            ("preemptions", "prompt", "generation", "prefix_queries", "prefix_hits"), 0
+        )
         self._last_token_time: dict[str, float | None] = {}
 
-    def record_step(self, stats: EngineStats) -> None:
-        """Follow the engine's gauges and cumulative counters."""
+    def record_step(self, stats: EngineStats, kv: BlockManagerStats) -> None:
+        """Follow the engine's and the block manager's gauges and cumulative counters."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.preempted.set(stats.num_preempted_waiting)
@@ -87,6 +103,9 @@ class ServerMetrics:
         self.blocks_used.set(stats.num_blocks_used)
         self.blocks_free.set(stats.num_blocks_free)
         self.blocks_total.set(stats.num_blocks_total)
+        self.fragmentation.set(stats.internal_fragmentation_slots)
+        self._advance(self.prefix_queries, "prefix_queries", kv.prefix_cache_queries)
+        self._advance(self.prefix_hits, "prefix_hits", kv.prefix_cache_hits)
         self._advance(self.preemptions, "preemptions", stats.num_preemptions_total)
         self._advance(self.prompt_tokens, "prompt", stats.prompt_tokens_total)
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)

@@ -1,0 +1,97 @@
+"""Request parsing and error shapes of the server, without a model or a socket."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pagedllm.server.app import served_model_name
+from pagedllm.server.errors import error_body, validation_error
+from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, **fields}, strict=True)
+
+
+def test_chat_maps_openai_fields_to_sampling_params():
+    params = chat(
+        max_tokens=9, max_completion_tokens=7, n=2, seed=3, stop="x", logprobs=True,
+        top_logprobs=4, presence_penalty=0.5, frequency_penalty=-0.5, top_p=0.9,
+    ).sampling_params()  # fmt: skip
+    assert params.max_tokens == 7  # max_completion_tokens wins over the deprecated name
+    assert (params.n, params.seed, params.stop, params.logprobs) == (2, 3, ["x"], 4)
+    assert (params.presence_penalty, params.frequency_penalty, params.top_p) == (0.5, -0.5, 0.9)
+    assert chat().sampling_params().max_tokens is None  # fill the context, as OpenAI does
+    assert chat(top_logprobs=4).sampling_params().logprobs is None  # logprobs not asked for
+    assert chat(logprobs=True).sampling_params().logprobs == 0
+
+
+def test_chat_messages_render_as_role_and_text():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = chat(
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
+    )
+    assert body.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "ab"},
+    ]
+
+
+def test_completion_prompts_of_every_form():
+    def prompts(prompt):
+        return CompletionRequest.model_validate({"prompt": prompt}, strict=True).prompts()
+
+    assert prompts("a") == ["a"]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([5, 6]) == [{"prompt_token_ids": [5, 6]}]
+    assert prompts([[5], [6, 7]]) == [{"prompt_token_ids": [5]}, {"prompt_token_ids": [6, 7]}]
+    with pytest.raises(ValueError, match="empty"):
+        prompts([])
+    assert CompletionRequest.model_validate({"prompt": "a"}).sampling_params().max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"max_tokens": "5"}, "max_tokens", "valid integer"),
+        ({"temperature": "hot"}, "temperature", "valid number"),
+        ({"messages": []}, "messages", "at least 1"),
+        ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
+        ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages"),
+    ],
+)
+def test_type_errors_name_the_field(fields, param, words):
+    with pytest.raises(ValidationError) as caught:
+        chat(**fields)
+    error = validation_error(caught.value)
+    assert error.status == 400 and error.param == param
+    assert words in error.message
+
+
+def test_range_errors_come_from_sampling_params():
+    with pytest.raises(ValueError, match="^n "):
+        chat(n=0).sampling_params()
+    with pytest.raises(ValueError, match="^max_tokens "):
+        chat(max_tokens=-1).sampling_params()
+
+
+def test_error_body_has_the_openai_shape():
+    body = error_body(404, "no such model", param="model", code="model_not_found")
+    assert body == {
+        "error": {
+            "message": "no such model",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+def test_served_model_name():
+    assert served_model_name(None) == "SmolLM2-135M-Instruct"
+    assert served_model_name("/models/Qwen2-0.5B/") == "Qwen2-0.5B"
+    assert served_model_name("weights/tiny.Q8_0.gguf") == "tiny.Q8_0"
