@@ -172,6 +172,21 @@ def test_openai_client_raises_typed_errors(server):
         bad_key.models.list()
 
 
+def test_errors_do_not_disturb_a_request_in_flight(http):
+    body = {**COMPLETION, "max_tokens": 12, "temperature": 0.0}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        lines = response.iter_lines()
+        chunks = [next(line for line in lines if line)]
+        for param in BAD_BODIES:
+            path, bad, _ = param.values
+            assert 400 <= http.post(path, content=bad).status_code < 500
+        chunks += [line for line in lines if line]
+    assert chunks[-1] == "data: [DONE]"
+    streamed = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1])
+    alone = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert streamed == alone
+
+
 def test_graceful_shutdown_finishes_in_flight_then_exits(server, http):
     """Runs last: SIGTERM while a stream runs; new connections are refused, the stream
     completes, the process exits 0."""

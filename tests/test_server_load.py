@@ -23,7 +23,7 @@ BLOCK_SIZE = 16
 BLOCK_BYTES = 2 * 30 * BLOCK_SIZE * 3 * 64 * 4
 """One block of the default model in float32: K and V, 30 layers, 3 KV heads x 64."""
 NUM_BLOCKS = 24
-"""About five sequences of the longest request here (50 prompt + 15 output tokens)."""
+"""About six sequences of the longest request here (47 prompt + 15 output tokens)."""
 SERVE_ARGS = [
     "--kv-cache-memory", str(NUM_BLOCKS * BLOCK_BYTES),
     "--block-size", str(BLOCK_SIZE),
@@ -35,8 +35,9 @@ PHRASE = (
     "shared and nothing is reserved before it is needed while many clients wait"
 )
 WORDS = PHRASE.split()
-DISTINCT = [(" ".join((WORDS * 2)[: 3 + 3 * i]), 8 + i // 2) for i in range(16)]
-"""(prompt, max_tokens): prompts of 3 to 48 words (4 to 50 tokens), 8 to 15 output tokens."""
+DISTINCT = [(" ".join((WORDS * 2)[: 3 + 6 * i]), 8 + i) for i in range(8)]
+"""(prompt, max_tokens): prompts of 3 to 45 words (4 to 47 tokens), 8 to 15 output tokens;
+each is sent by eight of the concurrent clients."""
 NUM_CLIENTS = 64
 
 
