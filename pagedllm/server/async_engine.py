@@ -120,10 +120,6 @@ class AsyncEngine:
         """True while the loop thread is alive and new requests are accepted."""
         return self._accepting and self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_pending(self) -> int:
-        return self._num_pending
-
     # ---- requests (event loop) --------------------------------------------------------
 
     async def add_group(
