@@ -9,6 +9,8 @@ Timings alternate between the dtypes so background load hits both alike.
 
 Prints JSON lines: the machine, load time and resident memory per dtype, then per
 batch size the median step time, steps/s and tokens/s of each dtype and the ratio.
+``median_cpu_ms`` is the process CPU time of a step: on a shared machine, with
+``--threads 1``, it is closer than wall time to what the step costs on an idle core.
 
     python benchmarks/dtype_decode.py [--model PATH] [--batches 1,64] [--reps 9] [--threads N]
 """
@@ -96,15 +98,17 @@ def main() -> None:
 
     for batch in (int(b) for b in args.batches.split(",")):
         steps = {name: decode_step(model, batch, args.position) for name, model in models.items()}
-        times: dict[str, list[float]] = {name: [] for name in steps}
+        wall: dict[str, list[float]] = {name: [] for name in steps}
+        cpu: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():
             step()
         for _ in range(args.reps):
             for name, step in steps.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 step()
-                times[name].append(time.perf_counter() - start)
-        medians = {name: statistics.median(t) for name, t in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+        medians = {name: statistics.median(t) for name, t in wall.items()}
         for name, seconds in medians.items():
             emit(
                 metric="decode",
@@ -113,6 +117,7 @@ def main() -> None:
                 median_step_ms=round(seconds * 1e3, 2),
                 steps_per_s=round(1 / seconds, 2),
                 tokens_per_s=round(batch / seconds, 1),
+                median_cpu_ms=round(statistics.median(cpu[name]) * 1e3, 2),
             )
         emit(
             metric="decode_ratio",
