@@ -3,9 +3,10 @@
 Layout: one tensor ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
 (index 0 of the second axis is K, 1 is V). Within a block, each kv head's
 ``block_size x head_dim`` tile is contiguous, so the attention kernel, which works on
-one (sequence, kv head) pair at a time, streams whole tiles; the token-major
-alternative ``[num_blocks, block_size, num_kv_heads, head_dim]`` interleaves the heads
-and measured slower (``benchmarks/attention.py`` compares both). A flat cache *slot* is
+one (sequence, kv head) pair at a time, streams whole tiles. The token-major
+alternative ``[num_blocks, block_size, num_kv_heads, head_dim]`` interleaves the heads;
+with the same kernel it decoded as fast or up to 20-30% slower, never clearly faster
+(``benchmarks/attention.py`` times both). A flat cache *slot* is
 ``block_id * block_size + offset``.
 """
 
