@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from pagedllm.bench.pool_trace import PoolTracer, draw_trace, trace_path
 from pagedllm.bench.throughput import (
     flops_per_output_token,
     matmul_peak_gflops,
@@ -40,6 +41,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also compare paged and contiguous reservation under a budget of 4 x 2,048 tokens",
     )
+    parser.add_argument(
+        "--trace", default=None, metavar="PNG", help="draw each paged run's pool (PNG-<dtype>)"
+    )
 
 
 def emit(record: dict[str, object]) -> None:
@@ -65,7 +69,11 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         from pagedllm.engine.llm_engine import LLMEngine
 
-        result = run_engine(requests, config, LLMEngine(config, loaded))
+        engine = LLMEngine(config, loaded)
+        tracer = PoolTracer(engine).attach() if args.trace else None
+        result = run_engine(requests, config, engine)
+        if tracer:
+            draw_trace(tracer.trace, trace_path(args.trace, dtype_name), f"paged, {dtype_name}")
         flops = flops_per_output_token(loaded.config)
         result["gflop_per_output_token"] = flops / 1e9
         result["mfu_decode_equivalent"] = result["output_tokens_per_s"] * flops / (peak * 1e9)
