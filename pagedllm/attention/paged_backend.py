@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.attention.cpu import paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.kv.kv_cache import KVCache
 
 
@@ -14,11 +15,13 @@ class PagedAttentionBackend:
 
     The engine calls :meth:`forward` once per layer with the same metadata; the int32 /
     int64 contiguous tensors the kernels need are made once per step and reused by
-    every layer.
+    every layer. Head dims the fast kernel does not take (not a multiple of 16, or above
+    256) run through the slow reference instead.
     """
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
+        self.uses_fast_kernel = kv_cache.head_dim % 16 == 0 and kv_cache.head_dim <= 256
         self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
         self._prepared: tuple[torch.Tensor, ...] = ()
 
@@ -56,6 +59,10 @@ class PagedAttentionBackend:
         slot_mapping, block_tables, seq_lens, query_start_loc = self._prepare(metadata)
         self.kv_cache.write(layer_idx, k, v, slot_mapping)
         q = q.contiguous()
+        if not self.uses_fast_kernel:
+            return reference_paged_attention(
+                q, self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx), metadata, scale
+            )
         out = torch.empty_like(q)
         paged_attention(
             out,
