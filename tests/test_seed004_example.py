@@ -47,13 +47,12 @@ def step(backend, q, k, v, seqs, positions) -> torch.Tensor:
 
 @pytest.mark.parametrize(("head_dim", "fast"), [(16, True), (8, False)])
 def test_paged_attention_over_shared_scattered_blocks_equals_dense(head_dim, fast):
-    dim = head_dim
     torch.manual_seed(53)
-    prefix_k, prefix_v = torch.randn(HKV, 4, dim), torch.randn(HKV, 4, dim) * 0.5
-    keys = [torch.cat((prefix_k, torch.randn(HKV, n - 4, dim)), 1) for n in LENGTHS]
-    values = [torch.cat((prefix_v, torch.randn(HKV, n - 4, dim)), 1) for n in LENGTHS]
-    queries = [torch.randn(n, HQ, dim) for n in LENGTHS]
-    backend = PagedAttentionBackend(KVCache(1, 7, BLOCK, HKV, dim))
+    prefix_k, prefix_v = torch.randn(HKV, 4, head_dim), torch.randn(HKV, 4, head_dim) * 0.5
+    keys = [torch.cat((prefix_k, torch.randn(HKV, n - 4, head_dim)), 1) for n in LENGTHS]
+    values = [torch.cat((prefix_v, torch.randn(HKV, n - 4, head_dim)), 1) for n in LENGTHS]
+    queries = [torch.randn(n, HQ, head_dim) for n in LENGTHS]
+    backend = PagedAttentionBackend(KVCache(1, 7, BLOCK, HKV, head_dim))
     assert backend.uses_fast_kernel == fast
 
     def rows(seq: int, positions: range) -> tuple[torch.Tensor, ...]:
@@ -68,8 +67,8 @@ def test_paged_attention_over_shared_scattered_blocks_equals_dense(head_dim, fas
     out_a = step(backend, *rows(0, range(10)), [0], [range(10)])
     out_b = step(backend, *rows(1, range(4, 7)), [1], [range(4, 7)])
 
-    dense_a = dense_causal_attention(queries[0], keys[0], values[0], dim**-0.5)
-    dense_b = dense_causal_attention(queries[1][4:], keys[1], values[1], dim**-0.5)
+    dense_a = dense_causal_attention(queries[0], keys[0], values[0], head_dim**-0.5)
+    dense_b = dense_causal_attention(queries[1][4:], keys[1], values[1], head_dim**-0.5)
     assert (out_a - dense_a).abs().max().item() <= 1e-6
     assert (out_b - dense_b).abs().max().item() <= 1e-6
 
@@ -82,23 +81,23 @@ def test_paged_attention_over_shared_scattered_blocks_equals_dense(head_dim, fas
 
 
 def test_both_sequences_decode_in_one_batch_after_the_shared_prefix():
-    dim = 16
+    head_dim = 16
     torch.manual_seed(53)
-    keys = [torch.randn(HKV, n + 1, dim) for n in LENGTHS]
+    keys = [torch.randn(HKV, n + 1, head_dim) for n in LENGTHS]
     keys[1][:, :4] = keys[0][:, :4]
-    values = [torch.randn(HKV, n + 1, dim) for n in LENGTHS]
+    values = [torch.randn(HKV, n + 1, head_dim) for n in LENGTHS]
     values[1][:, :4] = values[0][:, :4]
-    backend = PagedAttentionBackend(KVCache(1, 7, BLOCK, HKV, dim))
+    backend = PagedAttentionBackend(KVCache(1, 7, BLOCK, HKV, head_dim))
     # Fill both sequences' cached tokens directly, then decode one token each.
     cache = backend.kv_cache
     for seq, n in enumerate(LENGTHS):
         for pos, slot in enumerate(slots(TABLES[seq], range(n))):
             cache.key(0)[slot // BLOCK, :, slot % BLOCK] = keys[seq][:, pos]
             cache.value(0)[slot // BLOCK, :, slot % BLOCK] = values[seq][:, pos]
-    q = torch.randn(2, HQ, dim)
+    q = torch.randn(2, HQ, head_dim)
     k = torch.stack([keys[0][:, 10], keys[1][:, 7]])
     v = torch.stack([values[0][:, 10], values[1][:, 7]])
     out = step(backend, q, k, v, [0, 1], [range(10, 11), range(7, 8)])
     for i in range(2):
-        dense = dense_causal_attention(q[i : i + 1], keys[i], values[i], dim**-0.5)
+        dense = dense_causal_attention(q[i : i + 1], keys[i], values[i], head_dim**-0.5)
         assert (out[i : i + 1] - dense).abs().max().item() <= 1e-6
