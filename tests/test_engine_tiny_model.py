@@ -145,8 +145,9 @@ def test_high_priority_request_may_use_the_reserve(tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=5)
     engine.add_request("normal-a", {"prompt_token_ids": list(range(2, 72))}, params)
     engine.step()  # 70 tokens: 18 blocks; 2 left below the reserve
-    engine.add_request("normal-b", {"prompt_token_ids": list(range(2, 42))}, params)
-    engine.add_request("urgent", {"prompt_token_ids": list(range(2, 42))}, params, priority=-1)
+    # distinct tokens, so that no prefix-cache hit shrinks what they need
+    engine.add_request("normal-b", {"prompt_token_ids": list(range(100, 140))}, params)
+    engine.add_request("urgent", {"prompt_token_ids": list(range(200, 240))}, params, priority=-1)
     engine.step()
     running = {seq.request_id for seq in engine.scheduler.running}
     waiting = [seq.request_id for seq in engine.scheduler.waiting]

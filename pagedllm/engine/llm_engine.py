@@ -65,7 +65,10 @@ class LLMEngine:
             config.dtype,
         )
         self.block_manager = BlockManager(
-            self.num_blocks, config.block_size, config.reserved_fraction
+            self.num_blocks,
+            config.block_size,
+            config.reserved_fraction,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.max_model_len = self._resolve_max_model_len()
         self._log_pool()
@@ -82,7 +85,11 @@ class LLMEngine:
         )
         reserve = self.max_model_len if config.kv_allocation == "contiguous" else None
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reserve
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            reserve,
+            cache_key=f"{self.loaded.source}:{config.dtype}",
         )
         self.sampler = Sampler()
         self._requests: dict[str, RequestState] = {}
@@ -151,11 +158,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
 
         ``prompt``: text, a list of token ids, ``{"prompt": text}`` or
-        ``{"prompt_token_ids": [...]}``. Returns the request id.
+        ``{"prompt_token_ids": [...]}``. Returns the request id. With ``n > 1`` only the
+        first sequence is queued; the others fork from it once the prompt is prefilled,
+        sharing its blocks. Requests with different ``cache_salt`` never share cached
+        blocks.
         """
         params = params or SamplingParams()
         request_id = str(next(self._request_counter)) if request_id is None else request_id
@@ -173,15 +184,20 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 priority=priority,
                 index=index,
+                cache_salt=cache_salt,
                 generator=make_generator(params.derived_seed(index)),
             )
             decoder = self.tokenizer.incremental_decoder(token_ids) if self.tokenizer else None
             sequences.append(SequenceOutput(seq, decoder, self._stop_token_ids(), max_tokens))
         self._requests[request_id] = RequestState(
-            request_id, text, token_ids, sequences, RequestMetrics(arrival_time)
+            request_id,
+            text,
+            token_ids,
+            sequences,
+            RequestMetrics(arrival_time),
+            unforked=sequences[1:],
         )
-        for out in sequences:
-            self.scheduler.add(out.seq)
+        self.scheduler.add(sequences[0].seq)
         return request_id
 
     def _stop_token_ids(self) -> set[int]:
@@ -236,9 +252,14 @@ class LLMEngine:
             return
         now = time.monotonic()
         for out in state.sequences:
-            if not out.seq.is_finished:
-                self.scheduler.finish(out.seq, SequenceStatus.FINISHED_ABORTED)
-                out.seq.finished_time = now
+            seq = out.seq
+            if seq.is_finished:
+                continue
+            if out in state.unforked:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            else:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            seq.finished_time = now
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -266,7 +287,13 @@ class LLMEngine:
         t3 = time.perf_counter()
         sampling = [item.seq for item in plan.scheduled if item.samples]
         for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            seq = item.seq
+            start = seq.num_computed_tokens
+            self.block_manager.commit_tokens(
+                seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
+            )
+            seq.num_computed_tokens += item.num_tokens
+        sampling, logits = self._fork_parallel_samples(sampling, logits)
         sampled = self._sample(sampling, logits)
         t4 = time.perf_counter()
         outputs = self._process(sampling, sampled)
@@ -283,6 +310,34 @@ class LLMEngine:
         if self.config.log_stats_interval > 0:
             self._stats_logger.maybe_log(self.get_stats())
         return outputs
+
+    def _fork_parallel_samples(
+        self, sampling: list[Seq], logits: torch.Tensor
+    ) -> tuple[list[Seq], torch.Tensor]:
+        """Start the other n - 1 samples of requests whose prompt was just prefilled.
+
+        Each fork shares every block of the first sequence (nothing is copied now; the
+        partly filled last block is copied on its first write) and samples its first
+        token from the same logits row with its own generator.
+        """
+        rows = list(range(len(sampling)))
+        forked = list(sampling)
+        for row, seq in enumerate(sampling):
+            state = self._requests[seq.request_id]
+            if seq.index != 0 or not state.unforked:
+                continue
+            for out in state.unforked:
+                child = out.seq
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.scheduler.running.append(child)
+                forked.append(child)
+                rows.append(row)
+            state.unforked = []
+        if len(forked) == len(sampling):
+            return sampling, logits
+        return forked, logits[torch.tensor(rows)]
 
     def _sample(self, sampling: list[Seq], logits: torch.Tensor):
         if not sampling:
@@ -341,6 +396,10 @@ class LLMEngine:
             kv_cache_usage=pool.usage,
             internal_fragmentation_slots=bm.fragmentation.internal_fragmentation_slots,
             slots_saved_by_sharing=bm.fragmentation.slots_saved_by_sharing,
+            num_blocks_shared=pool.shared,
+            num_blocks_cached=pool.cached,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_batched_tokens=self._last_batched_tokens,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.engine.output_state import SequenceOutput
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
@@ -10,13 +10,18 @@ from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 
 @dataclass
 class RequestState:
-    """Everything the engine keeps about a request until it finishes."""
+    """Everything the engine keeps about a request until it finishes.
+
+    ``unforked``: samples 1..n-1 of an ``n > 1`` request, waiting for sample 0 to finish
+    the prompt so they can fork from it.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[SequenceOutput]
     metrics: RequestMetrics
+    unforked: list[SequenceOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

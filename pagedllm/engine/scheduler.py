@@ -9,6 +9,9 @@ arrived running sequence is preempted by recompute: its blocks go back to the po
 it waits again ahead of every later arrival of its priority. No new sequence is admitted
 in a step that preempted, so a preempted sequence is never overtaken by a newcomer.
 
+With prefix caching, a sequence that starts (or restarts after preemption) first takes
+the longest chain of cached full blocks of its tokens and computes only the rest.
+
 Liveness: a request is only accepted if it fits the pool alone, and the sequence at the
 head of the queue can always evict everything behind it, so some sequence always runs.
 """
@@ -19,7 +22,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 
 
 @dataclass
@@ -59,6 +62,8 @@ class Scheduler:
 
     ``reserve_tokens`` (contiguous mode) is how many slots a sequence takes up front
     when it is admitted; ``None`` means blocks are taken on demand (paged mode).
+    ``cache_key``: identity of the model (and adapter) whose K/V the cache holds; it is
+    part of every cached block's hash, with the sequence's ``cache_salt``.
     """
 
     def __init__(
@@ -67,8 +72,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         reserve_tokens: int | None = None,
+        cache_key: str = "",
     ) -> None:
         self.block_manager = block_manager
+        self.cache_key = cache_key
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reserve_tokens = reserve_tokens
@@ -117,30 +124,48 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._can_admit(seq, num_tokens):
-                return
+            high = seq.is_high_priority
+            prefix = None
+            if self.reserve_tokens is None:
+                prefix = manager.find_cached_prefix(seq.all_token_ids, self._extra_keys(seq))
+                num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
+                if not manager.can_append(seq.seq_id, num_tokens, high, prefix):
+                    return
+            else:
+                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                reserve_blocks = manager.num_blocks_needed(seq.seq_id, self.reserve_tokens)
+                if not manager.pool.can_allocate(reserve_blocks, high):
+                    return
+                manager.reserve(seq.seq_id, self.reserve_tokens, high)
             self.waiting.pop(0)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
-            if self.reserve_tokens is not None:
-                self.block_manager.reserve(seq.seq_id, self.reserve_tokens, seq.is_high_priority)
-            self._append(seq, num_tokens, out)
+            if prefix is not None:
+                seq.num_computed_tokens = prefix.num_tokens
+            self._append(seq, num_tokens, out, prefix)
             budget -= num_tokens
 
-    def _can_admit(self, seq: Sequence, num_tokens: int) -> bool:
-        if self.reserve_tokens is None:
-            return self._can_append(seq, num_tokens)
-        blocks = self.block_manager.num_blocks_needed(seq.seq_id, self.reserve_tokens)
-        return self.block_manager.pool.can_allocate(blocks, seq.is_high_priority)
+    def _extra_keys(self, seq: Sequence) -> tuple[str, ...]:
+        if seq.cache_salt is None:
+            return (self.cache_key,)
+        return (self.cache_key, seq.cache_salt)
 
     def _can_append(self, seq: Sequence, num_tokens: int) -> bool:
         return self.block_manager.can_append(seq.seq_id, num_tokens, seq.is_high_priority)
 
-    def _append(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
-        result = self.block_manager.append_slots(seq.seq_id, num_tokens, seq.is_high_priority)
+    def _append(
+        self,
+        seq: Sequence,
+        num_tokens: int,
+        out: SchedulerOutput,
+        prefix: CachedPrefix | None = None,
+    ) -> None:
+        result = self.block_manager.append_slots(
+            seq.seq_id, num_tokens, seq.is_high_priority, prefix
+        )
         out.block_copies.extend(result.copies)
         out.scheduled.append(ScheduledSequence(seq, num_tokens, result.slots))
 

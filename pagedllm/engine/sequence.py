@@ -55,7 +55,8 @@ class Sequence:
     Invariant: ``0 <= num_computed_tokens <= num_tokens``; the tokens
     ``all_token_ids[num_computed_tokens:]`` still need a forward pass.
     ``priority``: lower runs earlier (vLLM's convention); priority < 0 may use the
-    reserved blocks.
+    reserved blocks. ``cache_salt``: sequences with different salts never share cached
+    blocks.
     """
 
     request_id: str
@@ -64,6 +65,7 @@ class Sequence:
     arrival_time: float
     priority: int = 0
     index: int = 0
+    cache_salt: str | None = None
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

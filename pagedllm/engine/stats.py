@@ -32,7 +32,11 @@ class StepTimes:
 
 @dataclass
 class EngineStats:
-    """A snapshot. Blocks are KV pool blocks; tokens are counted since start-up."""
+    """A snapshot. Blocks are KV pool blocks; tokens are counted since start-up.
+
+    ``prefix_cache_queries``/``hits``: prompt tokens looked up in / found in the prefix
+    cache (vLLM's counters); ``num_blocks_shared``: blocks held by more than one sequence.
+    """
 
     num_running: int
     num_waiting: int
@@ -46,11 +50,21 @@ class EngineStats:
     kv_cache_usage: float
     internal_fragmentation_slots: int
     slots_saved_by_sharing: int
+    num_blocks_shared: int
+    num_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     prompt_tokens_total: int
     generation_tokens_total: int
     num_batched_tokens: int
     max_concurrent_seqs: int
     step_times: StepTimes = field(default_factory=StepTimes)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 class StatsLogger:
@@ -72,7 +86,8 @@ class StatsLogger:
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, Preempted: %d (total %d), "
-            "KV cache usage: %.1f%% (%d/%d blocks), Internal fragmentation: %d slots",
+            "KV cache usage: %.1f%% (%d/%d blocks), Internal fragmentation: %d slots, "
+            "Shared blocks: %d, Prefix cache hit rate: %.1f%%",
             prompt_rate,
             generation_rate,
             stats.num_running,
@@ -83,6 +98,8 @@ class StatsLogger:
             stats.num_blocks_used,
             stats.num_blocks_total,
             stats.internal_fragmentation_slots,
+            stats.num_blocks_shared,
+            100.0 * stats.prefix_cache_hit_rate,
         )
         self._last_time = now
         self._last_prompt = stats.prompt_tokens_total
