@@ -78,17 +78,20 @@ class PoolTracer:
         """Append (and return) a snapshot of the pool as it is now."""
         manager = self.engine.block_manager
         pool = manager.pool
-        owners = np.full(self.trace.num_blocks, FREE, dtype=np.int32)
-        shared: set[int] = set()
         running = [seq for seq in self.engine.scheduler.running if seq.seq_id in manager]
+        held: list[int] = []
+        holders: list[int] = []
         for seq in running:
             table = manager.block_table(seq.seq_id)
-            owners[table] = self._owner(seq.seq_id)
-            shared.update(block_id for block_id in table if pool.ref_count(block_id) > 1)
+            held += table
+            holders += [self._owner(seq.seq_id)] * len(table)
+        owners = np.full(self.trace.num_blocks, FREE, dtype=np.int32)
+        owners[held] = holders
+        shared = sorted({block_id for block_id in held if pool.ref_count(block_id) > 1})
         fragmentation = manager.fragmentation()
         snapshot = PoolSnapshot(
             owners=owners,
-            shared=np.fromiter(sorted(shared), dtype=np.int32, count=len(shared)),
+            shared=np.array(shared, dtype=np.int32),
             used_blocks=pool.num_used,
             allocated_slots=fragmentation.allocated_slots,
             live_tokens=fragmentation.live_tokens,
