@@ -118,11 +118,12 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
     torch.testing.assert_close(ours, reference_logits(reference, tokens), atol=TOLERANCE, rtol=0)
 
 
-def test_flattened_batch_equals_each_sequence_alone(tmp_path):
+@pytest.mark.parametrize("lengths", [(1, 17, 5, 33), (9, 9, 9)], ids=["mixed", "equal"])
+def test_flattened_batch_equals_each_sequence_alone(tmp_path, lengths):
     write_checkpoint(tmp_path, "qwen2-bias-tied")
     model = load_model(tmp_path).model
     gen = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 17, 5, 33)]
+    sequences = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     together = our_logits(model, sequences)
     alone = torch.cat([our_logits(model, [seq]) for seq in sequences])
     torch.testing.assert_close(together, alone, atol=TOLERANCE, rtol=0)

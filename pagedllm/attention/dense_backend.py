@@ -15,7 +15,11 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 
 class DenseAttentionBackend:
-    """Per-sequence causal attention over whole sequences, grouped-query aware."""
+    """Per-sequence causal attention over whole sequences, grouped-query aware.
+
+    Sequences of equal length (every decode-only batch, for one) run as one batched
+    product; otherwise each sequence runs on its own.
+    """
 
     def forward(
         self,
@@ -26,23 +30,41 @@ class DenseAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        group = q.shape[1] // num_kv_heads
+        num_seqs, length = metadata.num_seqs, metadata.max_query_len
+        if num_seqs * length == q.shape[0]:  # all sequences have the same length
+            return causal_attention(
+                q.view(num_seqs, length, *q.shape[1:]),
+                k.view(num_seqs, length, *k.shape[1:]),
+                v.view(num_seqs, length, *v.shape[1:]),
+                scale,
+            ).reshape(q.shape)
         out = torch.empty_like(q)
         bounds = metadata.query_start_loc.tolist()
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            length = end - start
-            # Query heads h * group .. h * group + group - 1 share KV head h.
-            q_seq = q[start:end].view(length, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            k_seq = k[start:end].permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, T]
-            v_seq = v[start:end].permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, T, D]
-            scores = torch.matmul(q_seq, k_seq) * scale
-            future = torch.ones(length, length, dtype=torch.bool).triu_(1)
-            scores.masked_fill_(future, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.matmul(probs, v_seq)  # [Hkv, group, T, D]
-            out[start:end] = attended.permute(2, 0, 1, 3).reshape(length, -1, head_dim)
+            rows = slice(start, end)
+            out[rows] = causal_attention(q[None, rows], k[None, rows], v[None, rows], scale)[0]
         return out
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``B`` whole sequences: ``q`` ``[B, L, Hq, D]``, ``k``, ``v``
+    ``[B, L, Hkv, D]``; returns ``[B, L, Hq, D]``. Query heads ``h * group ..
+    (h + 1) * group - 1`` share KV head ``h``.
+    """
+    batch, length, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    q_heads = q.view(batch, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    k_heads = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
+    v_heads = v.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
+    scores = torch.matmul(q_heads, k_heads) * scale  # [B, Hkv, group, L, L]
+    future = torch.ones(length, length, dtype=torch.bool).triu_(1)
+    scores.masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    attended = torch.matmul(probs, v_heads)  # [B, Hkv, group, L, D]
+    return attended.permute(0, 3, 1, 2, 4).reshape(batch, length, num_q_heads, head_dim)
 
 
 def dense_metadata(seq_lens: list[int]) -> AttentionMetadata:

@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
         k = apply_rope(qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
         v = qkv[:, k_end:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
         attended = attn.forward(self.layer_idx, q, k, v, metadata, self.scale)
-        hidden += F.linear(attended.view(num_tokens, c.q_size), self.o_weight)
+        hidden += F.linear(attended.reshape(num_tokens, c.q_size), self.o_weight)
 
         normed = F.rms_norm(hidden, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
         gate_up = F.linear(normed, self.gate_up_weight)
