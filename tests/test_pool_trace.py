@@ -64,7 +64,7 @@ def test_empty_trace_cannot_be_drawn(tmp_path):
         draw_trace(PoolTracer(fake_engine()).trace, tmp_path / "x.png")
 
 
-def test_engine_run_with_shared_prompts(tmp_path):
+def test_engine_run_records_every_step(tmp_path):
     from tiny_checkpoints import write_tiny_llama
 
     from pagedllm.config import EngineConfig

@@ -9,6 +9,7 @@ fragmentation), shared prefix blocks black-edged.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from pagedllm.plan.capacity import CapacityPlan, blocks_for_tokens  # noqa: E402
-from pagedllm.plan.layout import SHARED_OWNER, paged_layout  # noqa: E402
+from pagedllm.plan.layout import SHARED_OWNER, BlockUse, paged_layout  # noqa: E402
 
 SPREAD = (0.35, 1.6, 0.7, 1.0, 0.2, 1.3, 0.85, 0.5)
 SHARED_COLOUR = "0.35"
@@ -53,7 +54,7 @@ def _draw_contiguous(ax, lengths: Sequence[int], max_model_len: int) -> None:
     reserved = len(lengths) * max_model_len
     ax.set_title(
         f"Contiguous: each sequence reserves max_model_len = {max_model_len:,} slots; "
-        f"{used:,} of {reserved:,} slots hold tokens ({used / reserved:.0%})"
+        f"{used:,} of {reserved:,} slots hold tokens ({used / reserved:.0%}), none left free"
     )
     ax.set_yticks(range(len(lengths)), [f"seq {i} ({n:,})" for i, n in enumerate(lengths)])
     ax.set_ylim(len(lengths) - 0.5, -0.5)
@@ -61,32 +62,42 @@ def _draw_contiguous(ax, lengths: Sequence[int], max_model_len: int) -> None:
     ax.set_xlabel("token slot within the sequence's reservation")
 
 
+def _paged_segments(
+    layout: Sequence[BlockUse], block_size: int, per_row: int, num_rows: int
+) -> dict[tuple[int, int, str], list[tuple[int, int]]]:
+    """Bar segments ``(x, width)`` in token slots, grouped by ``(row, owner, part)`` with
+    part ``"filled"``, ``"empty"`` (internal fragmentation) or ``"free"``; one draw call
+    per group keeps large pools quick."""
+    segments: dict[tuple[int, int, str], list[tuple[int, int]]] = defaultdict(list)
+    for block_id in range(per_row * num_rows):
+        row, column = divmod(block_id, per_row)
+        x = column * block_size
+        if block_id >= len(layout):
+            segments[row, SHARED_OWNER, "free"].append((x, block_size))
+            continue
+        use = layout[block_id]
+        segments[row, use.owner, "filled"].append((x, use.filled))
+        if use.filled < block_size:
+            segments[row, use.owner, "empty"].append((x + use.filled, block_size - use.filled))
+    return segments
+
+
 def _draw_paged(ax, lengths: Sequence[int], plan: CapacityPlan) -> None:
     block_size, max_model_len = plan.block_size, plan.workload.max_model_len
     per_row = blocks_for_tokens(max_model_len, block_size)
     layout = paged_layout(lengths, block_size, plan.workload.prefix_len)
+    segments = _paged_segments(layout, block_size, per_row, len(lengths))
+    for (row, owner, part), bars in segments.items():
+        colour = _owner_colour(owner)
+        if part == "free":
+            style = {"facecolor": FREE_COLOUR}
+        elif part == "empty":
+            style = {"facecolor": "white", "edgecolor": colour, "hatch": "xxx", "linewidth": 0.3}
+        else:
+            edge = "black" if owner == SHARED_OWNER else "white"
+            style = {"facecolor": colour, "edgecolor": edge, "linewidth": 0.3}
+        ax.broken_barh(bars, (row - 0.4, 0.8), **style)
     pool_blocks = per_row * len(lengths)
-    for block_id in range(pool_blocks):
-        row, x = divmod(block_id, per_row)
-        x *= block_size
-        if block_id >= len(layout):
-            ax.broken_barh([(x, block_size)], (row - 0.4, 0.8), facecolor=FREE_COLOUR)
-            continue
-        use = layout[block_id]
-        colour = _owner_colour(use.owner)
-        edge = "black" if use.owner == SHARED_OWNER else "white"
-        ax.broken_barh(
-            [(x, use.filled)], (row - 0.4, 0.8), facecolor=colour, edgecolor=edge, linewidth=0.3
-        )
-        if use.filled < block_size:
-            ax.broken_barh(
-                [(x + use.filled, block_size - use.filled)],
-                (row - 0.4, 0.8),
-                facecolor="white",
-                edgecolor=colour,
-                hatch="xxx",
-                linewidth=0.3,
-            )
     used = len(layout)
     wasted = sum(block_size - use.filled for use in layout)
     avg_len, prefix_len = plan.workload.avg_len, plan.workload.prefix_len
@@ -94,9 +105,9 @@ def _draw_paged(ax, lengths: Sequence[int], plan: CapacityPlan) -> None:
         blocks_for_tokens(avg_len, block_size) - prefix_len // block_size
     )
     ax.set_title(
-        f"Paged, same memory ({pool_blocks:,} blocks of {block_size}): {used:,} blocks used "
-        f"({used / pool_blocks:.0%}), {wasted:,} slots of internal fragmentation; "
-        f"the {pool_blocks - used:,} free blocks hold {more:,} more sequences of {avg_len:,}"
+        f"Paged, the same memory ({pool_blocks:,} blocks of {block_size} slots): {used:,} blocks "
+        f"used ({used / pool_blocks:.0%}), {wasted:,} slots of internal fragmentation;\n"
+        f"the {pool_blocks - used:,} free blocks hold {more:,} more sequences of {avg_len:,} tokens"
     )
     ax.set_yticks(range(len(lengths)), [f"blocks {r * per_row:,}-" for r in range(len(lengths))])
     ax.set_ylim(len(lengths) - 0.5, -0.5)
