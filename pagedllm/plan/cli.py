@@ -50,12 +50,17 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the KV cache budget itself, as the engine's option (default "
         f"{EngineConfig.kv_cache_memory} when --memory is not given)",
     )
-    parser.add_argument("--weight-dtype", default="bfloat16", choices=list(WEIGHT_BYTES))
+    parser.add_argument(
+        "--weight-dtype",
+        default="bfloat16",
+        choices=list(WEIGHT_BYTES),
+        help="how the weights are stored: bytes per parameter (default bfloat16)",
+    )
     parser.add_argument(
         "--activation-reserve",
         type=float,
         default=DEFAULT_ACTIVATION_RESERVE,
-        help="memory for activations as a fraction of the weight bytes (seed 003: 0.1-0.2)",
+        help="memory for activations as a fraction of the weight bytes (typically 0.1-0.2)",
     )
     parser.add_argument(
         "--kv-dtype",
