@@ -38,9 +38,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        reader = open_gguf(path)
-        config, decoder = load_gguf_model(path, dtype, reader)
-        has_tokenizer = "tokenizer.ggml.model" in reader.fields
+        config, decoder, has_tokenizer = _load_gguf_weights(path, dtype)
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
         config, decoder = load_safetensors_model(path, dtype)
@@ -53,3 +51,11 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         )
     decoder.eval()
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)
+
+
+def _load_gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaDecoder, bool]:
+    """Config, decoder and whether the file holds a tokenizer; the parsed file is
+    released before the tokenizer parses it again, to keep peak memory down."""
+    reader = open_gguf(path)
+    config, decoder = load_gguf_model(path, dtype, reader)
+    return config, decoder, "tokenizer.ggml.model" in reader.fields
