@@ -30,8 +30,9 @@ def interleave_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", skip=()):
-    """Write ``hf_model``'s weights and config as a llama.cpp-style GGUF file."""
+def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", skip=(), extra=None):
+    """Write ``hf_model``'s weights and config as a llama.cpp-style GGUF file,
+    plus the float32 tensors in ``extra`` (name -> array)."""
     config = hf_model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -61,6 +62,8 @@ def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", sk
         else:
             quantized = gguf.quants.quantize(data.astype(np.float32), qtype)
             writer.add_tensor(stored, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+    for stored, data in (extra or {}).items():
+        writer.add_tensor(stored, data.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -111,6 +114,22 @@ def test_qwen2_gguf_with_biases_matches_transformers(tmp_path):
     hf_model = write_checkpoint(tmp_path / "hf", "qwen2-bias-tied")
     loaded = load_model(write_gguf(tmp_path / "q.gguf", hf_model, arch="qwen2"))
     assert loaded.config.architecture == "qwen2" and loaded.config.attention_bias
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_llama3_rope_scaling_as_gguf_frequency_factors(tmp_path):
+    """llama.cpp stores Llama 3 scaling as ``rope_freqs``: the divisor of each pair's speed."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_model = write_checkpoint(tmp_path / "hf", "llama3-rope-scaling")
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_model.config, "cpu")
+    head_dim = hf_model.config.head_dim
+    plain = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    factors = {"rope_freqs.weight": (plain / scaled).numpy()}
+    loaded = load_model(write_gguf(tmp_path / "r.gguf", hf_model, extra=factors))
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
     with torch.no_grad():
         expected = hf_model(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=TOLERANCE, rtol=0)
