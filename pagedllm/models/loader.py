@@ -12,7 +12,7 @@ from pagedllm.models.default import default_model_path
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import load_gguf_model, open_gguf
-from pagedllm.models.loader_safetensors import load_safetensors_model
+from pagedllm.models.loader_safetensors import generation_eos_ids, load_safetensors_model
 from pagedllm.tokenizer import Tokenizer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -43,7 +43,8 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     elif (path / "config.json").is_file():
         config, decoder = load_safetensors_model(path, dtype)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
-        tokenizer = Tokenizer.from_folder(path, config.eos_token_ids) if has_tokenizer else None
+        eos_ids = config.eos_token_ids + generation_eos_ids(path)
+        tokenizer = Tokenizer.from_folder(path, eos_ids) if has_tokenizer else None
     else:
         raise ModelLoadError(
             f"{model!r} is neither a .gguf file nor a folder with config.json "

@@ -26,6 +26,16 @@ def read_hf_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw)
 
 
+def generation_eos_ids(folder: Path) -> tuple[int, ...]:
+    """EOS ids listed in ``generation_config.json`` (instruct models list end-of-turn
+    tokens there), or ``()`` when the file is absent."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def shard_files(folder: Path) -> list[Path]:
     """The safetensors files holding the weights: the index's shards, else every file."""
     index = folder / SHARD_INDEX
