@@ -32,6 +32,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-allocation", default="paged", choices=["paged", "contiguous"]
     )
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off",
+    )
+    group.add_argument(
+        "--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"]
+    )
+    group.add_argument("--swap-space", default="0", help="bytes of the second KV tier, e.g. 1GiB")
+    group.add_argument("--swap-path", default=None, help="memory-map the second tier to a file")
     group.add_argument("--log-stats-interval", type=float, default=5.0)
 
 
@@ -45,6 +56,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_allocation=args.kv_allocation,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        swap_path=args.swap_path,
         log_stats_interval=args.log_stats_interval,
     )
 

@@ -64,6 +64,10 @@ class EngineConfig:
       may take, seed 000's two-level allocation.
     - ``kv_allocation``: ``"paged"`` allocates blocks as sequences grow; ``"contiguous"``
       reserves ``max_model_len`` slots per request up front (the baseline).
+    - ``preemption_mode``: ``"recompute"`` drops a preempted sequence's K/V; ``"swap"``
+      parks them in a second tier of ``swap_space`` bytes (host memory, or a
+      memory-mapped file at ``swap_path``); ``"auto"`` swaps sequences with at least one
+      full block computed and recomputes shorter ones.
     """
 
     model: str | None = None
@@ -76,12 +80,23 @@ class EngineConfig:
     reserved_fraction: float = 0.05
     kv_allocation: str = "paged"
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int | str = 0
+    swap_path: str | None = None
     seed: int = 0
     log_stats_interval: float = 5.0
 
     def __post_init__(self) -> None:
         self.dtype = resolve_dtype(self.dtype)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.swap_space = parse_bytes(self.swap_space)
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute', 'swap' or 'auto', got "
+                f"{self.preemption_mode!r}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         validate_block_size(self.block_size)
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedllm.engine.beam_search_runner import BeamSearchRunner
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
@@ -77,6 +79,32 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``); outputs in prompt
+        order, each with ``params.beam_width`` sequences best first.
+
+        Runs alone on the engine; beams share KV blocks (see
+        :mod:`pagedllm.engine.beam_search` for the rule, transformers' ``num_beams``).
+        """
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        runner = BeamSearchRunner(self.llm_engine)
+        for prompt in prompts:
+            text, token_ids = self.llm_engine._tokenize(prompt)
+            runner.add(token_ids, params, text)
+        results: list[BeamSearchOutput | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
+            while runner.has_unfinished:
+                for key, output in runner.step():
+                    results[key] = output
+                    bar.update(1)
+        return results
 
     @staticmethod
     def _params_per_prompt(

@@ -29,6 +29,7 @@ from pagedllm.engine.sequence import SequenceStatus
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
+from pagedllm.kv.swap_space import SwapSpace
 from pagedllm.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger("pagedllm")
@@ -83,6 +84,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, PagedAttentionBackend(self.kv_cache), self.block_manager
         )
+        self.swap_space = self._make_swap_space()
         reserve = self.max_model_len if config.kv_allocation == "contiguous" else None
         self.scheduler = Scheduler(
             self.block_manager,
@@ -90,6 +92,8 @@ class LLMEngine:
             config.max_num_batched_tokens,
             reserve,
             cache_key=f"{self.loaded.source}:{config.dtype}",
+            swap_space=self.swap_space,
+            preemption_mode=config.preemption_mode,
         )
         self.sampler = Sampler()
         self._requests: dict[str, RequestState] = {}
@@ -104,6 +108,19 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> LLMEngine:
         return cls(EngineConfig(**kwargs))
+
+    def _make_swap_space(self) -> SwapSpace | None:
+        config = self.config
+        if config.preemption_mode == "recompute" or config.swap_space == 0:
+            return None
+        block_bytes = self.kv_cache.nbytes // max(self.num_blocks, 1)
+        num_blocks = config.swap_space // block_bytes
+        if num_blocks == 0:
+            raise ValueError(
+                f"swap_space={config.swap_space} bytes holds no block of {block_bytes} bytes"
+            )
+        logger.info("Swap space: %d blocks (%d bytes)", num_blocks, num_blocks * block_bytes)
+        return SwapSpace(self.kv_cache, num_blocks, config.swap_path)
 
     # ---- start-up checks -------------------------------------------------------------
 
@@ -405,4 +422,6 @@ class LLMEngine:
             num_batched_tokens=self._last_batched_tokens,
             max_concurrent_seqs=self._max_concurrent,
             step_times=self.step_times,
+            num_swapped=len(self.scheduler.swapped),
+            swap=self.swap_space.stats() if self.swap_space is not None else None,
         )

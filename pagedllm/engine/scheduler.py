@@ -9,6 +9,10 @@ arrived running sequence is preempted by recompute: its blocks go back to the po
 it waits again ahead of every later arrival of its priority. No new sequence is admitted
 in a step that preempted, so a preempted sequence is never overtaken by a newcomer.
 
+Preemption by swap (``preemption_mode`` "swap", or "auto" while the second tier has
+room) parks the victim's blocks in the :class:`~pagedllm.kv.swap_space.SwapSpace`
+instead; swapped sequences come back, in queue order, before any new admission.
+
 With prefix caching, a sequence that starts (or restarts after preemption) first takes
 the longest chain of cached full blocks of its tokens and computes only the rest.
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
+from pagedllm.kv.swap_space import SwapSpace
 
 
 @dataclass
@@ -73,9 +78,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         reserve_tokens: int | None = None,
         cache_key: str = "",
+        swap_space: SwapSpace | None = None,
+        preemption_mode: str = "recompute",
     ) -> None:
         self.block_manager = block_manager
         self.cache_key = cache_key
+        self.swap_space = swap_space
+        self.preemption_mode = preemption_mode
+        self.swapped: list[Sequence] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reserve_tokens = reserve_tokens
@@ -85,7 +95,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_preempted_waiting(self) -> int:
@@ -100,6 +110,10 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_space.free(seq.swap_block_ids)
+            seq.swap_block_ids = []
         elif not seq.is_finished:
             self.waiting.remove(seq)
         seq.status = status
@@ -120,8 +134,29 @@ class Scheduler:
                 self._append(seq, num_tokens, out)
                 budget -= num_tokens
         if not out.preempted:
-            self._admit_waiting(budget, out)
+            budget = self._swap_in(budget, out)
+            if not self.swapped:
+                self._admit_waiting(budget, out)
         return out
+
+    def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
+        """Bring swapped sequences back while their blocks (and one more token) fit."""
+        manager = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            computed = seq.num_computed_tokens
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not manager.can_append(seq.seq_id, computed + num_tokens, seq.is_high_priority):
+                break
+            manager.append_slots(seq.seq_id, computed, seq.is_high_priority)
+            self.swap_space.swap_in(seq.swap_block_ids, manager.block_table(seq.seq_id))
+            seq.swap_block_ids = []
+            self.swapped.pop(0)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            self._append(seq, num_tokens, out)
+            budget -= num_tokens
+        return budget
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         manager = self.block_manager
@@ -170,10 +205,34 @@ class Scheduler:
         out.scheduled.append(ScheduledSequence(seq, num_tokens, result.slots))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Free ``seq``'s blocks and queue it again for recompute."""
+        """Take ``seq``'s blocks back: park them in the swap space, or drop them and
+        queue ``seq`` again for recompute."""
         self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
-        seq.reset_for_recompute()
         self.num_preemptions += 1
         out.preempted.append(seq)
+        block_ids = self.block_manager.block_table(seq.seq_id)
+        if self._swaps(seq, len(block_ids)):
+            seq.swap_block_ids = self.swap_space.swap_out(block_ids)
+            self.block_manager.free(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            seq.num_preemptions += 1
+            bisect.insort(self.swapped, seq, key=Sequence.sort_key)
+            return
+        self.block_manager.free(seq.seq_id)
+        seq.reset_for_recompute()
         self.add(seq)
+
+    def _swaps(self, seq: Sequence, num_blocks: int) -> bool:
+        """The preemption rule. "recompute" never swaps. "swap" swaps whenever the second
+        tier has room. "auto" also needs at least one full block of computed tokens:
+        copying a token's K/V costs microseconds where recomputing it costs milliseconds
+        (docs/memory.md has the measurements), but a sequence with less than a block
+        computed is cheaper to recompute than to park."""
+        if self.swap_space is None or self.preemption_mode == "recompute":
+            return False
+        if (
+            self.preemption_mode == "auto"
+            and seq.num_computed_tokens < self.block_manager.block_size
+        ):
+            return False
+        return self.swap_space.can_hold(num_blocks)

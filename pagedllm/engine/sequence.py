@@ -3,8 +3,10 @@
 States::
 
     WAITING --schedule--> RUNNING --finish--> FINISHED_{STOPPED, LENGTH, ABORTED}
-       ^                     |
-       +---- PREEMPTED <-----+   (blocks freed; its K/V will be recomputed)
+       ^                   |  ^
+       +--- PREEMPTED <----+  |   (recompute: blocks freed, K/V computed again)
+                           |  |
+                SWAPPED <--+--+   (swap: blocks parked in the second tier, copied back)
 
 A preempted sequence waits again at the front of its priority class: its arrival time
 is unchanged, and the waiting queue is ordered by (priority, arrival, sequence id).
@@ -27,6 +29,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -75,6 +78,7 @@ class Sequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: int | str | None = None
+    swap_block_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

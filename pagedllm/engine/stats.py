@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.kv.swap_space import SwapStats
+
 logger = logging.getLogger("pagedllm")
 
 
@@ -59,6 +61,8 @@ class EngineStats:
     num_batched_tokens: int
     max_concurrent_seqs: int
     step_times: StepTimes = field(default_factory=StepTimes)
+    num_swapped: int = 0
+    swap: SwapStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

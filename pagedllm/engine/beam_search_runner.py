@@ -1,0 +1,258 @@
+"""Beam searches driven over the engine's scheduler and paged KV cache.
+
+Every beam is a :class:`~pagedllm.engine.sequence.Sequence` in the scheduler. A search
+starts as one sequence, the prompt, prefilled once (in chunks if long, reusing cached
+prefix blocks). Each step every live beam computes one token; :class:`BeamSelector`
+picks the next beams from their log-probabilities; then, per parent beam:
+
+- the first surviving continuation extends the parent's own sequence;
+- every other continuation is a fork of the parent sharing all its blocks (the partly
+  filled last block is copied on its next write: the plan's ``block_copies``);
+- a parent without a continuation leaves the scheduler at once, returning its blocks.
+
+Beam search runs alone on an engine (no other requests at the same time). Searches are
+admitted only while the worst case of all admitted searches fits the pool (see
+:func:`worst_case_blocks`) and their beams fit one step's token budget, so the scheduler
+never preempts a beam and every live beam of a search runs in the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    BeamSelector,
+    Continuation,
+)
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+
+_RELEASED = SequenceStatus.FINISHED_STOPPED
+"""How a beam leaves the scheduler, pruned or at the end of its search."""
+
+
+def worst_case_blocks(num_prompt_tokens: int, params: BeamSearchParams, block_size: int) -> int:
+    """Most blocks one search can hold at once, in blocks.
+
+    The prompt's full blocks are shared by every beam; each beam may hold its own blocks
+    from the prompt's partly filled block up to ``prompt + max_tokens`` tokens.
+    """
+    shared = num_prompt_tokens // block_size
+    longest = -(-(num_prompt_tokens + params.max_tokens) // block_size)
+    return shared + params.beam_width * (longest - shared)
+
+
+@dataclass(eq=False)
+class _Search:
+    """One prompt's search: its selector and the sequences of its beams, in beam order."""
+
+    key: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    selector: BeamSelector
+    worst_case_blocks: int
+    beams: list[Sequence] = field(default_factory=list)
+
+
+class BeamSearchRunner:
+    """Runs beam searches on ``engine``; call :meth:`add`, then :meth:`step` until
+    :attr:`has_unfinished` is False."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        if engine.has_unfinished_requests():
+            raise ValueError("beam search runs alone: the engine still has requests")
+        self.engine = engine
+        self._pending: deque[_Search] = deque()
+        self._active: list[_Search] = []
+        self._next_key = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._pending or self._active)
+
+    @property
+    def live_beams(self) -> list[Sequence]:
+        """The sequences of every admitted search's beams, for inspection."""
+        return [seq for search in self._active for seq in search.beams]
+
+    @property
+    def _capacity_blocks(self) -> int:
+        """Blocks normal-priority sequences may hold in the whole pool."""
+        pool = self.engine.block_manager.pool
+        return pool.num_blocks - pool.num_reserved
+
+    @property
+    def _max_live_beams(self) -> int:
+        scheduler = self.engine.scheduler
+        return min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+
+    def add(
+        self, prompt_token_ids: list[int], params: BeamSearchParams, prompt: str | None = None
+    ) -> int:
+        """Queue a search; returns its key (the order of results). Raises ValueError when
+        it could never run on this engine."""
+        engine = self.engine
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > engine.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total} tokens, beyond max_model_len={engine.max_model_len}"
+            )
+        if params.beam_width > self._max_live_beams:
+            raise ValueError(
+                f"beam_width {params.beam_width} exceeds the {self._max_live_beams} sequences "
+                "one step may run (max_num_seqs, max_num_batched_tokens)"
+            )
+        blocks = worst_case_blocks(len(prompt_token_ids), params, engine.config.block_size)
+        if blocks > self._capacity_blocks:
+            raise ValueError(
+                f"this search may need {blocks} KV blocks; the pool has {self._capacity_blocks}"
+            )
+        stop_ids = engine.tokenizer.stop_token_ids if engine.tokenizer else set()
+        stop_ids = stop_ids or set(engine.model_config.eos_token_ids)
+        search = _Search(
+            self._next_key,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            BeamSelector(params, stop_ids),
+            blocks,
+        )
+        self._next_key += 1
+        self._pending.append(search)
+        return search.key
+
+    def _admit(self) -> None:
+        """Start pending searches, first come first served, while the worst cases fit."""
+        blocks = sum(search.worst_case_blocks for search in self._active)
+        beams = sum(search.params.beam_width for search in self._active)
+        while self._pending:
+            search = self._pending[0]
+            if blocks + search.worst_case_blocks > self._capacity_blocks:
+                return
+            if beams + search.params.beam_width > self._max_live_beams:
+                return
+            self._pending.popleft()
+            blocks += search.worst_case_blocks
+            beams += search.params.beam_width
+            root = Sequence(
+                request_id=f"beam-{search.key}",
+                prompt_token_ids=search.prompt_token_ids,
+                params=SamplingParams(temperature=0.0, max_tokens=search.params.max_tokens),
+                arrival_time=time.monotonic(),
+            )
+            search.beams = [root]
+            self._active.append(search)
+            self.engine.scheduler.add(root)
+
+    def step(self) -> list[tuple[int, BeamSearchOutput]]:
+        """Run one forward pass over every live beam; returns ``(key, output)`` of the
+        searches that finished in it."""
+        self._admit()
+        logprobs = self._forward()
+        finished = []
+        for search in list(self._active):
+            rows = [logprobs.get(seq.seq_id) for seq in search.beams]
+            if all(row is None for row in rows):
+                continue  # the prompt is still being prefilled
+            if any(row is None for row in rows):
+                raise RuntimeError("the beams of one search did not run in the same step")
+            continuations = search.selector.step(torch.stack(rows))
+            self._advance(search, continuations)
+            if search.selector.is_done:
+                self._active.remove(search)
+                finished.append((search.key, self._output(search)))
+        return finished
+
+    def _forward(self) -> dict[int, torch.Tensor]:
+        """Schedule, copy blocks on write, run the model, commit the K/V written; returns
+        the log-softmax of the next-token logits of each sequence that reached its end."""
+        engine = self.engine
+        plan = engine.scheduler.schedule()
+        if plan.preempted:
+            raise RuntimeError("a beam was preempted although the worst case fits the pool")
+        if plan.is_empty:
+            return {}
+        if plan.block_copies:
+            engine.kv_cache.copy_blocks(plan.block_copies)
+        input_ids, positions, metadata, sample_rows = engine.runner.build_batch(plan.scheduled)
+        logits = engine.runner.forward(input_ids, positions, metadata, sample_rows)
+        sampled = []
+        for item in plan.scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            engine.block_manager.commit_tokens(
+                seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
+            )
+            seq.num_computed_tokens += item.num_tokens
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq.seq_id)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return dict(zip(sampled, logprobs, strict=True))
+
+    def _advance(self, search: _Search, continuations: list[Continuation]) -> None:
+        """Turn ``search.beams`` into the beams of ``continuations``: free the parents
+        left without one first, then fork, then extend."""
+        scheduler = self.engine.scheduler
+        parents = search.beams
+        continued = {c.parent for c in continuations}
+        for index, seq in enumerate(parents):
+            if index not in continued:
+                scheduler.finish(seq, _RELEASED)
+        beams: list[Sequence] = []
+        extended: set[int] = set()
+        for c in continuations:
+            parent = parents[c.parent]
+            if c.parent in extended:
+                beams.append(self._fork(parent, c.token_id))
+            else:
+                extended.add(c.parent)
+                beams.append(parent)
+        for c, seq in zip(continuations, beams, strict=True):
+            if seq is parents[c.parent]:
+                seq.append_token(c.token_id)
+        search.beams = beams
+
+    def _fork(self, parent: Sequence, token_id: int) -> Sequence:
+        """A new running beam sharing every block of ``parent``, extended by ``token_id``.
+
+        Called before ``parent`` itself is extended, so the child copies its tokens so far.
+        """
+        child = Sequence(
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params,
+            arrival_time=parent.arrival_time,
+        )
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        self.engine.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.engine.scheduler.running.append(child)
+        child.append_token(token_id)
+        return child
+
+    def _output(self, search: _Search) -> BeamSearchOutput:
+        tokenizer = self.engine.tokenizer
+        sequences = [
+            BeamSearchSequence(
+                prompt_token_ids=search.prompt_token_ids,
+                token_ids=list(h.token_ids),
+                text=tokenizer.decode(h.token_ids) if tokenizer else None,
+                cum_logprob=h.cum_logprob,
+                score=h.score,
+                finish_reason=h.finish_reason,
+            )
+            for h in search.selector.hypotheses
+        ]
+        return BeamSearchOutput(search.prompt, search.prompt_token_ids, sequences)

@@ -1,0 +1,96 @@
+"""The second KV tier: blocks of preempted sequences parked outside the KV pool.
+
+Laid out like :class:`~pagedllm.kv.kv_cache.KVCache` (``[num_layers, 2, num_blocks,
+num_kv_heads, block_size, head_dim]``) in host memory, or in a memory-mapped file when a
+path is given, so that spill can go beyond RAM. Its blocks are bookkept by a plain
+:class:`~pagedllm.kv.block_pool.BlockPool` (no reserve, never cached). A swap-out copies
+every block of a sequence once, all layers in one indexed copy; a swap-in copies them
+back into freshly allocated pool blocks and frees the swap blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """Counters since start-up: blocks, sequences and bytes moved each way."""
+
+    num_blocks: int
+    used_blocks: int
+    swap_outs: int
+    swap_ins: int
+    bytes_swapped_out: int
+    bytes_swapped_in: int
+
+
+class SwapSpace:
+    """``num_blocks`` blocks shaped like the blocks of ``cache``."""
+
+    def __init__(self, cache: KVCache, num_blocks: int, path: str | Path | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a swap space needs at least one block, got {num_blocks}")
+        self.cache = cache
+        shape = list(cache.tensor.shape)
+        shape[2] = num_blocks
+        if path is None:
+            self.tensor = torch.empty(shape, dtype=cache.dtype)
+        else:
+            numel = 1
+            for size in shape:
+                numel *= size
+            flat = torch.from_file(str(path), shared=True, size=numel, dtype=cache.dtype)
+            self.tensor = flat.view(shape)
+        self.pool = BlockPool(num_blocks, cache.block_size, reserved_fraction=0.0)
+        self._block_bytes = cache.nbytes // max(cache.num_blocks, 1)
+        self._swap_outs = 0
+        self._swap_ins = 0
+        self._bytes_out = 0
+        self._bytes_in = 0
+
+    def can_hold(self, num_blocks: int) -> bool:
+        return self.pool.can_allocate(num_blocks)
+
+    def swap_out(self, block_ids: list[int]) -> list[int]:
+        """Copy pool blocks ``block_ids`` here; return the swap block holding each."""
+        swap_ids = self.pool.allocate(len(block_ids))
+        if block_ids:
+            src = torch.tensor(block_ids, dtype=torch.int64)
+            dst = torch.tensor(swap_ids, dtype=torch.int64)
+            self.tensor.index_copy_(2, dst, self.cache.tensor.index_select(2, src))
+        self._swap_outs += 1
+        self._bytes_out += len(block_ids) * self._block_bytes
+        return swap_ids
+
+    def swap_in(self, swap_ids: list[int], block_ids: list[int]) -> None:
+        """Copy swap blocks ``swap_ids`` into pool blocks ``block_ids`` and free them here."""
+        if len(swap_ids) != len(block_ids):
+            raise ValueError(f"{len(swap_ids)} swap blocks for {len(block_ids)} pool blocks")
+        if swap_ids:
+            src = torch.tensor(swap_ids, dtype=torch.int64)
+            dst = torch.tensor(block_ids, dtype=torch.int64)
+            self.cache.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+        self.pool.free(swap_ids)
+        self._swap_ins += 1
+        self._bytes_in += len(block_ids) * self._block_bytes
+
+    def free(self, swap_ids: list[int]) -> None:
+        """Drop parked blocks without copying them back (the sequence was aborted)."""
+        self.pool.free(swap_ids)
+
+    def stats(self) -> SwapStats:
+        return SwapStats(
+            num_blocks=self.pool.num_blocks,
+            used_blocks=self.pool.num_used,
+            swap_outs=self._swap_outs,
+            swap_ins=self._swap_ins,
+            bytes_swapped_out=self._bytes_out,
+            bytes_swapped_in=self._bytes_in,
+        )
