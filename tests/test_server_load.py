@@ -105,6 +105,7 @@ def test_64_concurrent_streams_under_preemption(server):
     values = wait_until_idle(server)
     assert values["pagedllm:kv_blocks_total"] == NUM_BLOCKS
     assert values["vllm:num_preemptions_total"] > preemptions_before
+    assert values["vllm:prefix_cache_hits_total"] > 0  # each prompt comes nine times
     assert values["pagedllm:kv_blocks_used"] == 0
     assert values["pagedllm:kv_blocks_free"] == NUM_BLOCKS
     assert values["vllm:num_requests_running"] == values["vllm:num_requests_waiting"] == 0

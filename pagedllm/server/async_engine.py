@@ -213,7 +213,7 @@ class AsyncEngine:
                     self._abort_all(APIError(500, "The engine failed while running this request"))
                     continue
                 self._dispatch(outputs)
-            self.metrics.record_step(engine.get_stats(), engine.block_manager.stats())
+            self.metrics.record_step(engine.get_stats())
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands, waiting for one if ``block``; False once stopped."""

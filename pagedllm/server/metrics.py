@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
-from pagedllm.kv.block_manager import BlockManagerStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -94,8 +93,8 @@ class ServerMetrics:
         )
         self._last_token_time: dict[str, float | None] = {}
 
-    def record_step(self, stats: EngineStats, kv: BlockManagerStats) -> None:
-        """Follow the engine's and the block manager's gauges and cumulative counters."""
+    def record_step(self, stats: EngineStats) -> None:
+        """Follow the engine's gauges and cumulative counters."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.preempted.set(stats.num_preempted_waiting)
@@ -104,8 +103,8 @@ class ServerMetrics:
         self.blocks_free.set(stats.num_blocks_free)
         self.blocks_total.set(stats.num_blocks_total)
         self.fragmentation.set(stats.internal_fragmentation_slots)
-        self._advance(self.prefix_queries, "prefix_queries", kv.prefix_cache_queries)
-        self._advance(self.prefix_hits, "prefix_hits", kv.prefix_cache_hits)
+        self._advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries)
+        self._advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits)
         self._advance(self.preemptions, "preemptions", stats.num_preemptions_total)
         self._advance(self.prompt_tokens, "prompt", stats.prompt_tokens_total)
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
