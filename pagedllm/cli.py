@@ -159,30 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    bench = commands.add_parser("bench", help="throughput benchmark (JSON lines)")
-    _add_bench_args(bench)
-    bench.set_defaults(func=_run_bench)
-
+    # imported here: these modules build on the engine options defined above
+    from pagedllm.bench.cli import add_bench_args, run_bench
+    from pagedllm.plan.cli import add_plan_parser
     from pagedllm.server.cli import add_serve_parser
 
+    bench = commands.add_parser("bench", help="throughput benchmark (JSON lines)")
+    add_bench_args(bench)
+    bench.set_defaults(func=run_bench)
     add_serve_parser(commands)
-
-    from pagedllm.plan.cli import add_plan_parser
-
     add_plan_parser(commands)
     return parser
-
-
-def _add_bench_args(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench.cli import add_bench_args
-
-    add_bench_args(parser)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from pagedllm.bench.cli import run_bench
-
-    return run_bench(args)
 
 
 def main(argv: list[str] | None = None) -> int:
