@@ -138,7 +138,7 @@ def draw_trace(trace: PoolTrace, path: str | Path, title: str = "KV block pool")
     )
     pool_ax.set_ylabel("physical block id")
     pool_ax.set_title(
-        f"{title}: {trace.num_blocks:,} blocks of {trace.block_size} tokens, "
+        f"{title}\n{trace.num_blocks:,} blocks of {trace.block_size} tokens, "
         f"{len(trace.seq_ids):,} sequences (colour = owning sequence, 20 colours reused)"
     )
     pool_ax.legend(
