@@ -8,6 +8,7 @@ from pagedllm.attention.cpu import paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.kv_quant import decode_rows
 
 
 class PagedAttentionBackend:
@@ -16,7 +17,9 @@ class PagedAttentionBackend:
     The engine calls :meth:`forward` once per layer with the same metadata; the int32 /
     int64 contiguous tensors the kernels need are made once per step and reused by
     every layer. Head dims the fast kernel does not take (not a multiple of 16, or above
-    256) run through the slow reference instead.
+    256) run through the slow reference instead. Over a cache in another format than the
+    model's dtype (float16, int8, fp8, or bfloat16 under a float32 model) the kernel
+    decodes K/V itself and takes a float32 query.
     """
 
     def __init__(self, kv_cache: KVCache) -> None:
@@ -54,24 +57,18 @@ class PagedAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``q``, ``k``, ``v``
-        must have the cache's dtype."""
+        """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``k``, ``v`` are
+        stored in the cache's format, the output has ``q``'s dtype."""
         slot_mapping, block_tables, seq_lens, query_start_loc = self._prepare(metadata)
         self.kv_cache.write(layer_idx, k, v, slot_mapping)
-        q = q.contiguous()
+        keys, values = self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx)
         if not self.uses_fast_kernel:
+            fmt = self.kv_cache.format
             return reference_paged_attention(
-                q, self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx), metadata, scale
+                q, decode_rows(keys, fmt), decode_rows(values, fmt), metadata, scale
             )
-        out = torch.empty_like(q)
-        paged_attention(
-            out,
-            q,
-            self.kv_cache.key(layer_idx),
-            self.kv_cache.value(layer_idx),
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-        )
-        return out
+        query = q if q.dtype in (torch.float32, keys.dtype) else q.float()
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        paged_attention(out, query, keys, values, block_tables, seq_lens, query_start_loc, scale)
+        return out.to(q.dtype)

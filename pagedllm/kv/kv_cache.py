@@ -8,6 +8,10 @@ alternative ``[num_blocks, block_size, num_kv_heads, head_dim]`` interleaves the
 with the same kernel it decoded as fast or up to 20-30% slower, never clearly faster
 (``benchmarks/attention.py`` times both). A flat cache *slot* is
 ``block_id * block_size + offset``.
+
+``kv_cache_dtype`` picks the element format (:mod:`pagedllm.kv.kv_quant`): quantized
+formats store a ``uint8`` tensor whose last axis is ``head_dim`` codes plus the row's
+scale, so every byte copy of whole blocks (copy-on-write, swapping) carries the scales.
 """
 
 from __future__ import annotations
@@ -17,13 +21,21 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.attention.cpu import write_kv
+from pagedllm.kv.kv_quant import KVFormat, encode_rows, resolve_kv_format
 
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes one block takes across all layers: K and V, ``block_size`` tokens each."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    """Bytes one block takes across all layers: K and V, ``block_size`` tokens each,
+    scales included. ``dtype`` is the model's; ``kv_cache_dtype`` the cache format."""
+    row_bytes = resolve_kv_format(kv_cache_dtype, dtype).row_bytes(head_dim)
+    return 2 * num_layers * block_size * num_kv_heads * row_bytes
 
 
 def num_blocks_for_budget(
@@ -33,9 +45,12 @@ def num_blocks_for_budget(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """How many whole blocks fit in ``budget_bytes`` (rounded down, never negative)."""
-    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    per_block = bytes_per_block(
+        num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype
+    )
     return max(0, budget_bytes // per_block)
 
 
@@ -43,6 +58,8 @@ class KVCache:
     """Preallocated K/V storage for ``num_blocks`` blocks of ``block_size`` tokens.
 
     Holds no bookkeeping: which blocks are free or shared is the block pool's business.
+    ``dtype`` is the tensor's element type (``uint8`` for quantized formats), ``format``
+    what the elements mean.
     """
 
     def __init__(
@@ -54,6 +71,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -62,11 +80,13 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
-        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self._keys = [self.tensor[i, 0] for i in range(num_layers)]
-        self._values = [self.tensor[i, 1] for i in range(num_layers)]
+        self.format: KVFormat = resolve_kv_format(kv_cache_dtype, dtype)
+        self.dtype = self.format.storage_dtype
+        row = self.format.row_width(head_dim)
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, row)
+        self.tensor = torch.zeros(shape, dtype=self.dtype, device=device)
+        self._keys = [self.tensor[i, 0].view(self.format.dtype) for i in range(num_layers)]
+        self._values = [self.tensor[i, 1].view(self.format.dtype) for i in range(num_layers)]
 
     @classmethod
     def from_budget(
@@ -78,12 +98,22 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """The largest cache whose tensor fits in ``budget_bytes``."""
         num_blocks = num_blocks_for_budget(
-            budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype
+            budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype
         )
-        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        return cls(
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            kv_cache_dtype,
+        )
 
     @property
     def num_slots(self) -> int:
@@ -95,7 +125,8 @@ class KVCache:
         return self.tensor.numel() * self.tensor.element_size()
 
     def key(self, layer_idx: int) -> torch.Tensor:
-        """Layer ``layer_idx``'s K, a view ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+        """Layer ``layer_idx``'s K, a view ``[num_blocks, num_kv_heads, block_size, row]`` of
+        ``format.dtype`` (``row`` is ``head_dim``, plus the scale's bytes if quantized)."""
         return self._keys[layer_idx]
 
     def value(self, layer_idx: int) -> torch.Tensor:
@@ -105,11 +136,15 @@ class KVCache:
     def write(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (the
-        cache's dtype) at slot ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all
-        tokens in one call; slots equal to ``-1`` are skipped."""
-        keys, values = self._keys[layer_idx], self._values[layer_idx]
-        write_kv(keys, values, k.contiguous(), v.contiguous(), slot_mapping)
+        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (any
+        float dtype; converted or quantized to the cache's format here) at slot
+        ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
+        equal to ``-1`` are skipped."""
+        keys = self.tensor[layer_idx, 0]
+        values = self.tensor[layer_idx, 1]
+        k_rows = encode_rows(k, self.format).contiguous()
+        v_rows = encode_rows(v, self.format).contiguous()
+        write_kv(keys, values, k_rows, v_rows, slot_mapping)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of

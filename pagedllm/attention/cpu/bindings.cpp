@@ -10,6 +10,25 @@
 namespace {
 
 constexpr int64_t kLanes = 16, kMaxVectors = 16;  // head_dim: multiple of 16, at most 256
+constexpr int64_t kScaleBytes = 2;                 // a quantized row's bfloat16 scale
+
+// The row format a cache dtype stands for; int8 and fp8 rows end with their scale.
+pagedllm::KVFormat kv_format(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return pagedllm::KVFormat::kFloat32;
+    case at::kBFloat16: return pagedllm::KVFormat::kBFloat16;
+    case at::kHalf: return pagedllm::KVFormat::kFloat16;
+    case at::kChar: return pagedllm::KVFormat::kInt8;
+    case at::kFloat8_e4m3fn: return pagedllm::KVFormat::kFp8E4M3;
+    case at::kFloat8_e5m2: return pagedllm::KVFormat::kFp8E5M2;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", dtype);
+  }
+}
+
+bool is_scaled(pagedllm::KVFormat format) {
+  return format == pagedllm::KVFormat::kInt8 || format == pagedllm::KVFormat::kFp8E4M3 ||
+         format == pagedllm::KVFormat::kFp8E5M2;
+}
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4, "cache is [num_blocks, num_kv_heads, block_size, head_dim]");
@@ -25,16 +44,21 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   check_cache(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
               out.sizes() == q.sizes(), "q and out are contiguous [num_tokens, Hq, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "q, out and the cache must share a dtype");
+  const pagedllm::KVFormat format = kv_format(k_cache.scalar_type());
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat ||
+              (q.scalar_type() == at::kBFloat16 && format == pagedllm::KVFormat::kBFloat16),
+              "q must be float32, or bfloat16 over a bfloat16 cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
               query_start_loc.is_contiguous());
   const int64_t block_size = k_cache.size(2);
   TORCH_CHECK((block_size & (block_size - 1)) == 0, "block size must be a power of two");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % kLanes == 0 &&
-              q.size(2) <= kLanes * kMaxVectors, "head_dim must be a multiple of 16, at most 256");
+  const int64_t row = q.size(2) + (is_scaled(format) ? kScaleBytes : 0);
+  TORCH_CHECK(row == k_cache.size(3) && q.size(2) % kLanes == 0 &&
+              q.size(2) <= kLanes * kMaxVectors,
+              "head_dim must fit the cache rows, be a multiple of 16 and at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
@@ -53,8 +77,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                   " refers to block ", table[b], " outside the cache");
     }
   }
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "float32 or bfloat16 only");
   pagedllm::AttentionBatch batch{q.data_ptr(),
                                  out.data_ptr(),
                                  k_cache.data_ptr(),
@@ -72,6 +94,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                                  k_cache.stride(1),
                                  k_cache.stride(2),
                                  static_cast<float>(scale),
+                                 format,
                                  q.scalar_type() == at::kBFloat16,
                                  at::get_num_threads()};
   pagedllm::paged_attention(batch);

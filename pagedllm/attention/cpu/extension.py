@@ -46,11 +46,14 @@ def paged_attention(
 ) -> None:
     """Writes into ``out`` ``[num_tokens, Hq, D]`` the causal attention of every query row.
 
-    ``q``/``out`` contiguous, same dtype as the caches (float32 or bfloat16); caches
-    ``[num_blocks, num_kv_heads, block_size, head_dim]`` (any strides with ``head_dim``
-    contiguous); ``block_tables``, ``seq_lens``, ``query_start_loc`` contiguous int32 with
-    the meaning of :class:`~pagedllm.attention.metadata.AttentionMetadata`. Every block a
-    sequence uses is checked to lie inside the cache.
+    ``q``/``out`` contiguous float32 (or bfloat16 over a bfloat16 cache); caches
+    ``[num_blocks, num_kv_heads, block_size, row]`` (any strides with the row contiguous)
+    of float32, bfloat16 or float16 (``row`` = ``D``), or of int8 / float8_e4m3fn /
+    float8_e5m2 with ``row`` = ``D`` codes + a 2-byte bfloat16 scale
+    (:mod:`pagedllm.kv.kv_quant`), decoded in the kernel; ``block_tables``, ``seq_lens``,
+    ``query_start_loc`` contiguous int32 with the meaning of
+    :class:`~pagedllm.attention.metadata.AttentionMetadata`. Every block a sequence uses
+    is checked to lie inside the cache.
     """
     ops().paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 

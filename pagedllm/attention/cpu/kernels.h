@@ -6,8 +6,12 @@
 
 namespace pagedllm {
 
+// How K/V rows are stored. Quantized rows (int8 and fp8) are head_dim one-byte codes
+// followed by the row's bfloat16 scale; a value is decode(code) * scale.
+enum class KVFormat { kFloat32, kBFloat16, kFloat16, kInt8, kFp8E4M3, kFp8E5M2 };
+
 // One flattened batch, as raw pointers. Strides are in elements and shared by the K and
-// V caches ([num_blocks, num_kv_heads, block_size, head_dim], head_dim contiguous);
+// V caches ([num_blocks, num_kv_heads, block_size, row], the row contiguous);
 // q and out are contiguous [num_tokens, num_q_heads, head_dim]. Metadata has the meaning
 // of pagedllm.attention.metadata.AttentionMetadata and has been validated.
 struct AttentionBatch {
@@ -21,7 +25,8 @@ struct AttentionBatch {
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size_shift, max_blocks;
   int64_t block_stride, head_stride, token_stride;
   float scale;
-  bool bfloat16;    // else float32
+  KVFormat kv_format;
+  bool bfloat16_query;  // q and out are bfloat16 (only with a bfloat16 cache), else float32
   int num_threads;  // torch's intra-op thread count
 };
 

@@ -7,11 +7,17 @@
 // Work items are (sequence, query tile, kv head); every item handles the
 // query_heads / kv_heads query heads that share one kv head (grouped-query attention),
 // so each K/V row is loaded once per group. Softmax is online, chunk by chunk.
-// Numbers are accumulated in float32 whatever the storage dtype (float32 or bfloat16).
+// Numbers are accumulated in float32 whatever the storage format: float32, bfloat16 or
+// float16 rows are widened; int8 and fp8 rows (one-byte codes and a bfloat16 scale, see
+// kernels.h) are decoded and multiplied by their scale here, never copied out decoded.
+
+#include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -47,6 +53,98 @@ inline vfloat load(const uint16_t* p) {
   vfloat v;
   std::memcpy(&v, &w, sizeof v);
   return v;
+}
+
+// A cache row format: Elem is the stored element, widen turns 16 of them into float32,
+// and a scaled format keeps the row's bfloat16 multiplier right after head_dim codes.
+template <typename E>
+struct LoadedRows {  // float32 or bfloat16, widened by load()
+  using Elem = E;
+  static constexpr bool kScaled = false;
+  static vfloat widen(const Elem* p) { return load(p); }
+};
+
+template <typename E, typename Narrow, bool kScaledRows>
+struct ConvertedRows {  // 16 elements of Narrow converted lane by lane
+  using Elem = E;
+  static constexpr bool kScaled = kScaledRows;
+  static vfloat widen(const Elem* p) {
+    Narrow n;
+    std::memcpy(&n, p, sizeof n);
+    return __builtin_convertvector(n, vfloat);
+  }
+};
+
+typedef _Float16 vfloat16 __attribute__((vector_size(32)));
+typedef int8_t vint8 __attribute__((vector_size(16)));
+using Float32Rows = LoadedRows<float>;
+using BFloat16Rows = LoadedRows<uint16_t>;
+using Float16Rows = ConvertedRows<uint16_t, vfloat16, false>;
+using Int8Rows = ConvertedRows<int8_t, vint8, true>;
+
+// The float value of each of the 256 codes of an 8-bit float with `exp_bits` exponent
+// bits (sign, exponent, mantissa; bias 2^(exp_bits-1) - 1; subnormals). E4M3 is the
+// "fn" variant (no infinities, only S.1111.111 is NaN); E5M2 follows IEEE.
+struct Fp8Table {
+  float value[256];
+  explicit Fp8Table(int exp_bits) {
+    const int mant_bits = 7 - exp_bits, bias = (1 << (exp_bits - 1)) - 1;
+    const int exp_max = (1 << exp_bits) - 1, mant_max = (1 << mant_bits) - 1;
+    for (int code = 0; code < 256; ++code) {
+      const int exp = (code >> mant_bits) & exp_max, mant = code & mant_max;
+      float x;
+      if (exp == exp_max && (exp_bits == 5 || mant == mant_max)) {
+        x = exp_bits == 5 && mant == 0 ? std::numeric_limits<float>::infinity()
+                                       : std::numeric_limits<float>::quiet_NaN();
+      } else if (exp == 0) {
+        x = std::ldexp(static_cast<float>(mant), 1 - bias - mant_bits);
+      } else {
+        x = std::ldexp(static_cast<float>(mant + (1 << mant_bits)), exp - bias - mant_bits);
+      }
+      value[code] = code & 0x80 ? -x : x;
+    }
+  }
+};
+
+const Fp8Table kE4M3(4), kE5M2(5);
+
+template <const Fp8Table& kTable>
+struct Fp8Rows {
+  using Elem = uint8_t;
+  static constexpr bool kScaled = true;
+  static vfloat widen(const Elem* p) {
+    typedef uint8_t vbyte __attribute__((vector_size(16)));
+    vbyte b;
+    std::memcpy(&b, p, sizeof b);
+    const vint index = __builtin_convertvector(b, vint);
+#ifdef __AVX512F__
+    __m512i idx;
+    std::memcpy(&idx, &index, sizeof idx);
+    const __m512 v = _mm512_i32gather_ps(idx, kTable.value, 4);
+    vfloat out;
+    std::memcpy(&out, &v, sizeof out);
+    return out;
+#else
+    vfloat out;
+    for (int i = 0; i < kLanes; ++i) out[i] = kTable.value[index[i]];
+    return out;
+#endif
+  }
+};
+
+// The bfloat16 scale stored after the head_dim codes of a scaled row.
+template <typename Rows>
+inline float row_scale(const typename Rows::Elem* row, int64_t head_dim) {
+  if constexpr (!Rows::kScaled) {
+    return 1.f;
+  } else {
+    uint16_t half;
+    std::memcpy(&half, row + head_dim, sizeof half);
+    const uint32_t bits = static_cast<uint32_t>(half) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
 }
 
 inline void store(float* p, float x) { *p = x; }
@@ -148,10 +246,11 @@ struct Scratch {
 // more. A row is one (query token, query head) pair; rows are processed RB at a time so
 // that every K/V row loaded serves RB query rows. NV is head_dim / 16, or 0 when only
 // known at run time.
-template <typename T, int NV, int RB>
-void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
-                 const int32_t* table, int64_t first_token, int64_t num_tokens,
-                 int64_t first_pos, int64_t kv_head, const Shapes& s, Scratch& w) {
+template <typename T, typename Rows, int NV, int RB>
+void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
+                 const typename Rows::Elem* v_cache, const int32_t* table, int64_t first_token,
+                 int64_t num_tokens, int64_t first_pos, int64_t kv_head, const Shapes& s,
+                 Scratch& w) {
   constexpr int kNV = NV ? NV : kMaxVectors;
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   const int64_t rows = num_tokens * group;
@@ -168,13 +267,15 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
     w.row_max[r] = kMinScore;
     w.row_sum[r] = 0.f;
   }
-  const T* k_rows[kChunk];
-  const T* v_rows[kChunk];
+  using Elem = typename Rows::Elem;
+  const Elem* k_rows[kChunk];
+  const Elem* v_rows[kChunk];
+  float k_scales[kChunk], v_scales[kChunk];
   vfloat parts[RB][kChunk];
   alignas(64) float probs[RB][kChunk];
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t visible_end = first_pos + num_tokens;
-  const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(Elem));
   const int64_t prefetch_distance = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   auto row_offset = [&](int64_t pos) {
     return table[pos >> s.block_size_shift] * s.block_stride + kv_head * s.head_stride +
@@ -186,6 +287,8 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
       const int64_t off = row_offset(c0 + t);
       k_rows[t] = k_cache + off;
       v_rows[t] = v_cache + off;
+      k_scales[t] = row_scale<Rows>(k_rows[t], s.head_dim);
+      v_scales[t] = row_scale<Rows>(v_rows[t], s.head_dim);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       int64_t seen[RB];
@@ -213,11 +316,11 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
           }
         }
         vfloat key[kNV];
-        for (int64_t j = 0; j < nv; ++j) key[j] = load(k_rows[t] + j * kLanes);
+        for (int64_t j = 0; j < nv; ++j) key[j] = Rows::widen(k_rows[t] + j * kLanes);
         for (int i = 0; i < RB; ++i) {
           vfloat a = qr[i * nv] * key[0];
           for (int64_t j = 1; j < nv; ++j) a += qr[i * nv + j] * key[j];
-          parts[i][t] = a;
+          parts[i][t] = Rows::kScaled ? a * k_scales[t] : a;
         }
       }
       for (int i = 0; i < RB; ++i) {
@@ -252,9 +355,11 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
         for (int64_t j = 0; j < nv; ++j) acc[i][j] = w.acc[(r0 + i) * nv + j];
       for (int64_t t = 0; t < seen_max; ++t) {
         vfloat value[kNV];
-        for (int64_t j = 0; j < nv; ++j) value[j] = load(v_rows[t] + j * kLanes);
-        for (int i = 0; i < RB; ++i)
-          for (int64_t j = 0; j < nv; ++j) acc[i][j] += probs[i][t] * value[j];
+        for (int64_t j = 0; j < nv; ++j) value[j] = Rows::widen(v_rows[t] + j * kLanes);
+        for (int i = 0; i < RB; ++i) {
+          const float p = Rows::kScaled ? probs[i][t] * v_scales[t] : probs[i][t];
+          for (int64_t j = 0; j < nv; ++j) acc[i][j] += p * value[j];
+        }
       }
       for (int i = 0; i < RB; ++i)
         for (int64_t j = 0; j < nv; ++j) w.acc[(r0 + i) * nv + j] = acc[i][j];
@@ -273,14 +378,15 @@ void attend_tile(const T* q, T* out, const T* k_cache, const T* v_cache,
 
 // Picks the compile-time variant: RB rows per pass must divide the tile's rows and, with
 // their accumulators, fit the 32 vector registers.
-template <typename T>
-void attend_tile_dispatch(const T* q, T* out, const T* k_cache, const T* v_cache,
-                          const int32_t* table, int64_t first_token, int64_t num_tokens,
-                          int64_t first_pos, int64_t kv_head, const Shapes& s, Scratch& w) {
+template <typename T, typename Rows>
+void attend_tile_dispatch(const T* q, T* out, const typename Rows::Elem* k_cache,
+                          const typename Rows::Elem* v_cache, const int32_t* table,
+                          int64_t first_token, int64_t num_tokens, int64_t first_pos,
+                          int64_t kv_head, const Shapes& s, Scratch& w) {
   const int64_t rows = num_tokens * (s.num_q_heads / s.num_kv_heads);
-#define PAGEDLLM_ATTEND(NV, RB)                                                              \
-  return attend_tile<T, NV, RB>(q, out, k_cache, v_cache, table, first_token, num_tokens, \
-                                first_pos, kv_head, s, w)
+#define PAGEDLLM_ATTEND(NV, RB)                                                          \
+  return attend_tile<T, Rows, NV, RB>(q, out, k_cache, v_cache, table, first_token,     \
+                                      num_tokens, first_pos, kv_head, s, w)
   if (s.head_dim == 64) {
     if (rows % 4 == 0) PAGEDLLM_ATTEND(4, 4);
     if (rows % 3 == 0) PAGEDLLM_ATTEND(4, 3);
@@ -299,7 +405,7 @@ struct Tile {
   int64_t seq, first_token, num_tokens, first_pos, cost;
 };
 
-template <typename T>
+template <typename T, typename Rows>
 void run(const Shapes& s) {
   std::vector<Tile> tiles;
   tiles.reserve(s.num_seqs);
@@ -317,8 +423,8 @@ void run(const Shapes& s) {
                    [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   const T* qp = static_cast<const T*>(s.q);
   T* op = static_cast<T*>(s.out);
-  const T* kp = static_cast<const T*>(s.k_cache);
-  const T* vp = static_cast<const T*>(s.v_cache);
+  const auto* kp = static_cast<const typename Rows::Elem*>(s.k_cache);
+  const auto* vp = static_cast<const typename Rows::Elem*>(s.v_cache);
   const int64_t items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
   int64_t work = 0;  // query rows x visible positions, summed
   for (const Tile& tile : tiles) work += tile.cost * s.num_q_heads;
@@ -327,7 +433,7 @@ void run(const Shapes& s) {
   for (int64_t item = 0; item < items; ++item) {
     thread_local Scratch scratch;
     const Tile& tile = tiles[item / s.num_kv_heads];
-    attend_tile_dispatch<T>(qp, op, kp, vp, s.block_tables + tile.seq * s.max_blocks,
+    attend_tile_dispatch<T, Rows>(qp, op, kp, vp, s.block_tables + tile.seq * s.max_blocks,
                             tile.first_token, tile.num_tokens, tile.first_pos,
                             item % s.num_kv_heads, s, scratch);
   }
@@ -338,10 +444,14 @@ void run(const Shapes& s) {
 namespace pagedllm {
 
 void paged_attention(const AttentionBatch& batch) {
-  if (batch.bfloat16) {
-    run<uint16_t>(batch);
-  } else {
-    run<float>(batch);
+  if (batch.bfloat16_query) return run<uint16_t, BFloat16Rows>(batch);
+  switch (batch.kv_format) {
+    case KVFormat::kFloat32: return run<float, Float32Rows>(batch);
+    case KVFormat::kBFloat16: return run<float, BFloat16Rows>(batch);
+    case KVFormat::kFloat16: return run<float, Float16Rows>(batch);
+    case KVFormat::kInt8: return run<float, Int8Rows>(batch);
+    case KVFormat::kFp8E4M3: return run<float, Fp8Rows<kE4M3>>(batch);
+    case KVFormat::kFp8E5M2: return run<float, Fp8Rows<kE5M2>>(batch);
   }
 }
 
