@@ -1,5 +1,5 @@
 # Two entry points, each idempotent on a fresh machine:
-#   make run   set up .venv and generate with the embedded default model
+#   make run   set up .venv and serve the embedded default model (OpenAI API on 127.0.0.1:8000)
 #   make test  set up .venv and run the whole test suite
 PYTHON ?= python3
 VENV := .venv
@@ -7,7 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Explain paged memory in one sentence.
 
-.PHONY: setup run test lint clean
+PORT ?= 8000
+
+.PHONY: setup run generate test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +22,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/pagedllm serve --port $(PORT)
+
+generate: $(STAMP)
 	$(BIN)/pagedllm generate --prompt "$(PROMPT)" --max-tokens 64
 
 test: $(STAMP)
