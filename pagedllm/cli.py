@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from pagedllm.config import EngineConfig
+from pagedllm.kv.kv_quant import KV_CACHE_DTYPES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +17,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    group.add_argument(
+        "--kv-cache-dtype",
+        default=defaults["kv_cache_dtype"].default,
+        choices=KV_CACHE_DTYPES,
+        help="KV cache format; 8-bit ones hold about twice the blocks of bfloat16",
+    )
     group.add_argument("--block-size", type=int, default=defaults["block_size"].default)
     group.add_argument(
         "--kv-cache-memory",
@@ -50,6 +57,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.kv.block_pool import validate_block_size
+from pagedllm.kv.kv_quant import resolve_kv_format
 
 _DTYPES = {
     "auto": torch.float32,
@@ -57,6 +58,10 @@ class EngineConfig:
     """Engine settings. Units: tokens unless a name says blocks or bytes.
 
     - ``kv_cache_memory``: bytes for the whole KV pool (all layers, K and V).
+    - ``kv_cache_dtype``: the KV cache's element format, ``"auto"`` (the model's dtype),
+      ``"bfloat16"``, ``"float16"``, or 8-bit ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``
+      with a scale per token and KV head (:mod:`pagedllm.kv.kv_quant`); the pool holds
+      as many blocks as fit ``kv_cache_memory`` in that format, scales included.
     - ``max_model_len``: longest sequence (prompt + output) a request may reach;
       ``None`` takes the model's own limit, capped by what the pool holds.
     - ``max_num_batched_tokens``: tokens one step may run (decodes + prefill chunks).
@@ -72,6 +77,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str | torch.dtype = "float32"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str = "2GiB"
     max_model_len: int | None = None
@@ -88,6 +94,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = resolve_dtype(self.dtype)
+        resolve_kv_format(self.kv_cache_dtype, self.dtype)  # raises on an unknown name
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.swap_space = parse_bytes(self.swap_space)
         if self.preemption_mode not in ("recompute", "swap", "auto"):

@@ -64,6 +64,7 @@ class LLMEngine:
             mc.num_kv_heads,
             mc.head_dim,
             config.dtype,
+            config.kv_cache_dtype,
         )
         self.block_manager = BlockManager(
             self.num_blocks,
@@ -80,6 +81,7 @@ class LLMEngine:
             mc.num_kv_heads,
             mc.head_dim,
             config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.runner = ModelRunner(
             self.loaded.model, PagedAttentionBackend(self.kv_cache), self.block_manager
