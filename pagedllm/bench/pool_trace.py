@@ -102,17 +102,26 @@ class PoolTracer:
         return snapshot
 
 
-def _owner_image(trace: PoolTrace) -> np.ndarray:
-    """RGB ``[num_blocks, num_steps, 3]``: white free, owner colours, black shared."""
+def _owner_image(trace: PoolTrace, num_rows: int) -> np.ndarray:
+    """RGB ``[num_rows, num_steps, 3]`` of blocks ``0 .. num_rows - 1``: white free, owner
+    colours, black shared."""
     import matplotlib.pyplot as plt
 
     palette = (np.array(plt.get_cmap("tab20").colors) * 255).astype(np.uint8)
-    owners = np.stack([snap.owners for snap in trace.snapshots], axis=1)
+    owners = np.stack([snap.owners[:num_rows] for snap in trace.snapshots], axis=1)
     image = palette[np.maximum(owners, 0) % len(palette)]
     image[owners == FREE] = 255
     for step, snap in enumerate(trace.snapshots):
-        image[snap.shared, step] = 0
+        image[snap.shared[snap.shared < num_rows], step] = 0
     return image
+
+
+def _blocks_to_show(trace: PoolTrace) -> int:
+    """Blocks up to the highest id ever held (plus a 5 % margin), at most the pool."""
+    highest = max(
+        int(np.flatnonzero(snap.owners != FREE).max(initial=0)) for snap in trace.snapshots
+    )
+    return min(trace.num_blocks, max(8, int((highest + 1) * 1.05)))
 
 
 def draw_trace(trace: PoolTrace, path: str | Path, title: str = "KV block pool") -> None:
@@ -126,17 +135,23 @@ def draw_trace(trace: PoolTrace, path: str | Path, title: str = "KV block pool")
     if not trace.snapshots:
         raise ValueError("the trace is empty: record at least one step")
     steps = np.arange(1, len(trace.snapshots) + 1)
+    shown = _blocks_to_show(trace)
     fig, (pool_ax, curve_ax) = plt.subplots(
         2, 1, figsize=(12, 9), height_ratios=(3, 1.3), sharex=True, layout="constrained"
     )
     pool_ax.imshow(
-        _owner_image(trace),
+        _owner_image(trace, shown),
         aspect="auto",
         origin="lower",
         interpolation="nearest",
-        extent=(0.5, len(steps) + 0.5, -0.5, trace.num_blocks - 0.5),
+        extent=(0.5, len(steps) + 0.5, -0.5, shown - 0.5),
     )
-    pool_ax.set_ylabel("physical block id")
+    hidden = trace.num_blocks - shown
+    pool_ax.set_ylabel(
+        f"physical block id ({hidden:,} higher ids, never held, not shown)"
+        if hidden
+        else "physical block id"
+    )
     pool_ax.set_title(
         f"{title}\n{trace.num_blocks:,} blocks of {trace.block_size} tokens, "
         f"{len(trace.seq_ids):,} sequences (colour = owning sequence, 20 colours reused)"
