@@ -1,7 +1,7 @@
 """Beam search: its parameters, its results, and the rule that picks the beams.
 
 The rule is transformers' ``generate(num_beams=W, do_sample=False)`` for one prompt
-(its vectorised beam search of the 4.5x/5.x series), restated over plain lists:
+(as transformers 5.x implements it), restated over plain lists:
 
 1. Each step every running beam ``b`` (summed log-probability ``cum[b]``, nats) gives
    ``log_softmax`` of its next-token logits; candidate ``(b, t)`` scores
@@ -18,8 +18,10 @@ The rule is transformers' ``generate(num_beams=W, do_sample=False)`` for one pro
    estimate ``cum[best] / L' ** length_penalty``, where ``L'`` is the current generated
    length, or ``max_tokens`` when ``early_stopping="never"`` and ``length_penalty > 0``.
 
-The result is the kept hypotheses, best first. Unlike ``generate(num_beams=1)`` (greedy
-decoding), width 1 still follows this rule.
+Stop tokens are the engine's (the tokenizer's EOS and end-of-turn tokens): pass the same
+set as ``eos_token_id`` to transformers to compare. The result is the kept hypotheses,
+best first. Unlike ``generate(num_beams=1)`` (greedy decoding), width 1 still follows
+this rule.
 """
 
 from __future__ import annotations

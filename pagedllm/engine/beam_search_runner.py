@@ -117,14 +117,12 @@ class BeamSearchRunner:
             raise ValueError(
                 f"this search may need {blocks} KV blocks; the pool has {self._capacity_blocks}"
             )
-        stop_ids = engine.tokenizer.stop_token_ids if engine.tokenizer else set()
-        stop_ids = stop_ids or set(engine.model_config.eos_token_ids)
         search = _Search(
             self._next_key,
             prompt,
             list(prompt_token_ids),
             params,
-            BeamSelector(params, stop_ids),
+            BeamSelector(params, engine._stop_token_ids()),
             blocks,
         )
         self._next_key += 1
