@@ -5,37 +5,15 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-from tiny_checkpoints import write_tiny_llama
+from tiny_checkpoints import tiny_engine
 
-from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedllm.kv.kv_cache import bytes_per_block
-from pagedllm.models.loader import load_model
-
-BLOCK_SIZE = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))))
+from pagedllm import LLM, LLMEngine, SamplingParams
 
 
 def make_engine(loaded, num_blocks: int, **overrides) -> LLMEngine:
-    mc = loaded.config
-    block_bytes = bytes_per_block(
-        mc.num_layers, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, torch.float32
-    )
-    settings = dict(
-        block_size=BLOCK_SIZE,
-        kv_cache_memory=num_blocks * block_bytes,
-        max_model_len=300,
-        max_num_seqs=64,
-        max_num_batched_tokens=128,
-        log_stats_interval=0,
-    )
+    settings = dict(max_model_len=300, max_num_batched_tokens=128)
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings), loaded)
+    return tiny_engine(loaded, num_blocks, **settings)
 
 
 def shared_prefix_requests(count: int = 64, seed: int = 0):

@@ -4,39 +4,15 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-from tiny_checkpoints import write_tiny_llama
+from tiny_checkpoints import tiny_engine
 
-from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedllm.kv.kv_cache import bytes_per_block
-from pagedllm.models.loader import load_model
-
-BLOCK_SIZE = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))))
+from pagedllm import LLM, SamplingParams
 
 
 def make_llm(loaded, num_blocks: int, **overrides) -> LLM:
-    mc = loaded.config
-    block_bytes = bytes_per_block(
-        mc.num_layers, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, torch.float32
-    )
-    settings = dict(
-        block_size=BLOCK_SIZE,
-        kv_cache_memory=num_blocks * block_bytes,
-        max_model_len=100,
-        max_num_seqs=64,
-        max_num_batched_tokens=64,
-        log_stats_interval=0,
-    )
-    if "swap_blocks" in overrides:
-        settings["swap_space"] = overrides.pop("swap_blocks") * block_bytes
+    settings = dict(max_model_len=100, max_num_batched_tokens=64)
     settings.update(overrides)
-    return LLM.from_engine(LLMEngine(EngineConfig(**settings), loaded))
+    return LLM.from_engine(tiny_engine(loaded, num_blocks, **settings))
 
 
 def workload(count: int = 64, seed: int = 3):

@@ -32,3 +32,24 @@ def write_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**settings))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def tiny_engine(loaded, num_blocks: int, block_size: int = 4, swap_blocks: int = 0, **overrides):
+    """An engine over ``loaded`` whose KV pool holds exactly ``num_blocks`` blocks (and a
+    second tier of ``swap_blocks``); other keywords are :class:`EngineConfig` fields."""
+    from pagedllm import EngineConfig, LLMEngine
+    from pagedllm.kv.kv_cache import bytes_per_block
+
+    mc = loaded.config
+    block_bytes = bytes_per_block(
+        mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, torch.float32
+    )
+    settings = dict(
+        block_size=block_size,
+        kv_cache_memory=num_blocks * block_bytes,
+        swap_space=swap_blocks * block_bytes,
+        max_num_seqs=64,
+        log_stats_interval=0,
+    )
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings), loaded)
