@@ -4,6 +4,7 @@
 """
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

@@ -122,7 +122,7 @@ class BeamSearchRunner:
             prompt,
             list(prompt_token_ids),
             params,
-            BeamSelector(params, engine._stop_token_ids()),
+            BeamSelector(params, engine.stop_token_ids),
             blocks,
         )
         self._next_key += 1
@@ -180,22 +180,9 @@ class BeamSearchRunner:
             raise RuntimeError("a beam was preempted although the worst case fits the pool")
         if plan.is_empty:
             return {}
-        if plan.block_copies:
-            engine.kv_cache.copy_blocks(plan.block_copies)
-        input_ids, positions, metadata, sample_rows = engine.runner.build_batch(plan.scheduled)
-        logits = engine.runner.forward(input_ids, positions, metadata, sample_rows)
-        sampled = []
-        for item in plan.scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            engine.block_manager.commit_tokens(
-                seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
-            )
-            seq.num_computed_tokens += item.num_tokens
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampled.append(seq.seq_id)
+        ending, logits = engine.execute_plan(plan)
         logprobs = torch.log_softmax(logits, dim=-1)
-        return dict(zip(sampled, logprobs, strict=True))
+        return dict(zip((seq.seq_id for seq in ending), logprobs, strict=True))
 
     def _advance(self, search: _Search, continuations: list[Continuation]) -> None:
         """Turn ``search.beams`` into the beams of ``continuations``: free the parents

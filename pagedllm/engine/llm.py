@@ -96,7 +96,7 @@ class LLM:
             prompts = [prompts]
         runner = BeamSearchRunner(self.llm_engine)
         for prompt in prompts:
-            text, token_ids = self.llm_engine._tokenize(prompt)
+            text, token_ids = self.llm_engine.tokenize_prompt(prompt)
             runner.add(token_ids, params, text)
         results: list[BeamSearchOutput | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:

@@ -23,7 +23,7 @@ from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sampler import Sampler, SamplingBatch, make_generator
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence as Seq
 from pagedllm.engine.sequence import SequenceStatus
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
@@ -191,7 +191,7 @@ class LLMEngine:
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
@@ -207,7 +207,7 @@ class LLMEngine:
                 generator=make_generator(params.derived_seed(index)),
             )
             decoder = self.tokenizer.incremental_decoder(token_ids) if self.tokenizer else None
-            sequences.append(SequenceOutput(seq, decoder, self._stop_token_ids(), max_tokens))
+            sequences.append(SequenceOutput(seq, decoder, self.stop_token_ids, max_tokens))
         self._requests[request_id] = RequestState(
             request_id,
             text,
@@ -219,12 +219,14 @@ class LLMEngine:
         self.scheduler.add(sequences[0].seq)
         return request_id
 
-    def _stop_token_ids(self) -> set[int]:
+    @property
+    def stop_token_ids(self) -> set[int]:
+        """Token ids that end generation (the model's EOS and end-of-turn ids)."""
         if self.tokenizer is not None:
             return self.tokenizer.stop_token_ids
         return set(self.model_config.eos_token_ids)
 
-    def _tokenize(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptInput | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -294,17 +296,43 @@ class LLMEngine:
         times = self.step_times
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        times.schedule += t1 - t0
+        times.schedule += time.perf_counter() - t0
         if plan.is_empty:
             return []
+        ending, logits = self.execute_plan(plan)
+        t1 = time.perf_counter()
+        sampling, logits = self._fork_parallel_samples(ending, logits)
+        sampled = self._sample(sampling, logits)
+        t2 = time.perf_counter()
+        outputs = self._process(sampling, sampled)
+        times.sample += t2 - t1
+        times.postprocess += time.perf_counter() - t2
+        times.steps += 1
+        self._prompt_tokens_total += plan.num_batched_tokens - len(ending)
+        self._generation_tokens_total += len(sampling)
+        self._last_batched_tokens = plan.num_batched_tokens
+        self._max_concurrent = max(self._max_concurrent, len(plan.scheduled))
+        if self.config.log_stats_interval > 0:
+            self._stats_logger.maybe_log(self.get_stats())
+        return outputs
+
+    def execute_plan(self, plan: SchedulerOutput) -> tuple[list[Seq], torch.Tensor]:
+        """Run a scheduler plan through the model: copy blocks on write, write and attend
+        K/V, commit the written tokens to the prefix cache.
+
+        Returns the sequences whose known tokens are now all computed (plan order) and
+        their float32 next-token logits ``[len(sequences), vocab]``.
+        """
+        times = self.step_times
+        t0 = time.perf_counter()
         if plan.block_copies:
             self.kv_cache.copy_blocks(plan.block_copies)
         input_ids, positions, metadata, sample_rows = self.runner.build_batch(plan.scheduled)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         logits = self.runner.forward(input_ids, positions, metadata, sample_rows)
-        t3 = time.perf_counter()
-        sampling = [item.seq for item in plan.scheduled if item.samples]
+        times.prepare += t1 - t0
+        times.forward += time.perf_counter() - t1
+        ending = [item.seq for item in plan.scheduled if item.samples]
         for item in plan.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -312,23 +340,7 @@ class LLMEngine:
                 seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
             )
             seq.num_computed_tokens += item.num_tokens
-        sampling, logits = self._fork_parallel_samples(sampling, logits)
-        sampled = self._sample(sampling, logits)
-        t4 = time.perf_counter()
-        outputs = self._process(sampling, sampled)
-        t5 = time.perf_counter()
-        times.prepare += t2 - t1
-        times.forward += t3 - t2
-        times.sample += t4 - t3
-        times.postprocess += t5 - t4
-        times.steps += 1
-        self._prompt_tokens_total += plan.num_batched_tokens - len(sampling)
-        self._generation_tokens_total += len(sampling)
-        self._last_batched_tokens = plan.num_batched_tokens
-        self._max_concurrent = max(self._max_concurrent, len(plan.scheduled))
-        if self.config.log_stats_interval > 0:
-            self._stats_logger.maybe_log(self.get_stats())
-        return outputs
+        return ending, logits
 
     def _fork_parallel_samples(
         self, sampling: list[Seq], logits: torch.Tensor
