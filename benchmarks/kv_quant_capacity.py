@@ -8,7 +8,10 @@
    output tokens/s, peak concurrency and preemptions. A smaller element holds more
    blocks, so fewer preemptions; the kernel's decoding costs some time per token.
 
-    python benchmarks/kv_quant_capacity.py [--num-requests 16] [--pressure-blocks 24]
+On a machine busy with other work, run it with ``OMP_NUM_THREADS=1``: there two threads
+per process waited on each other and steps took 10-20x longer.
+
+    python benchmarks/kv_quant_capacity.py [--num-requests 8] [--pressure-blocks 12]
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def emit(**record: object) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget", default=2**30, type=int, help="bytes for the block counts")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--pressure-blocks", type=int, default=24)
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--pressure-blocks", type=int, default=12)
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="for the throughput runs")
     args = parser.parse_args()
 
     def blocks(name: str, model_dtype: torch.dtype = torch.float32) -> int:
@@ -60,13 +64,13 @@ def main() -> None:
         mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32
     )
     requests = synthetic_workload(
-        args.num_requests, seed=0, prompt_len=(32, 128), output_len=(32, 64)
+        args.num_requests, seed=0, prompt_len=(16, 64), output_len=(16, 32)
     )
-    for name in DTYPES:
+    for name in args.dtypes.split(","):
         config = EngineConfig(
             kv_cache_dtype=name,
             kv_cache_memory=budget,
-            max_model_len=256,
+            max_model_len=128,
             log_stats_interval=0,
         )
         result = run_engine(requests, config, LLMEngine(config, loaded))
