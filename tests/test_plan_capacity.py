@@ -84,7 +84,8 @@ def test_blocks_match_the_kv_cache_sizing_for_unquantized_dtypes():
 
 def test_quantized_blocks_carry_scales_and_hold_about_twice_bfloat16():
     config = resolve_model("llama-3-8b").config
-    scales = 2 * config.num_layers * config.num_kv_heads * 4
+    # one bfloat16 scale (2 bytes) per token, layer, K/V and KV head
+    scales = 2 * config.num_layers * 16 * config.num_kv_heads * 2
     assert (
         block_bytes(config, 16, KV_DTYPES["int8"])
         == block_bytes(config, 16, KV_DTYPES["bfloat16"]) // 2 + scales

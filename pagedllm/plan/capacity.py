@@ -22,32 +22,28 @@ from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.plan.model_shape import ModelShape
 
-SCALE_BYTES = 4  # one float32 scale
-
 
 @dataclass(frozen=True)
 class KVDtype:
-    """A KV cache element type; ``quantized`` ones carry per-block, per-head scales."""
+    """A KV cache element type and the engine's ``kv_cache_dtype`` that stores it;
+    ``quantized`` ones carry a bfloat16 scale per token and KV head."""
 
     name: str
     torch_dtype: torch.dtype
+    cache_format: str
     quantized: bool = False
 
     @property
     def element_bytes(self) -> int:
         return self.torch_dtype.itemsize
 
-    def scale_bytes_per_block(self, config: ModelConfig) -> int:
-        """Scale bytes one block adds across all layers (0 when not quantized)."""
-        return 2 * config.num_layers * config.num_kv_heads * SCALE_BYTES if self.quantized else 0
-
 
 KV_DTYPES: dict[str, KVDtype] = {
-    "float32": KVDtype("float32", torch.float32),
-    "bfloat16": KVDtype("bfloat16", torch.bfloat16),
-    "float16": KVDtype("float16", torch.float16),
-    "fp8": KVDtype("fp8", torch.float8_e4m3fn, quantized=True),
-    "int8": KVDtype("int8", torch.int8, quantized=True),
+    "float32": KVDtype("float32", torch.float32, "auto"),
+    "bfloat16": KVDtype("bfloat16", torch.bfloat16, "bfloat16"),
+    "float16": KVDtype("float16", torch.float16, "float16"),
+    "fp8": KVDtype("fp8", torch.float8_e4m3fn, "fp8_e4m3", quantized=True),
+    "int8": KVDtype("int8", torch.int8, "int8", quantized=True),
 }
 
 # Bytes per weight by storage type (int4: two weights per byte, scales ignored).
@@ -83,11 +79,16 @@ def block_elements_per_layer(config: ModelConfig, block_size: int) -> int:
 
 
 def block_bytes(config: ModelConfig, block_size: int, kv_dtype: KVDtype) -> int:
-    """Bytes of one block across all layers, K and V, scales included."""
-    data = bytes_per_block(
-        config.num_layers, block_size, config.num_kv_heads, config.head_dim, kv_dtype.torch_dtype
+    """Bytes of one block across all layers, K and V, scales included: exactly what the
+    engine's pool counts for ``kv_cache_dtype=kv_dtype.cache_format``."""
+    return bytes_per_block(
+        config.num_layers,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        kv_cache_dtype=kv_dtype.cache_format,
     )
-    return data + kv_dtype.scale_bytes_per_block(config)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

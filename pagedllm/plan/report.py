@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pagedllm.kv.kv_quant import SCALE_BYTES
 from pagedllm.plan.capacity import (
     KV_DTYPES,
-    SCALE_BYTES,
     CapacityPlan,
     DtypeCapacity,
     block_elements_per_layer,
@@ -15,8 +15,8 @@ from pagedllm.plan.capacity import (
 )
 
 QUANTIZED_SCALES = (
-    f"fp8 and int8 blocks carry one float32 scale ({SCALE_BYTES} bytes) per layer, K/V, "
-    "block and KV head"
+    f"fp8 and int8 rows carry one bfloat16 scale ({SCALE_BYTES} bytes) per token, layer, K/V "
+    "and KV head, stored beside the codes"
 )
 
 
