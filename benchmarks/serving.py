@@ -10,7 +10,8 @@ e2e latency; all in seconds, measured by the client.
 Examples:
     python benchmarks/serving.py --base-url http://127.0.0.1:8000
     python benchmarks/serving.py --start-server --num-requests 24 \\
-        --prompt-len 16,96 --output-len 8,32 --request-rates 0.5,1,2,inf
+        --prompt-len 16,96 --output-len 8,32 --request-rates 0.5,1,2,inf \\
+        --trace-pool benchmarks/out/serving_pool.png
 """
 
 from __future__ import annotations
@@ -166,7 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=parse_range, default=(16, 256), help="min,max")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG to write")
+    parser.add_argument(
+        "--trace-pool",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="with --start-server: the server draws its block pool over all rates to PNG",
+    )
     args = parser.parse_args(argv)
+    if args.trace_pool and not args.start_server:
+        parser.error("--trace-pool needs --start-server (the server draws the trace)")
 
     requests = synthetic_workload(args.num_requests, args.seed, args.prompt_len, args.output_len)
     rates = [float(rate) for rate in args.request_rates.split(",")]
@@ -174,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         base_url = args.base_url
         if args.start_server:
-            base_url = stack.enter_context(ServerProcess(args.serve_args.split())).base_url
+            serve_args = args.serve_args.split()
+            if args.trace_pool:
+                args.trace_pool.parent.mkdir(parents=True, exist_ok=True)
+                serve_args += ["--trace-pool", str(args.trace_pool)]
+            base_url = stack.enter_context(ServerProcess(serve_args)).base_url
         for rate in rates:
             results, duration = asyncio.run(
                 run_rate(base_url, args.model, requests, rate, args.seed)
@@ -184,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
     plot(records, args.plot)
     print(json.dumps({"plot": str(args.plot)}), flush=True)
+    if args.trace_pool:
+        print(json.dumps({"pool_trace": str(args.trace_pool)}), flush=True)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Bad input to ``pagedllm serve``: each gets its 4xx (or 503) as OpenAI-style JSON
 with a clear message, and a well-formed request right after still succeeds. The
-last test shuts the server down gracefully."""
+last test shuts the server down gracefully, and the server draws its block-pool trace."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,9 +32,17 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(SERVE_ARGS) as process:
+def pool_trace_png(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "pool.png"
+
+
+@pytest.fixture(scope="module")
+def server(pool_trace_png):
+    with ServerProcess([*SERVE_ARGS, "--trace-pool", str(pool_trace_png)]) as process:
         yield process
 
 
@@ -187,9 +196,9 @@ def test_errors_do_not_disturb_a_request_in_flight(http):
     assert streamed == alone
 
 
-def test_graceful_shutdown_finishes_in_flight_then_exits(server, http):
+def test_graceful_shutdown_finishes_in_flight_then_exits(server, http, pool_trace_png):
     """Runs last: SIGTERM while a stream runs; new connections are refused, the stream
-    completes, the process exits 0."""
+    completes, the process exits 0 after drawing the pool it traced."""
     received: list[str] = []
 
     def stream() -> None:
@@ -211,3 +220,5 @@ def test_graceful_shutdown_finishes_in_flight_then_exits(server, http):
     client_thread.join(120)
     assert received[-1] == "data: [DONE]"
     assert server.stop() == 0
+    assert "Block-pool trace written" in server.log()
+    assert pool_trace_png.read_bytes()[:8] == PNG_SIGNATURE

@@ -44,6 +44,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds in-flight requests may run after SIGINT/SIGTERM before being aborted",
     )
+    serve.add_argument(
+        "--trace-pool",
+        default=None,
+        metavar="PNG",
+        help="record the KV block pool after every engine step and draw it to PNG at shutdown "
+        "(costs 4 bytes per block per step)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=run_server)
 
@@ -51,6 +58,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pagedllm.bench.pool_trace import PoolTracer, draw_trace
     from pagedllm.cli import engine_config
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import ServerSettings, build_app, served_model_name
@@ -64,6 +72,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
     )
     engine = LLMEngine(engine_config(args))
+    tracer = PoolTracer(engine).attach() if args.trace_pool else None
     app = build_app(engine, settings)
     config = uvicorn.Config(
         app,
@@ -98,4 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
         flush=True,
     )
     DrainingServer(config).run()
+    if tracer is not None and tracer.trace.snapshots:
+        draw_trace(tracer.trace, args.trace_pool, f"pagedllm serve, {settings.model_name}")
+        print(f"Block-pool trace written to {args.trace_pool}", file=sys.stderr, flush=True)
     return 0
