@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu import paged_attention
-from pagedllm.attention.cpu.extension import ops
+from pagedllm.cpu import paged_attention
+from pagedllm.cpu.extension import ops
 
 NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 9, 3, 64  # SmolLM2-135M's attention
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from paged_cases import build_case, sdpa_expected
 
-from pagedllm.attention.cpu import paged_attention
 from pagedllm.attention.reference import reference_paged_attention
+from pagedllm.cpu import paged_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 BLOCK_SIZES = [1, 4, 16, 32, 128]

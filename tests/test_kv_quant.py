@@ -12,8 +12,8 @@ import pytest
 import torch
 from paged_cases import build_case
 
-from pagedllm.attention.cpu import paged_attention
 from pagedllm.attention.reference import reference_paged_attention
+from pagedllm.cpu import paged_attention
 from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
 from pagedllm.kv.kv_quant import SCALE_BYTES, decode_rows, encode_rows, resolve_kv_format
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.cpu import paged_attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
+from pagedllm.cpu import paged_attention
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import decode_rows
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.attention.cpu import write_kv
+from pagedllm.cpu import write_kv
 from pagedllm.kv.kv_quant import KVFormat, encode_rows, resolve_kv_format
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.linear import linear
 from pagedllm.models.rope import RotaryTable, apply_rope
 
 # Returns the tensor stored under a Hugging Face parameter name, e.g.
@@ -72,19 +73,19 @@ class DecoderLayer(nn.Module):
         c = self.config
         num_tokens = hidden.shape[0]
         normed = F.rms_norm(hidden, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
+        qkv = linear(normed, self.qkv_weight, self.qkv_bias)
         q_end, k_end = c.q_size, c.q_size + c.kv_size
         q = apply_rope(qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
         v = qkv[:, k_end:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
         attended = attn.forward(self.layer_idx, q, k, v, metadata, self.scale)
-        hidden += F.linear(attended.reshape(num_tokens, c.q_size), self.o_weight)
+        hidden += linear(attended.reshape(num_tokens, c.q_size), self.o_weight)
 
         normed = F.rms_norm(hidden, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
-        gate_up = F.linear(normed, self.gate_up_weight)
+        gate_up = linear(normed, self.gate_up_weight)
         gate = F.silu(gate_up[:, : c.intermediate_size])
         gate *= gate_up[:, c.intermediate_size :]
-        hidden += F.linear(gate, self.down_weight)
+        hidden += linear(gate, self.down_weight)
         return hidden
 
 
@@ -138,4 +139,4 @@ class LlamaDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for the ``N`` hidden rows to be sampled."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()

@@ -1,7 +1,8 @@
-"""Builds (once) and calls the C++ kernels in ``paged_attention.cpp``.
+"""Builds (once) and calls the C++ kernels in ``paged_attention.cpp`` and
+``streaming_linear.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
-g++, the two files in parallel (about 7 s of compiler time for the bindings and 4 s for
+g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
 the kernels), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); later processes load the cached library in a fraction
 of a second unless a source changed. The kernels run on torch's own OpenMP thread pool
@@ -17,7 +18,10 @@ from typing import Any
 import torch
 from torch.utils import cpp_extension
 
-SOURCES = [str(Path(__file__).with_name(name)) for name in ("bindings.cpp", "paged_attention.cpp")]
+SOURCES = [
+    str(Path(__file__).with_name(name))
+    for name in ("bindings.cpp", "paged_attention.cpp", "streaming_linear.cpp")
+]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -68,3 +72,19 @@ def write_kv(
     """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, Hkv, D]`` at flat slot
     ``slot_mapping[i]`` (int64, ``block * block_size + offset``); slot ``-1`` is skipped."""
     ops().write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+@functools.cache
+def streaming_linear_available() -> bool:
+    """Whether the build has :func:`streaming_linear` (it needs a CPU with AVX-512)."""
+    return bool(ops().streaming_linear_available())
+
+
+def streaming_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for contiguous ``x`` ``[M, K]`` and ``weight`` ``[N, K]``,
+    both float32 or both bfloat16 (``bias`` ``[N]`` any float dtype), reading each weight
+    row from memory once: the fast path for few rows. Float32 accumulation; a row's result
+    does not depend on the other rows of ``x``."""
+    return ops().streaming_linear(x, weight, bias)

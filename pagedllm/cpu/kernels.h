@@ -1,5 +1,5 @@
 // Interface between the torch bindings (bindings.cpp) and the torch-free kernels
-// (paged_attention.cpp), so that the two compile in parallel.
+// (paged_attention.cpp, streaming_linear.cpp), so that they compile in parallel.
 #pragma once
 
 #include <cstdint>
@@ -44,5 +44,23 @@ struct KVWrite {
 };
 
 void write_kv(const KVWrite& w);
+
+// y [M, N] = x [M, K] weight [N, K]^T (+ bias [N]), all contiguous, for few rows M
+// (streaming_linear.cpp). x, weight and y share one dtype: float32, or bfloat16 when
+// `bfloat16`; bias, if not null, is float32. Accumulation is float32.
+struct LinearProblem {
+  const void* x;
+  const void* weight;
+  const float* bias;
+  void* y;
+  int64_t M, N, K;
+  bool bfloat16;
+  int num_threads;  // torch's intra-op thread count
+};
+
+// Whether this build has the kernel (it needs AVX-512); streaming_linear does nothing
+// without it.
+bool streaming_linear_available();
+void streaming_linear(const LinearProblem& problem);
 
 }  // namespace pagedllm

@@ -1,8 +1,10 @@
-// Torch operators over the kernels in paged_attention.cpp: argument checks, then raw
-// pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv}.
+// Torch operators over the kernels in paged_attention.cpp and streaming_linear.cpp: argument checks, then raw
+// pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv,
+// streaming_linear, streaming_linear_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -122,6 +124,31 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
                       k_cache.stride(2), k.element_size()});
 }
 
+// x [M, K] weight [N, K]^T + bias, float32 or bfloat16; see kernels.h.
+at::Tensor streaming_linear(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(pagedllm::streaming_linear_available(), "streaming_linear needs AVX-512");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x is [M, K] and weight [N, K]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x and weight must both be float32 or both bfloat16");
+  at::Tensor bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias is [N]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  pagedllm::streaming_linear({x.data_ptr(), weight.data_ptr(),
+                              bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+                              y.data_ptr(), x.size(0), weight.size(0), x.size(1),
+                              x.scalar_type() == at::kBFloat16, at::get_num_threads()});
+  return y;
+}
+
+bool streaming_linear_available() { return pagedllm::streaming_linear_available(); }
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
@@ -129,9 +156,12 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
+  m.def("streaming_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("streaming_linear_available() -> bool", &streaming_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("streaming_linear", &streaming_linear);
 }
