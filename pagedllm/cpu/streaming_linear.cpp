@@ -96,7 +96,10 @@ void tile(const T* x, const T* w, int64_t K, const float* bias, T* y, int64_t ld
   int64_t k = 0;
   for (; k + Step::kWidth <= K; k += Step::kWidth) {
     decltype(Step::full(w)) wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = Step::full(w + j * K + k);
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = Step::full(w + j * K + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * K + k), _MM_HINT_T0);
+    }
     for (int m = 0; m < MR; ++m) {
       const auto xv = Step::full(x + m * K + k);
       for (int j = 0; j < NR; ++j) acc[m][j] = Step::fma(xv, wv[j], acc[m][j]);
