@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.config import EngineConfig
+from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.output_state import SequenceOutput
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
@@ -46,6 +47,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         torch.manual_seed(config.seed)
+        keep_freed_memory()
         start = time.monotonic()
         self.loaded = loaded or load_model(config.model, config.dtype)
         self.model_config = self.loaded.config
