@@ -106,6 +106,23 @@ def test_logits_match_transformers_on_the_same_gguf(default_model, transformers_
     torch.testing.assert_close(ours, reference, atol=TOLERANCE, rtol=0)
 
 
+def test_output_rows_equal_the_same_rows_of_the_whole_batch(default_model):
+    """The last layer computes only the rows asked for; they equal those of a full pass."""
+    ids = chat_ids(default_model.tokenizer, CHAT_PROMPTS[1])
+    rows = torch.tensor([len(ids) - 1, 2, 0])
+
+    def forward(output_rows=None):
+        return default_model.model.forward(
+            torch.tensor(ids),
+            torch.arange(len(ids)),
+            DenseAttentionBackend(),
+            dense_metadata([len(ids)]),
+            output_rows,
+        )
+
+    torch.testing.assert_close(forward(rows), forward()[rows], atol=1e-5, rtol=0)
+
+
 def test_greedy_generation_matches_transformers(default_model, transformers_default_model):
     prompts = [chat_ids(default_model.tokenizer, text) for text in CHAT_PROMPTS]
     eos = transformers_default_model.generation_config.eos_token_id

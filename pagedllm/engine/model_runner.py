@@ -80,5 +80,5 @@ class ModelRunner:
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Float32 logits ``[len(sample_rows), vocab]`` for the rows that sample."""
-        hidden = self.model(input_ids, positions, self.attn, metadata)
-        return self.model.compute_logits(hidden[sample_rows])
+        hidden = self.model(input_ids, positions, self.attn, metadata, sample_rows)
+        return self.model.compute_logits(hidden)

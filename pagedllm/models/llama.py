@@ -68,8 +68,11 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn: AttentionBackend,
         metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Update the residual stream ``hidden`` ``[T, hidden]`` in place and return it."""
+        """Update the residual stream ``hidden`` ``[T, hidden]`` in place and return it;
+        with ``output_rows``, return only those rows, whose output projection and MLP
+        alone are computed (attention still writes every token's K/V)."""
         c = self.config
         num_tokens = hidden.shape[0]
         normed = F.rms_norm(hidden, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
@@ -79,6 +82,9 @@ class DecoderLayer(nn.Module):
         k = apply_rope(qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
         v = qkv[:, k_end:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
         attended = attn.forward(self.layer_idx, q, k, v, metadata, self.scale)
+        if output_rows is not None:
+            hidden, attended = hidden[output_rows], attended[output_rows]
+            num_tokens = hidden.shape[0]
         hidden += linear(attended.reshape(num_tokens, c.q_size), self.o_weight)
 
         normed = F.rms_norm(hidden, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
@@ -123,15 +129,19 @@ class LlamaDecoder(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states ``[T, hidden_size]`` for tokens ``input_ids`` ``[T]``.
+        """Final-normed hidden states ``[T, hidden_size]`` for tokens ``input_ids`` ``[T]``,
+        or only rows ``output_rows`` of them (the last layer then skips the rest).
 
         ``positions`` ``[T]`` holds each token's 0-based index within its sequence.
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attn, metadata)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            rows = output_rows if index == last else None
+            hidden = layer(hidden, cos, sin, attn, metadata, rows)
         c = self.config
         return F.rms_norm(hidden, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
 
