@@ -44,6 +44,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", default=None, metavar="PNG", help="draw each paged run's pool (PNG-<dtype>)"
     )
+    parser.add_argument(
+        "--preemption-modes",
+        default="recompute",
+        help="comma list for the paged run under the --contiguous budget: recompute,swap,auto "
+        "(swap and auto get a second tier as large as the KV budget)",
+    )
 
 
 def emit(record: dict[str, object]) -> None:
@@ -100,8 +106,9 @@ def _paged_vs_contiguous(args, requests, loaded, dtype_name: str) -> dict[str, d
         mc.num_layers, args.block_size, mc.num_kv_heads, mc.head_dim, getattr(torch, dtype_name)
     )
     budget = 4 * (2048 // args.block_size) * block_bytes
+    runs = [("paged", mode) for mode in args.preemption_modes.split(",")]
     out = {}
-    for mode in ("paged", "contiguous"):
+    for allocation, preemption in [*runs, ("contiguous", "recompute")]:
         config = EngineConfig(
             model=args.model,
             dtype=dtype_name,
@@ -111,22 +118,36 @@ def _paged_vs_contiguous(args, requests, loaded, dtype_name: str) -> dict[str, d
             reserved_fraction=0.0,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_allocation=mode,
+            kv_allocation=allocation,
+            preemption_mode=preemption,
+            swap_space=0 if preemption == "recompute" else budget,
             log_stats_interval=0,
         )
-        result = run_engine(requests, config, LLMEngine(config, loaded))
+        engine = LLMEngine(config, loaded)
+        result = run_engine(requests, config, engine)
+        result["preemption_mode"] = preemption
+        swap = engine.get_stats().swap
+        if swap is not None:
+            result["swap_outs"], result["bytes_swapped_out"] = (
+                swap.swap_outs,
+                swap.bytes_swapped_out,
+            )
         emit({"measure": "throughput_fixed_budget", "kv_budget_bytes": budget, **result})
-        out[f"budget_{mode}_{dtype_name}"] = result
-    paged, contiguous = out[f"budget_paged_{dtype_name}"], out[f"budget_contiguous_{dtype_name}"]
-    emit(
-        {
-            "measure": "ratio_paged_vs_contiguous",
-            "dtype": dtype_name,
-            "max_concurrent_seqs": paged["max_concurrent_seqs"] / contiguous["max_concurrent_seqs"],
-            "output_tokens_per_s": paged["output_tokens_per_s"]
-            / contiguous["output_tokens_per_s"],
-        }
-    )
+        out[f"budget_{allocation}_{preemption}_{dtype_name}"] = result
+    contiguous = out[f"budget_contiguous_recompute_{dtype_name}"]
+    for _, preemption in runs:
+        paged = out[f"budget_paged_{preemption}_{dtype_name}"]
+        emit(
+            {
+                "measure": "ratio_paged_vs_contiguous",
+                "dtype": dtype_name,
+                "paged_preemption_mode": preemption,
+                "max_concurrent_seqs": paged["max_concurrent_seqs"]
+                / contiguous["max_concurrent_seqs"],
+                "output_tokens_per_s": paged["output_tokens_per_s"]
+                / contiguous["output_tokens_per_s"],
+            }
+        )
     return out
 
 
