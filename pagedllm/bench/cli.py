@@ -128,10 +128,7 @@ def _paged_vs_contiguous(args, requests, loaded, dtype_name: str) -> dict[str, d
         result["preemption_mode"] = preemption
         swap = engine.get_stats().swap
         if swap is not None:
-            result["swap_outs"], result["bytes_swapped_out"] = (
-                swap.swap_outs,
-                swap.bytes_swapped_out,
-            )
+            result.update(swap_outs=swap.swap_outs, bytes_swapped_out=swap.bytes_swapped_out)
         emit({"measure": "throughput_fixed_budget", "kv_budget_bytes": budget, **result})
         out[f"budget_{allocation}_{preemption}_{dtype_name}"] = result
     contiguous = out[f"budget_contiguous_recompute_{dtype_name}"]

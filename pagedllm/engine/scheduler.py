@@ -226,7 +226,7 @@ class Scheduler:
         """The preemption rule. "recompute" never swaps. "swap" swaps whenever the second
         tier has room. "auto" also needs at least one full block of computed tokens:
         copying a token's K/V costs microseconds where recomputing it costs milliseconds
-        (docs/memory.md has the measurements), but a sequence with less than a block
+        (docs/engine.md has the measurements), but a sequence with less than a block
         computed is cheaper to recompute than to park."""
         if self.swap_space is None or self.preemption_mode == "recompute":
             return False
