@@ -7,6 +7,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
+from pagedllm.cpu.extension import ops
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import decode_rows
 
@@ -19,12 +20,15 @@ class PagedAttentionBackend:
     every layer. Head dims the fast kernel does not take (not a multiple of 16, or above
     256) run through the slow reference instead. Over a cache in another format than the
     model's dtype (float16, int8, fp8, or bfloat16 under a float32 model) the kernel
-    decodes K/V itself and takes a float32 query.
+    decodes K/V itself and takes a float32 query. The C++ kernels are built (or loaded
+    from the extension cache) here, so a first step never pays for a compile.
     """
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self.uses_fast_kernel = kv_cache.head_dim % 16 == 0 and kv_cache.head_dim <= 256
+        if self.uses_fast_kernel:
+            ops()
         self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
         self._prepared: tuple[torch.Tensor, ...] = ()
 
