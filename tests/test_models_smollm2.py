@@ -1,7 +1,10 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers.
 
-Both sides dequantize the same GGUF to float32; tolerance 1e-4 absolute as in
-test_models_logits (same operations in the same order, bar the fused projections).
+Both sides dequantize the same GGUF to float32. The logits tolerance is float32
+rounding carried through 30 layers: transformers itself, run on the same tokens as one
+prefill and as token-by-token decoding (matrix products of other shapes, so sums in
+another order), disagrees with itself by up to 8.6e-5 on these chat prompts (logits up
+to 39 in magnitude); ours, with its own kernels and summation orders, is allowed 2e-4.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pagedllm.kv.kv_cache import KVCache
 
 pytestmark = pytest.mark.slow
 
-TOLERANCE = 1e-4
+TOLERANCE = 2e-4
 NEW_TOKENS = 64
 BLOCK_SIZE = 16
 CHAT_PROMPTS = [

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu import streaming_linear
-from pagedllm.cpu.extension import streaming_linear_available
+from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.models import linear as linear_module
 
 pytestmark = pytest.mark.skipif(
-    not streaming_linear_available(), reason="streaming_linear needs AVX-512"
+    not avx512_kernels_available(), reason="streaming_linear needs AVX-512"
 )
 
 SHAPES = [(1, 576, 960), (3, 576, 49152), (4, 1536, 576), (7, 100, 7), (13, 33, 5), (64, 64, 4)]

@@ -1,10 +1,12 @@
-// Torch operators over the kernels in paged_attention.cpp and streaming_linear.cpp: argument checks, then raw
-// pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv,
-// streaming_linear, streaming_linear_available}.
+// Torch operators over the kernels in paged_attention.cpp, streaming_linear.cpp,
+// packed_linear.cpp and elementwise.cpp: argument checks, then raw pointers. Registered
+// as torch.ops.pagedllm_cpu.{paged_attention, write_kv, streaming_linear, pack_weight,
+// packed_linear, rms_norm, silu_and_mul, rotary, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -127,7 +129,7 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 // x [M, K] weight [N, K]^T + bias, float32 or bfloat16; see kernels.h.
 at::Tensor streaming_linear(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(pagedllm::streaming_linear_available(), "streaming_linear needs AVX-512");
+  TORCH_CHECK(pagedllm::avx512_kernels_available(), "streaming_linear needs AVX-512");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "x is [M, K] and weight [N, K]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
@@ -147,7 +149,106 @@ at::Tensor streaming_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-bool streaming_linear_available() { return pagedllm::streaming_linear_available(); }
+// Float32 weight [N, K] -> panels [num_panels(N), K, panel width] (see kernels.h).
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "pack_weight: weight is contiguous float32 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  at::Tensor panels = at::empty({pagedllm::num_panels(N), K, pagedllm::kPanelWidth},
+                                weight.options());
+  pagedllm::pack_weight(weight.data_ptr<float>(), N, K, panels.data_ptr<float>(),
+                        at::get_num_threads());
+  return panels;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(pagedllm::avx512_kernels_available(), "packed_linear needs AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "packed_linear: x is contiguous float32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat &&
+              panels.is_contiguous() && panels.size(1) == x.size(1) &&
+              panels.size(2) == pagedllm::kPanelWidth &&
+              panels.size(0) == pagedllm::num_panels(out_features),
+              "packed_linear: panels must come from pack_weight of a [out_features, K] weight");
+  at::Tensor bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias is [out_features]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  pagedllm::packed_linear({x.data_ptr<float>(), panels.data_ptr<float>(),
+                           bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+                           y.data_ptr<float>(), x.size(0), out_features, x.size(1),
+                           at::get_num_threads()});
+  return y;
+}
+
+// The dtype flag of the elementwise kernels: true for bfloat16, false for float32.
+bool is_bfloat16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(pagedllm::avx512_kernels_available(), what, " needs AVX-512");
+  TORCH_CHECK(t.is_contiguous(), what, ": tensors must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              ": dtype must be float32 or bfloat16");
+  return t.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const bool bf16 = is_bfloat16(x, "rms_norm");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+              weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "rms_norm: x is [rows, dim] and weight [dim] of x's dtype");
+  at::Tensor out = at::empty_like(x);
+  pagedllm::rms_norm({x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.size(0), x.size(1),
+                      static_cast<float>(eps), bf16, at::get_num_threads()});
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const bool bf16 = is_bfloat16(gate_up, "silu_and_mul");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up is [rows, 2 * width]");
+  const int64_t width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  pagedllm::silu_and_mul(
+      {gate_up.data_ptr(), out.data_ptr(), gate_up.size(0), width, bf16, at::get_num_threads()});
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
+                                                      const at::Tensor& positions,
+                                                      const at::Tensor& cos,
+                                                      const at::Tensor& sin,
+                                                      int64_t num_q_heads, int64_t num_kv_heads) {
+  const bool bf16 = is_bfloat16(qkv, "rotary");
+  TORCH_CHECK(qkv.dim() == 2 && num_q_heads > 0 && num_kv_heads > 0 &&
+              qkv.size(1) % (num_q_heads + 2 * num_kv_heads) == 0,
+              "rotary: qkv is [tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]");
+  const int64_t head_dim = qkv.size(1) / (num_q_heads + 2 * num_kv_heads);
+  TORCH_CHECK(head_dim % 2 == 0, "rotary: head_dim must be even");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == head_dim / 2 &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+              cos.is_contiguous() && sin.is_contiguous(),
+              "rotary: cos and sin are [max_positions, head_dim / 2] of qkv's dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == qkv.size(0) &&
+              positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "rotary: positions is int64 [tokens]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position ", pos[t],
+                " outside the table");
+  }
+  const int64_t tokens = qkv.size(0);
+  at::Tensor q = at::empty({tokens, num_q_heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
+  at::Tensor v = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
+  pagedllm::rotary({qkv.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                    k.data_ptr(), v.data_ptr(), tokens, num_q_heads, num_kv_heads, head_dim, bf16,
+                    at::get_num_threads()});
+  return {q, k, v};
+}
+
+bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
 
 }  // namespace
 
@@ -157,11 +258,22 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("streaming_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("streaming_linear_available() -> bool", &streaming_linear_available);
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
+        "int num_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("avx512_kernels_available() -> bool", &avx512_kernels_available);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
   m.impl("streaming_linear", &streaming_linear);
+  m.impl("pack_weight", &pack_weight);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
 }

@@ -1,5 +1,5 @@
-"""Builds (once) and calls the C++ kernels in ``paged_attention.cpp`` and
-``streaming_linear.cpp``.
+"""Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
+``streaming_linear.cpp``, ``packed_linear.cpp`` and ``elementwise.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
@@ -20,7 +20,13 @@ from torch.utils import cpp_extension
 
 SOURCES = [
     str(Path(__file__).with_name(name))
-    for name in ("bindings.cpp", "paged_attention.cpp", "streaming_linear.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_attention.cpp",
+        "streaming_linear.cpp",
+        "packed_linear.cpp",
+        "elementwise.cpp",
+    )
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -75,9 +81,22 @@ def write_kv(
 
 
 @functools.cache
-def streaming_linear_available() -> bool:
-    """Whether the build has :func:`streaming_linear` (it needs a CPU with AVX-512)."""
-    return bool(ops().streaming_linear_available())
+def avx512_kernels_available() -> bool:
+    """Whether the build has :func:`streaming_linear`, :func:`packed_linear`,
+    :func:`rms_norm`, :func:`silu_and_mul` and :func:`rotary` (they need a CPU with
+    AVX-512)."""
+    return bool(ops().avx512_kernels_available())
+
+
+def fits_avx512_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the AVX-512 kernels take these tensors: contiguous, on the CPU, all float32
+    or all bfloat16, on a build that has the kernels."""
+    dtype = tensors[0].dtype
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and avx512_kernels_available()
+    )
 
 
 def streaming_linear(
@@ -88,3 +107,49 @@ def streaming_linear(
     row from memory once: the fast path for few rows. Float32 accumulation; a row's result
     does not depend on the other rows of ``x``."""
     return ops().streaming_linear(x, weight, bias)
+
+
+PANEL_WIDTH = 48
+"""Output features per panel of a packed weight (``kPanelWidth`` in ``kernels.h``)."""
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Float32 ``weight`` ``[N, K]`` as panels ``[ceil(N / PANEL_WIDTH), K, PANEL_WIDTH]``:
+    ``panels[p, k, j] = weight[p * PANEL_WIDTH + j, k]``, features past ``N`` zero."""
+    return ops().pack_weight(weight)
+
+
+def packed_linear(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` ``[M, out_features]`` for contiguous float32 ``x`` ``[M, K]``
+    and ``panels = pack_weight(weight)``. Each output sums over k in one fixed order, so a
+    row's result does not depend on the other rows of ``x`` or on ``M``."""
+    return ops().packed_linear(x, panels, out_features, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` for contiguous ``x`` ``[rows, dim]``,
+    one pass per row; float32, or bfloat16 rounded where transformers' RMSNorm rounds."""
+    return ops().rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` ``[rows, width]`` for contiguous ``gate_up`` ``[rows, 2 * width]``
+    (gate first), float32 or bfloat16."""
+    return ops().silu_and_mul(gate_up)
+
+
+def rotary(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split contiguous ``qkv`` ``[T, (Hq + 2 Hkv) * D]`` into new contiguous ``q``
+    ``[T, Hq, D]``, ``k`` and ``v`` ``[T, Hkv, D]``, rotating q and k ("rotate half") by
+    rows ``positions`` (int64 ``[T]``) of the ``cos`` / ``sin`` tables ``[max_pos, D / 2]``.
+    Products and sums round one at a time, as torch's separate operators do."""
+    return ops().rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads)

@@ -1,5 +1,6 @@
 // Interface between the torch bindings (bindings.cpp) and the torch-free kernels
-// (paged_attention.cpp, streaming_linear.cpp), so that they compile in parallel.
+// (paged_attention.cpp, streaming_linear.cpp, packed_linear.cpp, elementwise.cpp), so
+// that they compile in parallel.
 #pragma once
 
 #include <cstdint>
@@ -58,9 +59,71 @@ struct LinearProblem {
   int num_threads;  // torch's intra-op thread count
 };
 
-// Whether this build has the kernel (it needs AVX-512); streaming_linear does nothing
-// without it.
-bool streaming_linear_available();
+// Whether this build has the AVX-512 kernels: streaming_linear and the elementwise ones
+// below do nothing without it.
+bool avx512_kernels_available();
 void streaming_linear(const LinearProblem& problem);
+
+// Float32 weights packed into panels (packed_linear.cpp): kPanelWidth output features per
+// panel, k-major, [num_panels(N), K, kPanelWidth], features past N zero.
+constexpr int64_t kPanelWidth = 48;
+int64_t num_panels(int64_t N);
+// Packs weight [N, K] into panels (sized num_panels(N) * K * kPanelWidth floats).
+void pack_weight(const float* weight, int64_t N, int64_t K, float* panels, int num_threads);
+
+// y [M, N] = x [M, K] weight^T (+ bias [N]) with the weight packed; all float32 and
+// contiguous. A row's result does not depend on M or on the other rows.
+struct PackedLinearProblem {
+  const float* x;
+  const float* panels;
+  const float* bias;
+  float* y;
+  int64_t M, N, K;
+  int num_threads;
+};
+void packed_linear(const PackedLinearProblem& problem);
+
+// Elementwise kernels (elementwise.cpp). Tensors are contiguous and share one dtype,
+// float32, or bfloat16 when `bfloat16`; arithmetic is float32, rounded to bfloat16 where
+// transformers' modules round.
+
+// out [rows, dim] = x / sqrt(mean(x^2) + eps) * weight [dim].
+struct RmsNormProblem {
+  const void* x;
+  const void* weight;
+  void* out;
+  int64_t rows, dim;
+  float eps;
+  bool bfloat16;
+  int num_threads;
+};
+void rms_norm(const RmsNormProblem& problem);
+
+// out [rows, width] = silu(gate_up[:, :width]) * gate_up[:, width:].
+struct SiluMulProblem {
+  const void* gate_up;
+  void* out;
+  int64_t rows, width;
+  bool bfloat16;
+  int num_threads;
+};
+void silu_and_mul(const SiluMulProblem& problem);
+
+// Splits qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] into q, k, v
+// ([num_tokens, heads, head_dim] each), rotating q and k ("rotate half" layout) by the
+// cos / sin rows [max_positions, head_dim / 2] of each token's position.
+struct RotaryProblem {
+  const void* qkv;
+  const int64_t* positions;
+  const void* cos;
+  const void* sin;
+  void* q;
+  void* k;
+  void* v;
+  int64_t num_tokens, num_q_heads, num_kv_heads, head_dim;
+  bool bfloat16;
+  int num_threads;
+};
+void rotary(const RotaryProblem& problem);
 
 }  // namespace pagedllm

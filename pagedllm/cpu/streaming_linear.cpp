@@ -165,7 +165,7 @@ void run(const pagedllm::LinearProblem& p) {
 
 namespace pagedllm {
 
-bool streaming_linear_available() {
+bool avx512_kernels_available() {
 #ifdef __AVX512F__
   return true;
 #else

@@ -18,8 +18,9 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.linear import linear
-from pagedllm.models.rope import RotaryTable, apply_rope
+from pagedllm.models.fused import rms_norm, silu_and_mul
+from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
+from pagedllm.models.rope import RotaryTable
 
 # Returns the tensor stored under a Hugging Face parameter name, e.g.
 # "model.layers.0.self_attn.q_proj.weight"; raises ModelLoadError when absent.
@@ -29,10 +30,11 @@ WeightSource = Callable[[str], torch.Tensor]
 class DecoderLayer(nn.Module):
     """One pre-norm block: RMSNorm, attention, residual; RMSNorm, SwiGLU MLP, residual.
 
-    Buffers: ``qkv_weight`` ``[q_size + 2 * kv_size, hidden]`` (rows q, then k,
-    then v), ``qkv_bias`` the matching ``[q_size + 2 * kv_size]`` or ``None``,
+    Weights (plain or packed, see :func:`~pagedllm.models.linear.prepare_weight`):
+    ``qkv_weight`` ``[q_size + 2 * kv_size, hidden]`` (rows q, then k, then v),
     ``o_weight`` ``[hidden, q_size]``, ``gate_up_weight`` ``[2 * intermediate, hidden]``
-    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``, norms ``[hidden]``.
+    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``. Buffers:
+    ``qkv_bias`` ``[q_size + 2 * kv_size]`` or ``None``, norms ``[hidden]``.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, get: WeightSource) -> None:
@@ -44,8 +46,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         projections = ("q_proj", "k_proj", "v_proj")
         self.register_buffer("input_norm", get(prefix + "input_layernorm.weight"))
-        self.register_buffer(
-            "qkv_weight", torch.cat([get(f"{attn}{p}.weight") for p in projections])
+        self.qkv_weight: Weight = prepare_weight(
+            torch.cat([get(f"{attn}{p}.weight") for p in projections])
         )
         qkv_bias = (
             torch.cat([get(f"{attn}{p}.bias") for p in projections])
@@ -53,19 +55,18 @@ class DecoderLayer(nn.Module):
             else None
         )
         self.register_buffer("qkv_bias", qkv_bias)
-        self.register_buffer("o_weight", get(attn + "o_proj.weight"))
+        self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
         self.register_buffer("post_norm", get(prefix + "post_attention_layernorm.weight"))
-        self.register_buffer(
-            "gate_up_weight",
-            torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+        self.gate_up_weight: Weight = prepare_weight(
+            torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
         )
-        self.register_buffer("down_weight", get(mlp + "down_proj.weight"))
+        self.down_weight: Weight = prepare_weight(get(mlp + "down_proj.weight"))
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryTable,
         attn: AttentionBackend,
         metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
@@ -74,53 +75,54 @@ class DecoderLayer(nn.Module):
         with ``output_rows``, return only those rows, whose output projection and MLP
         alone are computed (attention still writes every token's K/V)."""
         c = self.config
-        num_tokens = hidden.shape[0]
-        normed = F.rms_norm(hidden, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
+        normed = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
         qkv = linear(normed, self.qkv_weight, self.qkv_bias)
-        q_end, k_end = c.q_size, c.q_size + c.kv_size
-        q = apply_rope(qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
-        v = qkv[:, k_end:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k, v = rotary.split_qkv(qkv, positions, c.num_heads, c.num_kv_heads)
         attended = attn.forward(self.layer_idx, q, k, v, metadata, self.scale)
         if output_rows is not None:
             hidden, attended = hidden[output_rows], attended[output_rows]
-            num_tokens = hidden.shape[0]
-        hidden += linear(attended.reshape(num_tokens, c.q_size), self.o_weight)
+        hidden += linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight)
 
-        normed = F.rms_norm(hidden, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
-        gate_up = linear(normed, self.gate_up_weight)
-        gate = F.silu(gate_up[:, : c.intermediate_size])
-        gate *= gate_up[:, c.intermediate_size :]
-        hidden += linear(gate, self.down_weight)
+        normed = rms_norm(hidden, self.post_norm, c.rms_norm_eps)
+        activated = silu_and_mul(linear(normed, self.gate_up_weight))
+        hidden += linear(activated, self.down_weight)
         return hidden
 
 
 class LlamaDecoder(nn.Module):
     """Embedding, ``num_layers`` decoder layers, final RMSNorm and the LM head.
 
-    All buffers share one dtype (float32 or bfloat16); ``lm_head`` is ``None``
-    when the config ties it to the embedding matrix.
+    All weights share one dtype (float32 or bfloat16). The LM head is the embedding
+    matrix when the config ties them; then one copy is kept, in the LM head's form, and
+    embedding lookups read its rows.
     """
 
     def __init__(self, config: ModelConfig, get: WeightSource, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
+        self.dtype = dtype
 
         def get_as_dtype(name: str) -> torch.Tensor:
             return get(name).to(dtype).contiguous()
 
-        self.register_buffer("embed_tokens", get_as_dtype("model.embed_tokens.weight"))
+        embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, get_as_dtype) for i in range(config.num_layers)
         )
         self.register_buffer("final_norm", get_as_dtype("model.norm.weight"))
-        lm_head = None if config.tie_word_embeddings else get_as_dtype("lm_head.weight")
-        self.register_buffer("lm_head", lm_head)
+        if config.tie_word_embeddings:
+            self.lm_head = prepare_weight(embed)
+            self.embed_tokens: Weight = self.lm_head
+        else:
+            self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"))
+            self.embed_tokens = embed
         self.rotary = RotaryTable(config, dtype)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``."""
+        if isinstance(self.embed_tokens, PackedWeight):
+            return self.embed_tokens.rows(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     @torch.inference_mode()
     def forward(
@@ -136,17 +138,14 @@ class LlamaDecoder(nn.Module):
 
         ``positions`` ``[T]`` holds each token's 0-based index within its sequence.
         """
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions)
+        hidden = self.embed(input_ids)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rows = output_rows if index == last else None
-            hidden = layer(hidden, cos, sin, attn, metadata, rows)
-        c = self.config
-        return F.rms_norm(hidden, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+            hidden = layer(hidden, positions, self.rotary, attn, metadata, rows)
+        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab_size]`` for the ``N`` hidden rows to be sampled."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head).float()
+        return linear(hidden, self.lm_head).float()

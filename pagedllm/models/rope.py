@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from pagedllm.cpu.extension import fits_avx512_kernels, rotary
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 
@@ -64,6 +65,24 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` rows for ``positions`` ``[T]``, shaped ``[T, 1, head_dim // 2]``."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def split_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, num_q_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split ``qkv`` ``[T, (Hq + 2 Hkv) * head_dim]`` (q, then k, then v) into new
+        contiguous ``q`` ``[T, Hq, head_dim]``, ``k`` and ``v`` ``[T, Hkv, head_dim]``, with
+        q and k rotated to their tokens' ``positions`` (int64 ``[T]``)."""
+        if fits_avx512_kernels(qkv, self.cos) and positions.dtype == torch.int64:
+            return rotary(
+                qkv, positions.contiguous(), self.cos, self.sin, num_q_heads, num_kv_heads
+            )
+        num_tokens, head_dim = qkv.shape[0], qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+        q_end, k_end = num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
+        cos, sin = self.lookup(positions)
+        q = apply_rope(qkv[:, :q_end].view(num_tokens, num_q_heads, head_dim), cos, sin)
+        k = apply_rope(qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim), cos, sin)
+        v = qkv[:, k_end:].reshape(num_tokens, num_kv_heads, head_dim)
+        return q, k, v
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,200 @@
+// The elementwise parts of a decoder layer, each one pass over its rows: RMSNorm,
+// SiLU(gate) * up, and rotary embeddings with the q / k / v split.
+//
+// torch runs each of these as several operators (RMSNorm alone is a square, a mean, an
+// add, a reciprocal square root and two products), every one a pass over memory and a
+// dispatch; at a decode step's few rows the dispatches dominate, at a prefill step's
+// thousand rows the passes do. Results round like the Hugging Face modules they
+// replace: float32 throughout for float32; for bfloat16, every place where transformers
+// rounds an intermediate to bfloat16 is rounded here too.
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+
+#include "kernels.h"
+
+namespace {
+
+#ifdef __AVX512F__
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMinParallelElements = 1 << 16;  // fewer stay on one thread
+
+int threads_for(int64_t elements, int num_threads) {
+  return elements < kMinParallelElements ? 1 : num_threads;
+}
+
+// bfloat16 storage: widened on load, rounded to nearest even on store.
+inline __m512 widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 round_bf16(__m512 v) {  // to the nearest bfloat16, kept as float32
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
+}
+
+struct Float32 {
+  using T = float;
+  static __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+  static __m512 round(__m512 v) { return v; }
+};
+
+struct BFloat16 {
+  using T = uint16_t;
+  static __m512 load(const uint16_t* p, __mmask16 m) {
+    return widen(_mm256_maskz_loadu_epi16(m, p));
+  }
+  static void store(uint16_t* p, __m512 v, __mmask16 m) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
+  }
+  static __m512 round(__m512 v) { return round_bf16(v); }
+};
+
+inline __mmask16 lanes_left(int64_t left) {
+  return left >= kLanes ? static_cast<__mmask16>(0xffff)
+                        : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// exp(x) for every float32 x: range reduction by ln 2, a degree-7 polynomial (relative
+// error ~1e-8 on [-ln2/2, ln2/2]) and scalef, which saturates to 0 and inf.
+inline __m512 vexp(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename S, typename T = typename S::T>
+void rms_norm_rows(const pagedllm::RmsNormProblem& p) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* weight = static_cast<const T*>(p.weight);
+  T* out = static_cast<T*>(p.out);
+  const int64_t dim = p.dim;
+#pragma omp parallel for schedule(static) num_threads(threads_for(p.rows * dim, p.num_threads))
+  for (int64_t row = 0; row < p.rows; ++row) {
+    const T* xr = x + row * dim;
+    T* yr = out + row * dim;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += kLanes) {
+      const __m512 v = S::load(xr + i, lanes_left(dim - i));
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
+    const __m512 inv_rms = _mm512_set1_ps(1.f / __builtin_sqrtf(mean + p.eps));
+    for (int64_t i = 0; i < dim; i += kLanes) {
+      const __mmask16 m = lanes_left(dim - i);
+      const __m512 normed = S::round(_mm512_mul_ps(S::load(xr + i, m), inv_rms));
+      S::store(yr + i, _mm512_mul_ps(S::load(weight + i, m), normed), m);
+    }
+  }
+}
+
+template <typename S, typename T = typename S::T>
+void silu_and_mul_rows(const pagedllm::SiluMulProblem& p) {
+  const T* gate_up = static_cast<const T*>(p.gate_up);
+  T* out = static_cast<T*>(p.out);
+  const int64_t width = p.width;
+#pragma omp parallel for schedule(static) num_threads(threads_for(p.rows * width, p.num_threads))
+  for (int64_t row = 0; row < p.rows; ++row) {
+    const T* gate = gate_up + row * 2 * width;
+    const T* up = gate + width;
+    T* yr = out + row * width;
+    for (int64_t i = 0; i < width; i += kLanes) {
+      const __mmask16 m = lanes_left(width - i);
+      const __m512 g = S::load(gate + i, m);
+      const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+      const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), vexp(minus_g));
+      const __m512 silu = S::round(_mm512_div_ps(g, denominator));
+      S::store(yr + i, _mm512_mul_ps(silu, S::load(up + i, m)), m);
+    }
+  }
+}
+
+// Products and sums rounded one by one (no fused multiply-add), as torch's separate
+// operators do: the _round_ intrinsics are never contracted by the compiler.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+template <typename S>
+inline __m512 product(__m512 a, __m512 b) {
+  return S::round(_mm512_mul_round_ps(a, b, kNearest));
+}
+
+template <typename S, typename T = typename S::T>
+void rotate_heads(const T* src, T* dst, int64_t heads, int64_t half, const T* cos_row,
+                  const T* sin_row) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* x = src + h * 2 * half;
+    T* y = dst + h * 2 * half;
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const __mmask16 m = lanes_left(half - i);
+      const __m512 x1 = S::load(x + i, m), x2 = S::load(x + half + i, m);
+      const __m512 c = S::load(cos_row + i, m), s = S::load(sin_row + i, m);
+      S::store(y + i, _mm512_sub_round_ps(product<S>(x1, c), product<S>(x2, s), kNearest), m);
+      S::store(y + half + i, _mm512_add_round_ps(product<S>(x2, c), product<S>(x1, s), kNearest),
+               m);
+    }
+  }
+}
+
+template <typename S, typename T = typename S::T>
+void rotary_rows(const pagedllm::RotaryProblem& p) {
+  const T* qkv = static_cast<const T*>(p.qkv);
+  const T* cos = static_cast<const T*>(p.cos);
+  const T* sin = static_cast<const T*>(p.sin);
+  const int64_t d = p.head_dim, half = d / 2;
+  const int64_t q_width = p.num_q_heads * d, kv_width = p.num_kv_heads * d;
+  const int64_t row_width = q_width + 2 * kv_width;
+#pragma omp parallel for schedule(static) \
+    num_threads(threads_for(p.num_tokens * row_width, p.num_threads))
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    const T* row = qkv + t * row_width;
+    const T* cos_row = cos + p.positions[t] * half;
+    const T* sin_row = sin + p.positions[t] * half;
+    rotate_heads<S>(row, static_cast<T*>(p.q) + t * q_width, p.num_q_heads, half, cos_row,
+                    sin_row);
+    rotate_heads<S>(row + q_width, static_cast<T*>(p.k) + t * kv_width, p.num_kv_heads, half,
+                    cos_row, sin_row);
+    std::memcpy(static_cast<T*>(p.v) + t * kv_width, row + q_width + kv_width,
+                kv_width * sizeof(T));
+  }
+}
+
+#endif  // __AVX512F__
+
+}  // namespace
+
+namespace pagedllm {
+
+#ifdef __AVX512F__
+void rms_norm(const RmsNormProblem& p) {
+  p.bfloat16 ? rms_norm_rows<BFloat16>(p) : rms_norm_rows<Float32>(p);
+}
+void silu_and_mul(const SiluMulProblem& p) {
+  p.bfloat16 ? silu_and_mul_rows<BFloat16>(p) : silu_and_mul_rows<Float32>(p);
+}
+void rotary(const RotaryProblem& p) {
+  p.bfloat16 ? rotary_rows<BFloat16>(p) : rotary_rows<Float32>(p);
+}
+#else
+void rms_norm(const RmsNormProblem&) {}
+void silu_and_mul(const SiluMulProblem&) {}
+void rotary(const RotaryProblem&) {}
+#endif
+
+}  // namespace pagedllm

@@ -1,0 +1,29 @@
+"""RMSNorm and the SwiGLU activation: one C++ pass per row where the AVX-512 kernels
+run (:mod:`pagedllm.cpu.elementwise`), torch's operators elsewhere. Both paths round like
+transformers' modules."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.cpu.extension import fits_avx512_kernels
+from pagedllm.cpu.extension import rms_norm as rms_norm_kernel
+from pagedllm.cpu.extension import silu_and_mul as silu_and_mul_kernel
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` for ``x`` ``[rows, dim]``."""
+    if fits_avx512_kernels(x, weight):
+        return rms_norm_kernel(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` ``[rows, width]`` for ``gate_up`` ``[rows, 2 * width]``, gate first."""
+    if fits_avx512_kernels(gate_up):
+        return silu_and_mul_kernel(gate_up)
+    width = gate_up.shape[-1] // 2
+    gate = F.silu(gate_up[:, :width])
+    gate *= gate_up[:, width:]
+    return gate

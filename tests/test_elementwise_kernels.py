@@ -1,0 +1,89 @@
+"""The fused RMSNorm, SiLU·mul and rotary kernels against the operations of transformers'
+Llama modules: float32 to rounding, bfloat16 bit for bit (the kernels round where the
+modules round), rotary bit for bit in both (no fused multiply-add)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.cpu.extension import avx512_kernels_available, rms_norm, rotary, silu_and_mul
+from pagedllm.models.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(
+    not avx512_kernels_available(), reason="the elementwise kernels need AVX-512"
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward: float32 statistics, the normed value cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [576, 40, 7])
+def test_rms_norm(dtype, dim):
+    generator = torch.Generator().manual_seed(dim)
+    x = (3 * torch.randn(33, dim, generator=generator)).to(dtype)
+    weight = torch.randn(dim, generator=generator).to(dtype)
+    ours, reference = rms_norm(x, weight, 1e-5), transformers_rms_norm(x, weight, 1e-5)
+    if dtype == torch.bfloat16:
+        assert torch.equal(ours, reference)
+    else:  # the sum of squares is taken in another order
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 9])
+def test_silu_and_mul(dtype, width):
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (4 * torch.randn(17, 2 * width, generator=generator)).to(dtype)
+    ours = silu_and_mul(gate_up)
+    reference = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    if dtype == torch.bfloat16:
+        assert torch.equal(ours, reference)
+    else:  # exp is a polynomial here, Sleef's in torch
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-30)
+
+
+def test_silu_at_the_edges_of_exp():
+    edges = [-200.0, -100.0, -88.0, -1.0, 0.0, 1.0, 88.0, 100.0, 200.0]
+    gate = torch.tensor(edges + [float("inf"), float("-inf"), float("nan")])
+    gate_up = torch.cat([gate, torch.ones_like(gate)])[None]
+    ours = silu_and_mul(gate_up)[0]
+    torch.testing.assert_close(ours, F.silu(gate), rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_splits_and_rotates_exactly_like_separate_operators(dtype):
+    generator = torch.Generator().manual_seed(0)
+    tokens, q_heads, kv_heads, head_dim = 21, 9, 3, 64
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=generator)
+    qkv = qkv.to(dtype)
+    angles = torch.arange(100.0)[:, None] * torch.rand(head_dim // 2, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, 100, (tokens,), generator=generator)
+    q, k, v = rotary(qkv, positions, cos, sin, q_heads, kv_heads)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q_end, k_end = q_heads * head_dim, (q_heads + kv_heads) * head_dim
+    assert torch.equal(q, apply_rope(qkv[:, :q_end].view(tokens, q_heads, head_dim), c, s))
+    assert torch.equal(k, apply_rope(qkv[:, q_end:k_end].view(tokens, kv_heads, head_dim), c, s))
+    assert torch.equal(v, qkv[:, k_end:].reshape(tokens, kv_heads, head_dim))
+
+
+def test_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="outside the table"):
+        rotary(
+            torch.randn(2, 3 * 8), torch.tensor([0, 5]), torch.ones(5, 4), torch.ones(5, 4), 1, 1
+        )
+    with pytest.raises(RuntimeError, match="weight"):
+        rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        silu_and_mul(torch.randn(2, 8).half())
+    with pytest.raises(RuntimeError, match="2 \\* width"):
+        silu_and_mul(torch.randn(2, 7))

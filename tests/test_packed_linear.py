@@ -1,0 +1,100 @@
+"""The packed float32 matrix product (``pack_weight`` + ``packed_linear``) against a
+float64 reference and torch's GEMM on shapes with ragged tails; a row's result is the
+same whatever the batch; the decoder keeps float32 weights packed and a tied embedding
+in one copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.cpu.extension import PANEL_WIDTH, avx512_kernels_available, pack_weight
+from pagedllm.cpu.extension import packed_linear as packed_linear_op
+from pagedllm.models.linear import PackedWeight, linear, prepare_weight
+
+pytestmark = pytest.mark.skipif(
+    not avx512_kernels_available(), reason="packed_linear needs AVX-512"
+)
+
+SHAPES = [(1, 576, 960), (3, 576, 49152), (8, 1536, 576), (13, 600, 100), (300, 33, 5), (0, 16, 48)]
+"""(rows, in, out): one row, the LM head, a whole 8-row tile, ragged K (not a multiple
+of the 256-value chunks) and N (not a multiple of the panel width), rows across many
+tiles, and an empty batch."""
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.double() - reference).abs().max() / reference.abs().max())
+
+
+def test_pack_weight_lays_out_panels_k_major_with_zero_padding():
+    w = torch.arange(100 * 7, dtype=torch.float32).view(100, 7)
+    panels = pack_weight(w)
+    assert panels.shape == (3, 7, PANEL_WIDTH)
+    for n in (0, 47, 48, 99):
+        assert torch.equal(panels[n // PANEL_WIDTH, :, n % PANEL_WIDTH], w[n])
+    assert not panels[2, :, 100 - 2 * PANEL_WIDTH :].any()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
+def test_matches_float64_as_closely_as_torch(with_bias, rows, k, n):
+    generator = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=generator)
+    w = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator) if with_bias else None
+    y = linear(x, PackedWeight.pack(w), bias)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    if rows == 0:
+        return
+    reference = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    torch_error = relative_error(F.linear(x, w, bias), reference)
+    # both sum 33-1,536 float32 products (~1e-7 relative); chunked sums keep ours near
+    assert relative_error(y, reference) <= max(2 * torch_error, 1e-6)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 1536, generator=generator)
+    w = PackedWeight.pack(torch.randn(576, 1536, generator=generator))
+    together = linear(x, w)
+    for row in (0, 7, 8, 1023):
+        alone = linear(x[row : row + 1], w)
+        assert torch.equal(alone[0], together[row])
+    assert torch.equal(linear(x[3:16], w), together[3:16])
+
+
+def test_rejects_panels_that_do_not_match():
+    w = torch.randn(100, 8)
+    panels = pack_weight(w)
+    with pytest.raises(RuntimeError, match="pack_weight"):
+        packed_linear_op(torch.randn(2, 9), panels, 100)
+    with pytest.raises(RuntimeError, match="pack_weight"):
+        packed_linear_op(torch.randn(2, 8), panels, 200)
+    with pytest.raises(RuntimeError, match="float32"):
+        packed_linear_op(torch.randn(2, 8).bfloat16(), panels, 100)
+    with pytest.raises(RuntimeError, match="bias"):
+        packed_linear_op(torch.randn(2, 8), panels, 100, torch.randn(99))
+
+
+def test_only_float32_weights_are_packed():
+    assert isinstance(prepare_weight(torch.randn(4, 8)), PackedWeight)
+    plain = prepare_weight(torch.randn(4, 8).bfloat16())
+    assert isinstance(plain, torch.Tensor) and plain.shape == (4, 8)
+
+
+def test_packed_rows_are_the_original_rows():
+    w = torch.randn(130, 24)
+    ids = torch.tensor([0, 47, 48, 129, 5, 5])
+    assert torch.equal(PackedWeight.pack(w).rows(ids), w[ids])
+
+
+def test_tied_embedding_is_kept_once_and_embeds_like_the_matrix(default_model):
+    model = default_model.model
+    assert model.config.tie_word_embeddings
+    assert model.embed_tokens is model.lm_head
+    assert isinstance(model.lm_head, PackedWeight)
+    ids = torch.tensor([1, 2, model.config.vocab_size - 1])
+    hidden = model.embed(ids)
+    assert hidden.shape == (3, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden[:1])[0, 2], hidden[0] @ hidden[1])
