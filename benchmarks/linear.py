@@ -1,5 +1,5 @@
-"""Matrix products on the default model's weight shapes: torch's GEMM, ``streaming_linear``
-and (float32) ``packed_linear``, side by side (JSON lines).
+"""Matrix products on the default model's weight shapes: torch's GEMM against
+``packed_linear``, side by side (JSON lines).
 
 One record per (dtype, rows, kernel): the median time of one pass over every matrix
 product of a step — 30 layers of q/k/v (576 -> 960), o (576 -> 576), gate/up
@@ -7,8 +7,7 @@ product of a step — 30 layers of q/k/v (576 -> 960), o (576 -> 576), gate/up
 memory as in the engine, then the LM head (576 -> 49,152) — with the weight bytes and the
 FLOPs per second that implies, and the speedup over torch's GEMM in the same run.
 ``rows`` is the batch: one per sequence in a decode step, up to
-``max_num_batched_tokens`` in a prefill step. Where the streaming kernel's speedup falls
-below 1 is where :data:`pagedllm.models.linear.STREAMING_MAX_ROWS` belongs.
+``max_num_batched_tokens`` in a prefill step.
 
     python benchmarks/linear.py [--rows 1,4,8,16,32,64,128,256,1024] [--repeats 7]
 """
@@ -24,7 +23,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.cpu import streaming_linear
 from pagedllm.models.linear import PackedWeight, linear
 
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
@@ -63,10 +61,8 @@ def main() -> None:
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
         kernels: dict[str, tuple[list, Linear]] = {
             "torch": (weights, F.linear),
-            "streaming": (weights, streaming_linear),
+            "packed": ([PackedWeight.pack(w) for w in weights], linear),
         }
-        if dtype == torch.float32:
-            kernels["packed"] = ([PackedWeight.pack(w) for w in weights], linear)
         for rows in (int(r) for r in args.rows.split(",")):
             flop = 2 * rows * sum(w.numel() for w in weights)
             times = {

@@ -1,7 +1,7 @@
-"""The packed float32 matrix product (``pack_weight`` + ``packed_linear``) against a
-float64 reference and torch's GEMM on shapes with ragged tails; a row's result is the
-same whatever the batch; the decoder keeps float32 weights packed and a tied embedding
-in one copy."""
+"""The packed matrix product (``pack_weight`` + ``packed_linear``), float32 and bfloat16,
+against a float64 reference and torch's GEMM on shapes with ragged tails; a row's result
+is the same whatever the batch; the decoder keeps its weights packed and a tied
+embedding in one copy."""
 
 from __future__ import annotations
 
@@ -27,36 +27,44 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return float((y.double() - reference).abs().max() / reference.abs().max())
 
 
-def test_pack_weight_lays_out_panels_k_major_with_zero_padding():
-    w = torch.arange(100 * 7, dtype=torch.float32).view(100, 7)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize(("dtype", "step"), [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_pack_weight_lays_out_panels_k_major_with_zero_padding(dtype, step):
+    w = torch.arange(1, 100 * 7 + 1, dtype=torch.float32).view(100, 7).to(dtype)
     panels = pack_weight(w)
-    assert panels.shape == (3, 7, PANEL_WIDTH)
+    assert panels.shape == (3, -(-7 // step), PANEL_WIDTH, step)
     for n in (0, 47, 48, 99):
-        assert torch.equal(panels[n // PANEL_WIDTH, :, n % PANEL_WIDTH], w[n])
+        packed_row = panels[n // PANEL_WIDTH, :, n % PANEL_WIDTH, :].reshape(-1)
+        assert torch.equal(packed_row[:7], w[n]) and not packed_row[7:].any()
     assert not panels[2, :, 100 - 2 * PANEL_WIDTH :].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
-def test_matches_float64_as_closely_as_torch(with_bias, rows, k, n):
+def test_matches_float64_as_closely_as_torch(dtype, with_bias, rows, k, n):
     generator = torch.Generator().manual_seed(rows * 1000 + k + n)
-    x = torch.randn(rows, k, generator=generator)
-    w = torch.randn(n, k, generator=generator)
-    bias = torch.randn(n, generator=generator) if with_bias else None
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    w = torch.randn(n, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype) if with_bias else None
     y = linear(x, PackedWeight.pack(w), bias)
-    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert y.shape == (rows, n) and y.dtype == dtype
     if rows == 0:
         return
     reference = x.double() @ w.double().T + (bias.double() if with_bias else 0)
     torch_error = relative_error(F.linear(x, w, bias), reference)
-    # both sum 33-1,536 float32 products (~1e-7 relative); chunked sums keep ours near
+    # float32: both sum 33-1,536 products in float32 (~1e-7 relative), chunked sums keep
+    # ours near; bfloat16: both round the float32 sum once to 8 bits (~4e-3)
     assert relative_error(y, reference) <= max(2 * torch_error, 1e-6)
 
 
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_does_not_depend_on_its_batch(dtype):
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1024, 1536, generator=generator)
-    w = PackedWeight.pack(torch.randn(576, 1536, generator=generator))
+    x = torch.randn(1024, 1536, generator=generator).to(dtype)
+    w = PackedWeight.pack(torch.randn(576, 1536, generator=generator).to(dtype))
     together = linear(x, w)
     for row in (0, 7, 8, 1023):
         alone = linear(x[row : row + 1], w)
@@ -71,20 +79,22 @@ def test_rejects_panels_that_do_not_match():
         packed_linear_op(torch.randn(2, 9), panels, 100)
     with pytest.raises(RuntimeError, match="pack_weight"):
         packed_linear_op(torch.randn(2, 8), panels, 200)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="pack_weight"):
         packed_linear_op(torch.randn(2, 8).bfloat16(), panels, 100)
     with pytest.raises(RuntimeError, match="bias"):
         packed_linear_op(torch.randn(2, 8), panels, 100, torch.randn(99))
 
 
-def test_only_float32_weights_are_packed():
+def test_float32_and_bfloat16_weights_are_packed_others_not():
     assert isinstance(prepare_weight(torch.randn(4, 8)), PackedWeight)
-    plain = prepare_weight(torch.randn(4, 8).bfloat16())
+    assert isinstance(prepare_weight(torch.randn(4, 8).bfloat16()), PackedWeight)
+    plain = prepare_weight(torch.randn(4, 8).half())
     assert isinstance(plain, torch.Tensor) and plain.shape == (4, 8)
 
 
-def test_packed_rows_are_the_original_rows():
-    w = torch.randn(130, 24)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_rows_are_the_original_rows(dtype):
+    w = torch.randn(130, 25).to(dtype)
     ids = torch.tensor([0, 47, 48, 129, 5, 5])
     assert torch.equal(PackedWeight.pack(w).rows(ids), w[ids])
 

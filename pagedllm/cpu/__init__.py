@@ -1,6 +1,6 @@
-"""C++ CPU kernels (paged attention, the K/V cache write, few-row matrix products): a
-torch extension compiled on first use and cached."""
+"""C++ CPU kernels (paged attention, the K/V cache write, packed matrix products,
+RMSNorm / RoPE / SiLU·mul): a torch extension compiled on first use and cached."""
 
-from pagedllm.cpu.extension import paged_attention, streaming_linear, write_kv
+from pagedllm.cpu.extension import packed_linear, paged_attention, write_kv
 
-__all__ = ["paged_attention", "streaming_linear", "write_kv"]
+__all__ = ["packed_linear", "paged_attention", "write_kv"]

@@ -1,7 +1,7 @@
-// Torch operators over the kernels in paged_attention.cpp, streaming_linear.cpp,
-// packed_linear.cpp and elementwise.cpp: argument checks, then raw pointers. Registered
-// as torch.ops.pagedllm_cpu.{paged_attention, write_kv, streaming_linear, pack_weight,
-// packed_linear, rms_norm, silu_and_mul, rotary, avx512_kernels_available}.
+// Torch operators over the kernels in paged_attention.cpp, packed_linear.cpp and
+// elementwise.cpp: argument checks, then raw pointers. Registered as
+// torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight, packed_linear,
+// rms_norm, silu_and_mul, rotary, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -126,71 +126,51 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
                       k_cache.stride(2), k.element_size()});
 }
 
-// x [M, K] weight [N, K]^T + bias, float32 or bfloat16; see kernels.h.
-at::Tensor streaming_linear(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(pagedllm::avx512_kernels_available(), "streaming_linear needs AVX-512");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "x is [M, K] and weight [N, K]");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
-              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x and weight must both be float32 or both bfloat16");
-  at::Tensor bias_f32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias is [N]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  pagedllm::streaming_linear({x.data_ptr(), weight.data_ptr(),
-                              bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
-                              y.data_ptr(), x.size(0), weight.size(0), x.size(1),
-                              x.scalar_type() == at::kBFloat16, at::get_num_threads()});
-  return y;
-}
-
-// Float32 weight [N, K] -> panels [num_panels(N), K, panel width] (see kernels.h).
-at::Tensor pack_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "pack_weight: weight is contiguous float32 [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  at::Tensor panels = at::empty({pagedllm::num_panels(N), K, pagedllm::kPanelWidth},
-                                weight.options());
-  pagedllm::pack_weight(weight.data_ptr<float>(), N, K, panels.data_ptr<float>(),
-                        at::get_num_threads());
-  return panels;
-}
-
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(pagedllm::avx512_kernels_available(), "packed_linear needs AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "packed_linear: x is contiguous float32 [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat &&
-              panels.is_contiguous() && panels.size(1) == x.size(1) &&
-              panels.size(2) == pagedllm::kPanelWidth &&
-              panels.size(0) == pagedllm::num_panels(out_features),
-              "packed_linear: panels must come from pack_weight of a [out_features, K] weight");
-  at::Tensor bias_f32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias is [out_features]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  pagedllm::packed_linear({x.data_ptr<float>(), panels.data_ptr<float>(),
-                           bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
-                           y.data_ptr<float>(), x.size(0), out_features, x.size(1),
-                           at::get_num_threads()});
-  return y;
-}
-
-// The dtype flag of the elementwise kernels: true for bfloat16, false for float32.
+// The dtype flag of the kernels that take float32 or bfloat16: true for bfloat16.
 bool is_bfloat16(const at::Tensor& t, const char* what) {
   TORCH_CHECK(pagedllm::avx512_kernels_available(), what, " needs AVX-512");
   TORCH_CHECK(t.is_contiguous(), what, ": tensors must be contiguous");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
               ": dtype must be float32 or bfloat16");
   return t.scalar_type() == at::kBFloat16;
+}
+
+// Values of k per panel step: bfloat16 pairs them for the pair-product instruction.
+int64_t panel_step(bool bfloat16) { return bfloat16 ? 2 : 1; }
+
+// weight [N, K] -> panels [num_panels(N), ceil(K / S), panel width, S] (see kernels.h).
+at::Tensor pack_weight(const at::Tensor& weight) {
+  const bool bf16 = is_bfloat16(weight, "pack_weight");
+  TORCH_CHECK(weight.dim() == 2, "pack_weight: weight is [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1), step = panel_step(bf16);
+  at::Tensor panels = at::empty(
+      {pagedllm::num_panels(N), (K + step - 1) / step, pagedllm::kPanelWidth, step},
+      weight.options());
+  pagedllm::pack_weight(weight.data_ptr(), N, K, bf16, panels.data_ptr(), at::get_num_threads());
+  return panels;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  const bool bf16 = is_bfloat16(x, "packed_linear");
+  const int64_t step = panel_step(bf16);
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 4 && panels.scalar_type() == x.scalar_type() &&
+              panels.is_contiguous() && panels.size(0) == pagedllm::num_panels(out_features) &&
+              panels.size(1) == (x.size(1) + step - 1) / step &&
+              panels.size(2) == pagedllm::kPanelWidth && panels.size(3) == step,
+              "packed_linear: x is [M, K] and panels come from pack_weight of an "
+              "[out_features, K] weight of x's dtype");
+  at::Tensor bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias is [out_features]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  pagedllm::packed_linear({x.data_ptr(), panels.data_ptr(),
+                           bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+                           y.data_ptr(), x.size(0), out_features, x.size(1), bf16,
+                           at::get_num_threads()});
+  return y;
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -257,7 +237,6 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
-  m.def("streaming_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -270,7 +249,6 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
-  m.impl("streaming_linear", &streaming_linear);
   m.impl("pack_weight", &pack_weight);
   m.impl("packed_linear", &packed_linear);
   m.impl("rms_norm", &rms_norm);

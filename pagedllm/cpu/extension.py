@@ -1,5 +1,5 @@
 """Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
-``streaming_linear.cpp``, ``packed_linear.cpp`` and ``elementwise.cpp``.
+``packed_linear.cpp`` and ``elementwise.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
@@ -23,7 +23,6 @@ SOURCES = [
     for name in (
         "bindings.cpp",
         "paged_attention.cpp",
-        "streaming_linear.cpp",
         "packed_linear.cpp",
         "elementwise.cpp",
     )
@@ -82,9 +81,8 @@ def write_kv(
 
 @functools.cache
 def avx512_kernels_available() -> bool:
-    """Whether the build has :func:`streaming_linear`, :func:`packed_linear`,
-    :func:`rms_norm`, :func:`silu_and_mul` and :func:`rotary` (they need a CPU with
-    AVX-512)."""
+    """Whether the build has :func:`packed_linear`, :func:`rms_norm`, :func:`silu_and_mul`
+    and :func:`rotary` (they need a CPU with AVX-512)."""
     return bool(ops().avx512_kernels_available())
 
 
@@ -99,32 +97,24 @@ def fits_avx512_kernels(*tensors: torch.Tensor) -> bool:
     )
 
 
-def streaming_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` for contiguous ``x`` ``[M, K]`` and ``weight`` ``[N, K]``,
-    both float32 or both bfloat16 (``bias`` ``[N]`` any float dtype), reading each weight
-    row from memory once: the fast path for few rows. Float32 accumulation; a row's result
-    does not depend on the other rows of ``x``."""
-    return ops().streaming_linear(x, weight, bias)
-
-
 PANEL_WIDTH = 48
 """Output features per panel of a packed weight (``kPanelWidth`` in ``kernels.h``)."""
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Float32 ``weight`` ``[N, K]`` as panels ``[ceil(N / PANEL_WIDTH), K, PANEL_WIDTH]``:
-    ``panels[p, k, j] = weight[p * PANEL_WIDTH + j, k]``, features past ``N`` zero."""
+    """Float32 or bfloat16 ``weight`` ``[N, K]`` as panels
+    ``[ceil(N / PANEL_WIDTH), ceil(K / S), PANEL_WIDTH, S]`` with ``S`` = 1 for float32
+    and 2 for bfloat16: ``panels[p, k // S, j, k % S] = weight[p * PANEL_WIDTH + j, k]``,
+    zero past ``N`` and ``K``."""
     return ops().pack_weight(weight)
 
 
 def packed_linear(
     x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` ``[M, out_features]`` for contiguous float32 ``x`` ``[M, K]``
-    and ``panels = pack_weight(weight)``. Each output sums over k in one fixed order, so a
-    row's result does not depend on the other rows of ``x`` or on ``M``."""
+    """``x @ weight.T + bias`` ``[M, out_features]`` for contiguous ``x`` ``[M, K]`` and
+    ``panels = pack_weight(weight)`` of ``x``'s dtype. Each output sums over k in one fixed
+    order, so a row's result does not depend on the other rows of ``x`` or on ``M``."""
     return ops().packed_linear(x, panels, out_features, bias)
 
 

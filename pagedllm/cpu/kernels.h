@@ -1,6 +1,6 @@
 // Interface between the torch bindings (bindings.cpp) and the torch-free kernels
-// (paged_attention.cpp, streaming_linear.cpp, packed_linear.cpp, elementwise.cpp), so
-// that they compile in parallel.
+// (paged_attention.cpp, packed_linear.cpp, elementwise.cpp), so that they compile in
+// parallel.
 #pragma once
 
 #include <cstdint>
@@ -46,39 +46,29 @@ struct KVWrite {
 
 void write_kv(const KVWrite& w);
 
-// y [M, N] = x [M, K] weight [N, K]^T (+ bias [N]), all contiguous, for few rows M
-// (streaming_linear.cpp). x, weight and y share one dtype: float32, or bfloat16 when
-// `bfloat16`; bias, if not null, is float32. Accumulation is float32.
-struct LinearProblem {
+// Whether this build has the AVX-512 kernels: packed_linear and the elementwise ones
+// below do nothing without it.
+bool avx512_kernels_available();
+
+// Weights packed into panels (packed_linear.cpp): kPanelWidth output features per panel,
+// k-major in steps of S values of k (S = 1 for float32, 2 for bfloat16), shaped
+// [num_panels(N), ceil(K / S), kPanelWidth, S]; features past N and k past K are zero.
+constexpr int64_t kPanelWidth = 48;
+int64_t num_panels(int64_t N);
+// Packs weight [N, K] (float32, or bfloat16 when `bfloat16`) into panels.
+void pack_weight(const void* weight, int64_t N, int64_t K, bool bfloat16, void* panels,
+                 int num_threads);
+
+// y [M, N] = x [M, K] weight^T (+ bias [N]) with the weight packed; x, panels and y share
+// one dtype (float32, or bfloat16 when `bfloat16`), bias is float32; all contiguous. A
+// row's result does not depend on M or on the other rows.
+struct PackedLinearProblem {
   const void* x;
-  const void* weight;
+  const void* panels;
   const float* bias;
   void* y;
   int64_t M, N, K;
   bool bfloat16;
-  int num_threads;  // torch's intra-op thread count
-};
-
-// Whether this build has the AVX-512 kernels: streaming_linear and the elementwise ones
-// below do nothing without it.
-bool avx512_kernels_available();
-void streaming_linear(const LinearProblem& problem);
-
-// Float32 weights packed into panels (packed_linear.cpp): kPanelWidth output features per
-// panel, k-major, [num_panels(N), K, kPanelWidth], features past N zero.
-constexpr int64_t kPanelWidth = 48;
-int64_t num_panels(int64_t N);
-// Packs weight [N, K] into panels (sized num_panels(N) * K * kPanelWidth floats).
-void pack_weight(const float* weight, int64_t N, int64_t K, float* panels, int num_threads);
-
-// y [M, N] = x [M, K] weight^T (+ bias [N]) with the weight packed; all float32 and
-// contiguous. A row's result does not depend on M or on the other rows.
-struct PackedLinearProblem {
-  const float* x;
-  const float* panels;
-  const float* bias;
-  float* y;
-  int64_t M, N, K;
   int num_threads;
 };
 void packed_linear(const PackedLinearProblem& problem);

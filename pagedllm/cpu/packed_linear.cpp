@@ -1,22 +1,27 @@
-// y = x w^T + bias in float32 over a weight packed once, at load time, into panels.
+// y = x w^T + bias over a weight packed once, at load time, into panels.
 //
-// A panel holds kPanelWidth consecutive output features for every k, k-major:
-// panel[k][j] = w[p * kPanelWidth + j][k], features past N zero. A kRowsPerTile x
-// kPanelWidth tile of y lives in 24 vector registers; each step of k loads one panel
-// row (three vectors, read sequentially: the hardware prefetcher keeps them coming),
-// broadcasts one value of each of the tile's rows of x, and issues 24 fused
-// multiply-adds, with no horizontal sums and no re-packing per call. The same kernel
-// serves a decode step's few rows, where it is bound by reading the weights, and a
-// prefill step's thousand, where it is bound by arithmetic.
+// A panel holds kPanelWidth consecutive output features for every k, k-major, in steps
+// of S values of k (S = 1 for float32, 2 for bfloat16, whose pair-product instruction
+// takes two k at once): panel[k / S][j][k % S] = w[p * kPanelWidth + j][k], zero past N
+// and past K. A kRowsPerTile x kPanelWidth tile of y lives in 24 vector registers; each
+// step loads one panel row (three vectors, read sequentially: the hardware prefetcher
+// keeps them coming), broadcasts the step's x values of each of the tile's rows, and
+// issues 24 multiply-adds, with no horizontal sums and no re-packing per call. The same
+// kernel serves a decode step's few rows, where it is bound by reading the weights, and
+// a prefill step's thousand, where it is bound by arithmetic.
 //
 // Every output is summed over k in the same order whatever M is and whichever tile its
-// row falls in, so a row's result never depends on the other rows of the batch. Sums run
-// in chunks of kChunk values of k added into y, as blocked GEMMs do, which keeps the
-// float32 rounding error of long rows (K = 1,536) near torch's.
+// row falls in, so a row's result never depends on the other rows of the batch. Float32
+// sums run in chunks of 256 values of k added into y, as blocked GEMMs do, which keeps
+// the rounding error of long rows (K = 1,536) near torch's. bfloat16 products are exact
+// in float32 and summed in float32 over all of K, then rounded once to bfloat16 (to
+// nearest even), like torch's bfloat16 matmul.
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "kernels.h"
 
@@ -26,25 +31,69 @@ namespace {
 
 constexpr int kRowsPerTile = 8;  // rows of x per tile
 constexpr int kVectors = pagedllm::kPanelWidth / 16;
-constexpr int64_t kChunk = 256;                 // k values summed in registers at a time
 constexpr int64_t kMinParallelBytes = 1 << 18;  // smaller weights stay on one thread
 
-// y[m, n0 .. n0 + width) for the MR rows of x starting at x, over k in [k0, k1); the
-// first chunk stores, later ones add, the last adds the bias.
-template <int MR>
-void tile(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1,
-          const float* bias, float* y, int64_t N, int64_t n0, bool first, bool last) {
+struct Float32Panels {
+  using T = float;
+  using Vec = __m512;
+  static constexpr int64_t kStep = 1;
+  static constexpr int64_t kChunk = 256;  // k values summed in registers at a time
+  static Vec weights(const float* row, int v) { return _mm512_loadu_ps(row + 16 * v); }
+  static Vec broadcast(const float* x, int64_t k, int64_t) { return _mm512_set1_ps(x[k]); }
+  static __m512 fma(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static __m512 load(const float* y, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, y); }
+  static void store(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
+};
+
+struct BFloat16Panels {
+  using T = uint16_t;
+  using Vec = __m512i;  // 16 pairs of bfloat16
+  static constexpr int64_t kStep = 2;
+  static constexpr int64_t kChunk = std::numeric_limits<int64_t>::max();  // y is rounded once
+  static Vec weights(const uint16_t* row, int v) { return _mm512_loadu_si512(row + 32 * v); }
+  static Vec broadcast(const uint16_t* x, int64_t k, int64_t K) {
+    uint32_t pair = x[k];
+    if (k + 1 < K) std::memcpy(&pair, x + k, sizeof pair);
+    return _mm512_set1_epi32(static_cast<int>(pair));
+  }
+  static __m512 fma(__m512 acc, Vec x, Vec w) {
+#ifdef __AVX512BF16__
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+#else  // the even (low) and odd (high) halves of each pair, widened to float32
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                          _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                           _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
+#endif
+  }
+  static __m512 load(const uint16_t*, __mmask16) { return _mm512_setzero_ps(); }  // never
+  static void store(uint16_t* y, __m512 v, __mmask16 mask) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc00000));
+    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+};
+
+// y[m, n0 .. n0 + kPanelWidth) for the MR rows of x starting at x, over k in [k0, k1);
+// the first chunk stores, later ones add, the last adds the bias.
+template <typename F, int MR, typename T = typename F::T>
+void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const float* bias,
+          T* y, int64_t N, int64_t n0, bool first, bool last) {
+  constexpr int64_t kRow = pagedllm::kPanelWidth * F::kStep;  // values per panel row
   __m512 acc[MR][kVectors];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; ++k) {
-    __m512 w[kVectors];
-    for (int v = 0; v < kVectors; ++v) {
-      w[v] = _mm512_loadu_ps(panel + k * pagedllm::kPanelWidth + 16 * v);
-    }
+  for (int64_t k = k0; k < k1; k += F::kStep) {
+    const T* row = panel + k / F::kStep * kRow;
+    typename F::Vec w[kVectors];
+    for (int v = 0; v < kVectors; ++v) w[v] = F::weights(row, v);
     for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_fmadd_ps(xv, w[v], acc[m][v]);
+      const typename F::Vec xv = F::broadcast(x + m * K, k, K);
+      for (int v = 0; v < kVectors; ++v) acc[m][v] = F::fma(acc[m][v], xv, w[v]);
     }
   }
   for (int v = 0; v < kVectors; ++v) {
@@ -55,75 +104,111 @@ void tile(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1,
     const __m512 b = last && bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * v)
                                   : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      float* out = y + m * N + n0 + 16 * v;
-      __m512 sum = acc[m][v];
-      if (!first) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), sum);
-      _mm512_mask_storeu_ps(out, mask, _mm512_add_ps(sum, b));
+      T* out = y + m * N + n0 + 16 * v;
+      const __m512 sum = first ? acc[m][v] : _mm512_add_ps(F::load(out, mask), acc[m][v]);
+      F::store(out, _mm512_add_ps(sum, b), mask);
     }
   }
 }
 
-template <int MR>
-void tiles_over_k(const float* x, int64_t K, const float* panel, const float* bias, float* y,
-                  int64_t N, int64_t n0) {
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = k0 + kChunk < K ? k0 + kChunk : K;
-    tile<MR>(x, K, panel, k0, k1, bias, y, N, n0, k0 == 0, k1 == K);
+template <typename F, int MR, typename T = typename F::T>
+void tiles_over_k(const T* x, int64_t K, const T* panel, const float* bias, T* y, int64_t N,
+                  int64_t n0) {
+  for (int64_t k0 = 0; k0 < K; k0 += F::kChunk) {
+    const int64_t k1 = K - k0 > F::kChunk ? k0 + F::kChunk : K;
+    tile<F, MR>(x, K, panel, k0, k1, bias, y, N, n0, k0 == 0, k1 == K);
   }
 }
 
 // Every row of x against panel p.
+template <typename F, typename T = typename F::T>
 void panel_rows(const pagedllm::PackedLinearProblem& p, int64_t panel_index) {
-  const float* x = p.x;
-  const float* panel = p.panels + panel_index * p.K * pagedllm::kPanelWidth;
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const int64_t steps = (p.K + F::kStep - 1) / F::kStep;
+  const T* panel = static_cast<const T*>(p.panels) +
+                   panel_index * steps * pagedllm::kPanelWidth * F::kStep;
   const int64_t n0 = panel_index * pagedllm::kPanelWidth;
   int64_t m = 0;
   for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) {
-    tiles_over_k<kRowsPerTile>(x + m * p.K, p.K, panel, p.bias, p.y + m * p.N, p.N, n0);
+    tiles_over_k<F, kRowsPerTile>(x + m * p.K, p.K, panel, p.bias, y + m * p.N, p.N, n0);
   }
-  const float* xm = x + m * p.K;
-  float* ym = p.y + m * p.N;
+  const T* xm = x + m * p.K;
+  T* ym = y + m * p.N;
   switch (p.M - m) {
-    case 7: tiles_over_k<7>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
-    case 6: tiles_over_k<6>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
-    case 5: tiles_over_k<5>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
-    case 4: tiles_over_k<4>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
-    case 3: tiles_over_k<3>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
-    case 2: tiles_over_k<2>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
-    case 1: tiles_over_k<1>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 7: tiles_over_k<F, 7>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 6: tiles_over_k<F, 6>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 5: tiles_over_k<F, 5>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 4: tiles_over_k<F, 4>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 3: tiles_over_k<F, 3>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 2: tiles_over_k<F, 2>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
+    case 1: tiles_over_k<F, 1>(xm, p.K, panel, p.bias, ym, p.N, n0); break;
     default: break;
   }
 }
 
+template <typename F>
+void run(const pagedllm::PackedLinearProblem& p) {
+  const int64_t count = pagedllm::num_panels(p.N);
+  const int64_t bytes = count * p.K * pagedllm::kPanelWidth * sizeof(typename F::T);
+  const int threads = bytes < kMinParallelBytes ? 1 : p.num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t panel = 0; panel < count; ++panel) panel_rows<F>(p, panel);
+}
+
 #endif  // __AVX512F__
+
+template <typename T>
+void pack(const T* weight, int64_t N, int64_t K, int64_t step, T* panels, int num_threads) {
+  const int64_t steps = (K + step - 1) / step;
+  const int64_t count = pagedllm::num_panels(N);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t p = 0; p < count; ++p) {
+    T* panel = panels + p * steps * pagedllm::kPanelWidth * step;
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t j = 0; j < pagedllm::kPanelWidth; ++j) {
+        const int64_t n = p * pagedllm::kPanelWidth + j;
+        for (int64_t t = 0; t < step; ++t) {
+          const int64_t k = s * step + t;
+          panel[(s * pagedllm::kPanelWidth + j) * step + t] =
+              n < N && k < K ? weight[n * K + k] : T{};
+        }
+      }
+    }
+  }
+}
 
 }  // namespace
 
 namespace pagedllm {
 
+bool avx512_kernels_available() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
 int64_t num_panels(int64_t N) { return (N + kPanelWidth - 1) / kPanelWidth; }
 
-void pack_weight(const float* weight, int64_t N, int64_t K, float* panels, int num_threads) {
-  const int64_t count = num_panels(N);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t p = 0; p < count; ++p) {
-    float* panel = panels + p * K * kPanelWidth;
-    for (int64_t j = 0; j < kPanelWidth; ++j) {
-      const int64_t n = p * kPanelWidth + j;
-      for (int64_t k = 0; k < K; ++k) panel[k * kPanelWidth + j] = n < N ? weight[n * K + k] : 0.f;
-    }
+void pack_weight(const void* weight, int64_t N, int64_t K, bool bfloat16, void* panels,
+                 int num_threads) {
+  if (bfloat16) {
+    pack(static_cast<const uint16_t*>(weight), N, K, 2, static_cast<uint16_t*>(panels),
+         num_threads);
+  } else {
+    pack(static_cast<const float*>(weight), N, K, 1, static_cast<float*>(panels), num_threads);
   }
 }
 
 void packed_linear(const PackedLinearProblem& problem) {
 #ifdef __AVX512F__
-  const int64_t count = num_panels(problem.N);
-  const int threads = count * problem.K * kPanelWidth * static_cast<int64_t>(sizeof(float)) <
-                              kMinParallelBytes
-                          ? 1
-                          : problem.num_threads;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t p = 0; p < count; ++p) panel_rows(problem, p);
+  if (problem.bfloat16) {
+    run<BFloat16Panels>(problem);
+  } else {
+    run<Float32Panels>(problem);
+  }
 #else
   (void)problem;
 #endif
