@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
-from pagedllm.models import load_model
+from pagedllm.cpu.extension import avx512_kernels_available
+from pagedllm.models import fused, linear, load_model, rope
 
 TOLERANCE = 1e-4
 TINY_SHAPE = dict(
@@ -84,10 +85,22 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]
 
 
+@pytest.fixture(params=["avx512-kernels", "torch-operators"])
+def kernels(request, monkeypatch) -> str:
+    """Each decoder test twice: with the C++ kernels where the CPU has them, and with
+    torch's operators only, as on a CPU without AVX-512 (weights are then not packed)."""
+    if request.param == "torch-operators":
+        for module in (fused, linear, rope):
+            monkeypatch.setattr(module, "fits_avx512_kernels", lambda *tensors: False)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_logits_match_transformers(tmp_path, name):
+def test_logits_match_transformers(tmp_path, name, kernels):
     reference = write_checkpoint(tmp_path, name)
     loaded = load_model(tmp_path)
+    packed = isinstance(loaded.model.layers[0].qkv_weight, linear.PackedWeight)
+    assert packed == (kernels == "avx512-kernels" and avx512_kernels_available())
     tokens = torch.randint(
         0, TINY_SHAPE["vocab_size"], (40,), generator=torch.Generator().manual_seed(1)
     ).tolist()
@@ -119,7 +132,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
 
 
 @pytest.mark.parametrize("lengths", [(1, 17, 5, 33), (9, 9, 9)], ids=["mixed", "equal"])
-def test_flattened_batch_equals_each_sequence_alone(tmp_path, lengths):
+def test_flattened_batch_equals_each_sequence_alone(tmp_path, lengths, kernels):
     write_checkpoint(tmp_path, "qwen2-bias-tied")
     model = load_model(tmp_path).model
     gen = torch.Generator().manual_seed(2)
@@ -129,7 +142,7 @@ def test_flattened_batch_equals_each_sequence_alone(tmp_path, lengths):
     torch.testing.assert_close(together, alone, atol=TOLERANCE, rtol=0)
 
 
-def test_bfloat16_logits_are_close(tmp_path):
+def test_bfloat16_logits_are_close(tmp_path, kernels):
     write_checkpoint(tmp_path, "llama-gqa-untied")
     tokens = list(range(5, 25))
     full = our_logits(load_model(tmp_path).model, [tokens])
