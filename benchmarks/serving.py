@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedllm.bench.workload import BenchRequest, synthetic_workload
+from pagedllm.bench.workload import BenchRequest, length_range, synthetic_workload
 from pagedllm.server.launcher import ServerProcess
 
 DEFAULT_PLOT = Path(__file__).parent / "out" / "serving_latency_vs_throughput.png"
@@ -146,11 +146,6 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    low, high = (int(part) for part in text.split(","))
-    return low, high
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server")
@@ -163,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name")
     parser.add_argument("--request-rates", default="0.5,1,2,4,inf", help="requests/s, comma list")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per rate")
-    parser.add_argument("--prompt-len", type=parse_range, default=(32, 512), help="min,max")
-    parser.add_argument("--output-len", type=parse_range, default=(16, 256), help="min,max")
+    parser.add_argument("--prompt-len", type=length_range, default=(32, 512), help="min,max")
+    parser.add_argument("--output-len", type=length_range, default=(16, 256), help="min,max")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG to write")
     parser.add_argument(

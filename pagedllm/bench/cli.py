@@ -18,7 +18,7 @@ from pagedllm.bench.throughput import (
     run_engine,
     run_transformers,
 )
-from pagedllm.bench.workload import synthetic_workload
+from pagedllm.bench.workload import length_range, synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
@@ -28,6 +28,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompt-len", type=length_range, default=(32, 512), help="MIN,MAX prompt tokens"
+    )
+    parser.add_argument(
+        "--output-len", type=length_range, default=(16, 256), help="MIN,MAX output tokens"
+    )
     parser.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--max-num-seqs", type=int, default=128)
@@ -57,7 +63,7 @@ def emit(record: dict[str, object]) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    requests = synthetic_workload(args.num_requests, args.seed)
+    requests = synthetic_workload(args.num_requests, args.seed, args.prompt_len, args.output_len)
     results: dict[str, dict[str, object]] = {}
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -86,7 +92,7 @@ def run_bench(args: argparse.Namespace) -> int:
         emit({"measure": "throughput", **result})
         results[f"paged_{dtype_name}"] = result
         if args.contiguous:
-            results.update(_paged_vs_contiguous(args, requests, loaded, dtype_name))
+            results.update(_paged_vs_contiguous(args, requests, loaded, dtype_name, result))
     if args.baseline:
         baseline = run_transformers(requests, str(load_model(args.model).source))
         emit({"measure": "throughput", **baseline})
@@ -97,8 +103,11 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _paged_vs_contiguous(args, requests, loaded, dtype_name: str) -> dict[str, dict[str, object]]:
-    """Both modes under one KV budget that holds exactly 4 sequences of 2,048 tokens."""
+def _paged_vs_contiguous(
+    args, requests, loaded, dtype_name: str, unlimited: dict[str, object]
+) -> dict[str, dict[str, object]]:
+    """Both modes under one KV budget that holds exactly 4 sequences of 2,048 tokens;
+    ``unlimited`` is the paged run with the full pool, the ceiling of any allocation."""
     from pagedllm.engine.llm_engine import LLMEngine
 
     mc = loaded.config
@@ -132,8 +141,8 @@ def _paged_vs_contiguous(args, requests, loaded, dtype_name: str) -> dict[str, d
         emit({"measure": "throughput_fixed_budget", "kv_budget_bytes": budget, **result})
         out[f"budget_{allocation}_{preemption}_{dtype_name}"] = result
     contiguous = out[f"budget_contiguous_recompute_{dtype_name}"]
-    for _, preemption in runs:
-        paged = out[f"budget_paged_{preemption}_{dtype_name}"]
+    compared = [(p, out[f"budget_paged_{p}_{dtype_name}"]) for _, p in runs]
+    for preemption, paged in [*compared, ("none (unlimited pool)", unlimited)]:
         emit(
             {
                 "measure": "ratio_paged_vs_contiguous",

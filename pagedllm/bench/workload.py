@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 
@@ -30,3 +31,14 @@ def synthetic_workload(
         ids = [rng.randrange(16, vocab_size) for _ in range(length)]
         requests.append(BenchRequest(ids, rng.randint(*output_len)))
     return requests
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """``"MIN,MAX"`` as an inclusive range of token counts (an argparse ``type``)."""
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return low, high
