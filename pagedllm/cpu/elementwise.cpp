@@ -14,6 +14,7 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "bfloat16.h"
 #include "kernels.h"
 
 namespace {
@@ -27,20 +28,6 @@ int threads_for(int64_t elements, int num_threads) {
   return elements < kMinParallelElements ? 1 : num_threads;
 }
 
-// bfloat16 storage: widened on load, rounded to nearest even on store.
-inline __m512 widen(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512 round_bf16(__m512 v) {  // to the nearest bfloat16, kept as float32
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
-}
-
 struct Float32 {
   using T = float;
   static __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -51,13 +38,10 @@ struct Float32 {
 struct BFloat16 {
   using T = uint16_t;
   static __m512 load(const uint16_t* p, __mmask16 m) {
-    return widen(_mm256_maskz_loadu_epi16(m, p));
+    return pagedllm::bf16::widen(_mm256_maskz_loadu_epi16(m, p));
   }
-  static void store(uint16_t* p, __m512 v, __mmask16 m) {
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
-  }
-  static __m512 round(__m512 v) { return round_bf16(v); }
+  static void store(uint16_t* p, __m512 v, __mmask16 m) { pagedllm::bf16::store(p, v, m); }
+  static __m512 round(__m512 v) { return pagedllm::bf16::round(v); }
 };
 
 inline __mmask16 lanes_left(int64_t left) {

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <limits>
 
+#include "bfloat16.h"
 #include "kernels.h"
 
 namespace {
@@ -68,14 +69,7 @@ struct BFloat16Panels {
 #endif
   }
   static __m512 load(const uint16_t*, __mmask16) { return _mm512_setzero_ps(); }  // never
-  static void store(uint16_t* y, __m512 v, __mmask16 mask) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc00000));
-    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-  }
+  static void store(uint16_t* y, __m512 v, __mmask16 mask) { pagedllm::bf16::store(y, v, mask); }
 };
 
 // y[m, n0 .. n0 + kPanelWidth) for the MR rows of x starting at x, over k in [k0, k1);

@@ -1,5 +1,5 @@
 """RMSNorm and the SwiGLU activation: one C++ pass per row where the AVX-512 kernels
-run (:mod:`pagedllm.cpu.elementwise`), torch's operators elsewhere. Both paths round like
+run (``pagedllm/cpu/elementwise.cpp``), torch's operators elsewhere. Both paths round like
 transformers' modules."""
 
 from __future__ import annotations
