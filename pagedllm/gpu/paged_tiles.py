@@ -1,0 +1,82 @@
+"""Loading K/V tiles through a block table, shared by the attention kernels.
+
+A tile is ``TILE_N`` consecutive token positions of one sequence and one kv head; it may
+span several blocks (``TILE_N >= BLOCK_SIZE``, both powers of two), so each position
+looks up its own physical block. Offsets are int64: a layer's pool can exceed 2**31
+elements.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pagedllm.gpu.kv_codes import FLOAT, decode_codes, load_row_scales
+
+
+@triton.jit
+def tile_offsets(
+    block_table_row_ptr,
+    first_token,
+    limit,
+    kv_head,
+    stride_blk,
+    stride_head,
+    stride_tok,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Element offsets of the rows of positions ``first_token ..`` (``[TILE_N]`` int64)
+    and which of them are below ``limit`` (the others are never read)."""
+    tokens = first_token + tl.arange(0, TILE_N)
+    valid = tokens < limit
+    blocks = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
+    offsets = (
+        blocks.to(tl.int64) * stride_blk
+        + kv_head * stride_head
+        + (tokens % BLOCK_SIZE).to(tl.int64) * stride_tok
+    )
+    return offsets, valid
+
+
+@triton.jit
+def load_keys(
+    cache_ptr,
+    offsets,
+    valid,
+    HEAD_DIM: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """K rows ``[TILE_N, HEAD_DIM]`` in ``DOT_DTYPE``, unscaled: quantized rows hold
+    their codes' values, to be multiplied by :func:`load_scales` after the dot product."""
+    dims = tl.arange(0, HEAD_DIM)
+    raw = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=valid[:, None], other=0)
+    if KV_FORMAT == FLOAT:
+        return raw.to(DOT_DTYPE)
+    else:
+        return decode_codes(raw, KV_FORMAT, DOT_DTYPE)
+
+
+@triton.jit
+def load_scales(cache_ptr, offsets, valid, HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """float32 factor of each quantized row of :func:`load_keys`."""
+    return load_row_scales(cache_ptr + offsets, valid, HEAD_DIM, KV_FORMAT)
+
+
+@triton.jit
+def load_values(
+    cache_ptr,
+    offsets,
+    valid,
+    HEAD_DIM: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """V rows ``[TILE_N, HEAD_DIM]`` in ``DOT_DTYPE``, scales applied (in float32)."""
+    if KV_FORMAT == FLOAT:
+        return load_keys(cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
+    else:
+        codes = load_keys(cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, tl.float32)
+        scales = load_scales(cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)
+        return (codes * scales[:, None]).to(DOT_DTYPE)

@@ -1,0 +1,159 @@
+"""Paged prefill attention over a mixed batch: chunked prefills and decode rows together.
+
+Sequence ``i`` has ``q_len`` query rows (from ``query_start_loc``), the *last* ``q_len``
+positions of its ``seq_lens[i]`` tokens, whose K/V (cached prefix, earlier chunks and
+this step's tokens) are all in the cache already. Grid ``(num_seqs, row tiles,
+num_kv_heads)``: a program's ``BLOCK_M`` rows are (query token, head of the group) pairs
+flattened token-major, so every query head of a group reads each K/V tile once. It walks
+the sequence from position 0 up to the last position its rows can see, ``BLOCK_N``
+positions per step, with a causal mask and an online softmax in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
+from pagedllm.gpu.kv_codes import FLOAT, kernel_format
+from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, tile_offsets
+from pagedllm.gpu.triton_decode import LOG2_E
+from pagedllm.kv.kv_quant import KVFormat
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt,
+    stride_blk,
+    stride_head,
+    stride_tok,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP
+    row_ok = token < q_len
+    heads = kv_head * GROUP + rows % GROUP
+    position = seq_len - q_len + token  # of each query row in its sequence
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = q_ptr + (q_start + token).to(tl.int64) * stride_q_tok + heads * stride_q_head
+    q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(DOT_DTYPE)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+    end = seq_len - q_len + last_token + 1  # past the last position these rows see
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for first in range(0, end, BLOCK_N):
+        offsets, valid = tile_offsets(
+            table, first, end, kv_head, stride_blk, stride_head, stride_tok, BLOCK_N, BLOCK_SIZE
+        )
+        k = load_keys(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_FORMAT != FLOAT:
+            scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
+        key_position = first + tl.arange(0, BLOCK_N)
+        visible = (key_position[None, :] <= position[:, None]) & valid[None, :]
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(row_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        v = load_values(v_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=PRECISION)
+        row_max = new_max
+
+    out = acc / row_sum[:, None]
+    out_rows = out_ptr + (q_start + token).to(tl.int64) * stride_o_tok + heads * stride_o_head
+    tl.store(
+        out_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    fmt: KVFormat,
+    *,
+    block_m: int = 64,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of every query row of a flattened batch (``q`` ``[num_tokens,
+    num_q_heads, head_dim]``, sequence ``i`` owning rows ``query_start_loc[i] :
+    query_start_loc[i + 1]``, int32) over its sequence's K/V in one layer's caches
+    ``[num_blocks, num_kv_heads, block_size, row]`` read through ``block_tables``.
+    ``max_query_len`` bounds the query lengths (host int). Returns ``q``'s shape and
+    dtype; makes no host synchronisation."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_n = block_n or max(block_size, 32)
+    if block_n < max(16, block_size) or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= max(16, block_size), got {block_n}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    operands = dot_dtype(q.dtype, fmt)
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    row_tiles = math.ceil(max_query_len * group / block_m)
+    _prefill_kernel[(num_seqs, row_tiles, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        KV_FORMAT=kernel_format(fmt),
+        DOT_DTYPE=triton_dtype(operands),
+        PRECISION=dot_precision(operands),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return out
