@@ -294,11 +294,14 @@ def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
 
 
 def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """``[num_rows]`` float64 uniforms in [0, 1): seeded rows from their own generator."""
+    """``[num_rows]`` float64 uniforms in [0, 1) on ``device``: seeded rows from their own
+    generator, which may live on another device than the logits (the host's by
+    default), so a seeded sequence draws the same numbers on every device."""
     uniforms = torch.rand(len(generators), dtype=torch.float64, device=device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            uniforms[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+            on = generator.device
+            uniforms[row] = torch.rand((), dtype=torch.float64, device=on, generator=generator)
     return uniforms
 
 

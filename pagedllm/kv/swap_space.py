@@ -1,11 +1,15 @@
 """The second KV tier: blocks of preempted sequences parked outside the KV pool.
 
-Laid out like :class:`~pagedllm.kv.kv_cache.KVCache` (``[num_layers, 2, num_blocks,
-num_kv_heads, block_size, head_dim]``) in host memory, or in a memory-mapped file when a
-path is given, so that spill can go beyond RAM. Its blocks are bookkept by a plain
-:class:`~pagedllm.kv.block_pool.BlockPool` (no reserve, never cached). A swap-out copies
-every block of a sequence once, all layers in one indexed copy; a swap-in copies them
-back into freshly allocated pool blocks and frees the swap blocks.
+Laid out block-major, ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]``,
+so that one parked block (every layer's K and V) is one contiguous run of bytes: in
+host memory, or in a memory-mapped file when a path is given, so that spill can go
+beyond RAM. For a pool on a GPU the host memory is pinned and every copy is
+asynchronous, queued on the current stream: a block freed in the pool by a swap-out
+is reused only by kernels queued after the copy, and a parked block read by a
+swap-in is overwritten only by copies queued after it. Its blocks are bookkept by a
+plain :class:`~pagedllm.kv.block_pool.BlockPool` (no reserve, never cached). A
+swap-out copies every block of a sequence once; a swap-in copies them back into
+freshly allocated pool blocks and frees the swap blocks.
 """
 
 from __future__ import annotations
@@ -38,14 +42,13 @@ class SwapSpace:
         if num_blocks < 1:
             raise ValueError(f"a swap space needs at least one block, got {num_blocks}")
         self.cache = cache
-        shape = list(cache.tensor.shape)
-        shape[2] = num_blocks
+        layers, kv, _, heads, block_size, row = cache.tensor.shape
+        shape = (num_blocks, layers, kv, heads, block_size, row)
+        self._on_gpu = cache.tensor.device.type == "cuda"
         if path is None:
-            self.tensor = torch.empty(shape, dtype=cache.dtype)
+            self.tensor = torch.empty(shape, dtype=cache.dtype, pin_memory=self._on_gpu)
         else:
-            numel = 1
-            for size in shape:
-                numel *= size
+            numel = num_blocks * layers * kv * heads * block_size * row
             flat = torch.from_file(str(path), shared=True, size=numel, dtype=cache.dtype)
             self.tensor = flat.view(shape)
         self.pool = BlockPool(num_blocks, cache.block_size, reserved_fraction=0.0)
@@ -62,9 +65,14 @@ class SwapSpace:
         """Copy pool blocks ``block_ids`` here; return the swap block holding each."""
         swap_ids = self.pool.allocate(len(block_ids))
         if block_ids:
-            src = torch.tensor(block_ids, dtype=torch.int64)
-            dst = torch.tensor(swap_ids, dtype=torch.int64)
-            self.tensor.index_copy_(2, dst, self.cache.tensor.index_select(2, src))
+            src = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.tensor.device)
+            blocks = self.cache.tensor.index_select(2, src).movedim(2, 0)
+            if self._on_gpu:
+                blocks = blocks.contiguous()
+                for row, swap_id in enumerate(swap_ids):
+                    self.tensor[swap_id].copy_(blocks[row], non_blocking=True)
+            else:
+                self.tensor.index_copy_(0, torch.tensor(swap_ids, dtype=torch.int64), blocks)
         self._swap_outs += 1
         self._bytes_out += len(block_ids) * self._block_bytes
         return swap_ids
@@ -74,9 +82,17 @@ class SwapSpace:
         if len(swap_ids) != len(block_ids):
             raise ValueError(f"{len(swap_ids)} swap blocks for {len(block_ids)} pool blocks")
         if swap_ids:
-            src = torch.tensor(swap_ids, dtype=torch.int64)
-            dst = torch.tensor(block_ids, dtype=torch.int64)
-            self.cache.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+            device = self.cache.tensor.device
+            if self._on_gpu:
+                blocks = torch.empty(
+                    (len(swap_ids), *self.tensor.shape[1:]), dtype=self.tensor.dtype, device=device
+                )
+                for row, swap_id in enumerate(swap_ids):
+                    blocks[row].copy_(self.tensor[swap_id], non_blocking=True)
+            else:
+                blocks = self.tensor.index_select(0, torch.tensor(swap_ids, dtype=torch.int64))
+            dst = torch.tensor(block_ids, dtype=torch.int64, device=device)
+            self.cache.tensor.index_copy_(2, dst, blocks.movedim(0, 2))
         self.pool.free(swap_ids)
         self._swap_ins += 1
         self._bytes_in += len(block_ids) * self._block_bytes
