@@ -32,9 +32,16 @@ def _percentiles(values: list[float], prefix: str) -> dict[str, float]:
 
 
 def run_engine(
-    requests: list[BenchRequest], config: EngineConfig, engine: LLMEngine | None = None
+    requests: list[BenchRequest],
+    config: EngineConfig,
+    engine: LLMEngine | None = None,
+    time_limit_s: float | None = None,
 ) -> dict[str, object]:
-    """All requests submitted at once, greedy, ``ignore_eos``, exact output lengths."""
+    """All requests submitted at once, greedy, ``ignore_eos``, exact output lengths.
+
+    With ``time_limit_s``, requests still unfinished after that many seconds are
+    aborted; the result then says ``"truncated": true`` and counts finished requests
+    only."""
     engine = engine or LLMEngine(config)
     start = time.monotonic()
     for index, request in enumerate(requests):
@@ -46,18 +53,29 @@ def run_engine(
             arrival_time=start,
         )
     finished = []
+    truncated = False
     while engine.has_unfinished_requests():
         finished.extend(out for out in engine.step() if out.finished)
+        if time_limit_s is not None and time.monotonic() - start > time_limit_s:
+            truncated = engine.has_unfinished_requests()
+            break
     elapsed = time.monotonic() - start
+    if truncated:
+        for index in range(len(requests)):
+            engine.abort_request(f"bench-{index}")
+    finished_ids = {out.request_id for out in finished}
     stats = engine.get_stats()
     output_tokens = sum(len(out.outputs[0].token_ids) for out in finished)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    prompt_tokens = sum(
+        len(r.prompt_token_ids) for i, r in enumerate(requests) if f"bench-{i}" in finished_ids
+    )
     times = stats.step_times
     result: dict[str, object] = {
         "engine": "pagedllm",
         "kv_allocation": config.kv_allocation,
         "dtype": str(config.dtype).removeprefix("torch."),
         "num_requests": len(finished),
+        "truncated": truncated,
         "elapsed_s": elapsed,
         "requests_per_s": len(finished) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
