@@ -124,12 +124,15 @@ def _decode_merge_kernel(
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + splits
     split_max = tl.load(part_max_ptr + part, mask=used, other=float("-inf"))
     split_sum = tl.load(part_sum_ptr + part, mask=used, other=0.0)
-    weight = tl.where(used, tl.exp2(split_max - tl.max(split_max, axis=0)), 0.0)
-    total = tl.sum(weight * split_sum, axis=0)
+    # finite even when no split is used (an empty sequence), so that weights are 0, not NaN
+    top = tl.maximum(tl.max(split_max, axis=0), -1e30)
+    weight = tl.exp2(split_max - top)
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None])
-    merged = tl.sum(tl.where(used[:, None], acc * weight[:, None], 0.0), axis=0)
-    merged = tl.where(total > 0, merged / total, 0.0)
+    merged = tl.sum(acc * weight[:, None], axis=0)
+    # the split holding the maximum adds at least exp2(0) = 1, so total >= 1 unless empty
+    total = tl.maximum(tl.sum(weight * split_sum, axis=0), 1.0)
+    merged = merged / total
     out = out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + dims
     tl.store(out, merged.to(out_ptr.dtype.element_ty))
 
