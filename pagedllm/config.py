@@ -65,6 +65,8 @@ class EngineConfig:
     - ``max_model_len``: longest sequence (prompt + output) a request may reach;
       ``None`` takes the model's own limit, capped by what the pool holds.
     - ``max_num_batched_tokens``: tokens one step may run (decodes + prefill chunks).
+    - ``max_n``: most samples (``n``) one request may ask for; each is a sequence with
+      its own KV blocks and logits row, so this bounds what one request can claim.
     - ``reserved_fraction``: share of blocks only high-priority requests (priority < 0)
       may take, seed 000's two-level allocation.
     - ``kv_allocation``: ``"paged"`` allocates blocks as sequences grow; ``"contiguous"``
@@ -83,6 +85,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
+    max_n: int = 128
     reserved_fraction: float = 0.05
     kv_allocation: str = "paged"
     enable_prefix_caching: bool = True
@@ -109,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

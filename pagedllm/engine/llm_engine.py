@@ -4,6 +4,12 @@ One step: the scheduler picks tokens within the budget (decodes first, then pref
 chunks), copy-on-write block copies run, the model runs the flattened batch through the
 paged cache, the sampler picks the next token of every sequence that reached its end,
 and finished sequences give their blocks back before ``step()`` returns.
+
+Isolation: ``add_request`` refuses (``InvalidRequestError``, nothing queued) a request
+whose fields or worst case can never fit this engine. A failure while sampling or
+detokenizing one request fails that request alone: it is aborted, its blocks are freed
+and its last output carries ``error``; the other requests of the step go on as if it
+had not been there.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.output_state import SequenceOutput
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.request_state import RequestState
-from pagedllm.engine.sampler import Sampler, SamplingBatch, make_generator
+from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence as Seq
@@ -181,7 +188,9 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (and queues nothing) if it can never run.
+        """Queue a request; raises ``InvalidRequestError`` (a ValueError) and queues nothing
+        if it can never run: a field out of range for this model, ``n`` above
+        ``max_n``, a prompt or worst case (every sample at ``max_tokens``) that cannot fit.
 
         ``prompt``: text, a list of token ids, ``{"prompt": text}`` or
         ``{"prompt_token_ids": [...]}``. Returns the request id. With ``n > 1`` only the
@@ -194,7 +203,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
+        self._check_params(params)
         max_tokens = self._check_lengths(len(token_ids), params)
+        self._check_fits(len(token_ids), max_tokens, params.n, priority)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
         for index in range(params.n):
@@ -237,36 +248,91 @@ class LLMEngine:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt_token_ids")
+                raise InvalidRequestError("this model has no tokenizer; pass prompt_token_ids")
+            _check_unicode(prompt)
             return prompt, self._check_ids(self.tokenizer.encode(prompt))
         return None, self._check_ids(prompt)
 
     def _check_ids(self, token_ids: object) -> list[int]:
         if not isinstance(token_ids, Sequence) or isinstance(token_ids, str):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
         ids = list(token_ids)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", "prompt"
+            )
         return ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: limits of this engine and model."""
+        if params.n > self.config.max_n:
+            raise InvalidRequestError(
+                f"n must be <= {self.config.max_n} (this engine's max_n), got {params.n}", "n"
+            )
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"stop_token_ids must be token ids in [0, {vocab}), got {outside[0]}",
+                "stop_token_ids",
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(
+                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}",
+                "logprobs",
+            )
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         """The request's output token limit, or ValueError when it can never fit."""
         limit = self.max_model_len
         if prompt_len >= limit:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt is {prompt_len} tokens long, but max_model_len is {limit} "
-                "(prompt plus at least one output token must fit)"
+                "(prompt plus at least one output token must fit)",
+                "prompt",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
         if prompt_len + max_tokens > limit:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-                f"{prompt_len + max_tokens} tokens, beyond max_model_len={limit}"
+                f"{prompt_len + max_tokens} tokens, beyond max_model_len={limit}",
+                "max_tokens",
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be <= the {max_tokens} output tokens this prompt leaves, "
+                f"got {params.min_tokens}",
+                "min_tokens",
             )
         return max_tokens
+
+    def _check_fits(self, prompt_len: int, max_tokens: int, n: int, priority: int) -> None:
+        """Refuse a request whose worst case (all ``n`` samples reaching ``max_tokens``)
+        holds more blocks than the pool gives its priority; any other request fits.
+
+        The prompt's full blocks are shared by the samples; each sample holds its own
+        blocks from the prompt's partly filled block on (in contiguous mode the first
+        sequence reserves ``max_model_len`` slots up front).
+        """
+        block_size = self.config.block_size
+        shared = prompt_len // block_size
+        longest = -(-(prompt_len + max_tokens) // block_size)
+        first = longest
+        if self.scheduler.reserve_tokens is not None:
+            first = max(longest, -(-self.scheduler.reserve_tokens // block_size))
+        worst_case = first + (n - 1) * (longest - shared)
+        pool = self.block_manager.pool
+        capacity = pool.num_blocks - (0 if priority < 0 else pool.num_reserved)
+        if worst_case > capacity:
+            raise InvalidRequestError(
+                f"n={n} samples of up to {prompt_len + max_tokens} tokens each may need "
+                f"{worst_case} KV blocks, but the pool holds {capacity} for this request; "
+                "lower n or max_tokens",
+                "n" if n > 1 else "max_tokens",
+            )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown or finished ids are ignored."""
@@ -304,9 +370,9 @@ class LLMEngine:
         ending, logits = self.execute_plan(plan)
         t1 = time.perf_counter()
         sampling, logits = self._fork_parallel_samples(ending, logits)
-        sampled = self._sample(sampling, logits)
+        sampled, failures = self._sample_isolated(sampling, logits)
         t2 = time.perf_counter()
-        outputs = self._process(sampling, sampled)
+        outputs = self._process(sampling, sampled, failures)
         times.sample += t2 - t1
         times.postprocess += time.perf_counter() - t2
         times.steps += 1
@@ -384,16 +450,59 @@ class LLMEngine:
         )
         return self.sampler(logits, batch)
 
-    def _process(self, sampling: list[Seq], sampled) -> list[RequestOutput]:
+    def _sample_isolated(
+        self, sampling: list[Seq], logits: torch.Tensor
+    ) -> tuple[SamplerOutput | None, dict[str, Exception]]:
+        """The batch's tokens and the requests whose sampling failed.
+
+        If sampling the whole batch raises, every row is sampled again on its own (seeded
+        generators rewound first), so the rows that do not fail get the tokens they get
+        in the batch, and a failing row fails only its request.
+        """
+        if not sampling:
+            return None, {}
+        seeded = [(seq.generator, seq.generator.get_state()) for seq in sampling if seq.generator]
+        try:
+            return self._sample(sampling, logits), {}
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed; sampling rows apart", len(logits))
+        for generator, state in seeded:
+            generator.set_state(state)
+        token_ids: list[int | None] = []
+        logprobs: list = []
+        failures: dict[str, Exception] = {}
+        for row, seq in enumerate(sampling):
+            one = None
+            if seq.request_id not in failures:
+                try:
+                    one = self._sample([seq], logits[row : row + 1])
+                except Exception as error:
+                    failures[seq.request_id] = error
+            token_ids.append(one.token_ids[0] if one else None)
+            logprobs.append(one.logprobs[0] if one and one.logprobs else None)
+        return SamplerOutput(token_ids, logprobs), failures
+
+    def _process(
+        self, sampling: list[Seq], sampled: SamplerOutput | None, failures: dict[str, Exception]
+    ) -> list[RequestOutput]:
+        """Record each row's token; a request whose row raises (or whose sampling failed,
+        ``failures``) is failed alone. Returns the outputs of every request touched."""
         if sampled is None:
             return []
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for row, seq in enumerate(sampling):
+            if seq.request_id in failures:
+                continue
             state = self._requests[seq.request_id]
             out = state.sequences[seq.index]
             logprobs = sampled.logprobs[row] if sampled.logprobs is not None else None
-            status = out.add_token(sampled.token_ids[row], logprobs)
+            try:
+                status = out.add_token(sampled.token_ids[row], logprobs)
+            except Exception as error:
+                failures[seq.request_id] = error
+                touched.pop(seq.request_id, None)
+                continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             if seq.first_token_time is None:
@@ -404,12 +513,25 @@ class LLMEngine:
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
+            if request_id in failures:
+                continue
             state.metrics.num_output_tokens = sum(o.seq.num_output_tokens for o in state.sequences)
             if state.finished:
                 state.metrics.finished_time = now
                 del self._requests[request_id]
             outputs.append(state.output())
+        outputs.extend(self._fail(request_id, error) for request_id, error in failures.items())
         return outputs
+
+    def _fail(self, request_id: str, error: Exception) -> RequestOutput:
+        """Abort a request that raised inside the step; its final output names the error."""
+        logger.error("request %s failed: %r", request_id, error, exc_info=error)
+        state = self._requests[request_id]
+        self.abort_request(request_id)
+        state.error = f"{type(error).__name__}: {error}"
+        state.metrics.num_output_tokens = sum(o.seq.num_output_tokens for o in state.sequences)
+        state.metrics.finished_time = time.monotonic()
+        return state.output()
 
     # ---- monitoring ------------------------------------------------------------------
 
@@ -441,3 +563,15 @@ class LLMEngine:
             num_swapped=len(self.scheduler.swapped),
             swap=self.swap_space.stats() if self.swap_space is not None else None,
         )
+
+
+def _check_unicode(text: str) -> None:
+    """Refuse text a tokenizer cannot encode: lone UTF-16 surrogates (``"\\udc00"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"the prompt is not valid Unicode: a lone surrogate {text[error.start]!r} at "
+            f"character {error.start}",
+            "prompt",
+        ) from None
