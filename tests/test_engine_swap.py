@@ -45,12 +45,12 @@ def test_swap_and_recompute_give_the_unpreempted_outputs(tiny_model):
     expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
     assert roomy.llm_engine.get_stats().num_preemptions_total == 0
 
-    recompute = make_llm(tiny_model, 30, preemption_mode="recompute")
+    recompute = make_llm(tiny_model, 32, preemption_mode="recompute")
     assert token_ids(recompute.generate(prompts, params, use_tqdm=False)) == expected
     assert recompute.llm_engine.get_stats().num_preemptions_total > 0
 
     for mode in ("swap", "auto"):
-        swapping = make_llm(tiny_model, 30, preemption_mode=mode, swap_blocks=64)
+        swapping = make_llm(tiny_model, 32, preemption_mode=mode, swap_blocks=64)
         assert token_ids(swapping.generate(prompts, params, use_tqdm=False)) == expected
         stats = swapping.llm_engine.get_stats()
         assert stats.num_preemptions_total > 0

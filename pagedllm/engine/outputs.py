@@ -67,7 +67,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step (or at the end of ``LLM.generate``)."""
+    """The state of one request after a step (or at the end of ``LLM.generate``).
+
+    ``error``: why the engine failed this request alone (its unfinished sequences then
+    end with finish reason ``"abort"``); None for a request that ran normally.
+    """
 
     request_id: str
     prompt: str | None
@@ -75,3 +79,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None

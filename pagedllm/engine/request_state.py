@@ -13,7 +13,8 @@ class RequestState:
     """Everything the engine keeps about a request until it finishes.
 
     ``unforked``: samples 1..n-1 of an ``n > 1`` request, waiting for sample 0 to finish
-    the prompt so they can fork from it.
+    the prompt so they can fork from it. ``error``: set when the engine failed this
+    request alone (see ``LLMEngine``); its outputs then carry it.
     """
 
     request_id: str
@@ -22,6 +23,7 @@ class RequestState:
     sequences: list[SequenceOutput]
     metrics: RequestMetrics
     unforked: list[SequenceOutput] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -37,4 +39,5 @@ class RequestState:
             outputs=[out.snapshot(out.seq.is_finished) for out in self.sequences],
             finished=finished,
             metrics=self.metrics,
+            error=self.error,
         )

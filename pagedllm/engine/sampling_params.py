@@ -1,7 +1,8 @@
 """What a request asks of decoding: vLLM's ``SamplingParams``, validated on creation.
 
 Keyword names, defaults and accepted ranges follow vLLM so that its users' code runs
-unchanged. Every bad value raises ``ValueError`` naming the field and the value.
+unchanged. Every bad value raises ``InvalidRequestError`` (a ``ValueError``) naming
+the field and the value.
 
 Conventions:
 - ``temperature`` below ``GREEDY_TEMPERATURE`` (including 0) means greedy decoding;
@@ -10,6 +11,10 @@ Conventions:
 - ``max_tokens=None`` means "as many as fit": the engine resolves it to
   ``max_model_len - prompt_len``.
 - ``stop`` is normalised to a list of non-empty strings, ``stop_token_ids`` to a list.
+- Floats must be finite numbers (not bool, NaN or infinity); ``seed`` must fit a
+  signed 64-bit integer, as vLLM requires. Checks that depend on the model (token
+  ids inside the vocabulary, ``n`` against the engine's ``max_n``, lengths against
+  ``max_model_len`` and the KV pool) are the engine's, at ``add_request``.
 - Sample ``i`` of a request with ``n > 1`` and seed ``s`` uses seed ``s + i``
   (see :meth:`SamplingParams.derived_seed`), so ``n=4, seed=s`` samples exactly what
   four ``n=1`` requests with seeds ``s, s+1, s+2, s+3`` sample.
@@ -17,14 +22,21 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from pagedllm.engine.request_errors import InvalidRequestError
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+"""The range of ``seed`` and ``top_k`` (vLLM's: a torch int64)."""
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures strictly below this decode greedily (vLLM uses the same cut-off)."""
 
 
 def _reject(field: str, value: object, rule: str) -> None:
-    raise ValueError(f"{field} {rule}, got {value!r}")
+    raise InvalidRequestError(f"{field} {rule}, got {value!r}", param=field)
 
 
 @dataclass
@@ -69,26 +81,27 @@ class SamplingParams:
             _reject("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             _reject("logprobs", self.logprobs, "must be an integer >= 0 or None")
-        if self.seed is not None and not _is_int(self.seed):
-            _reject("seed", self.seed, "must be an integer or None")
+        seed = self.seed
+        if seed is not None and not (_is_int(seed) and INT64_MIN <= seed <= INT64_MAX):
+            _reject("seed", self.seed, "must be an integer in [-2**63, 2**63 - 1] or None")
 
     def _check_distribution_options(self) -> None:
-        if not self.temperature >= 0.0:
-            _reject("temperature", self.temperature, "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_finite(self.temperature) or self.temperature < 0.0:
+            _reject("temperature", self.temperature, "must be a finite number >= 0")
+        if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             _reject("top_p", self.top_p, "must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
             _reject("top_k", self.top_k, "must be an integer >= 1, or 0 or -1 to disable")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             _reject("min_p", self.min_p, "must be in [0, 1]")
 
     def _check_penalties(self) -> None:
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if not _is_finite(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             _reject("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not _is_finite(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             _reject("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            _reject("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            _reject("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
 
     @staticmethod
     def _normalised_stop(stop: object) -> list[str]:
@@ -135,3 +148,13 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A real number (int or float, not bool) that is neither NaN nor infinite."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
