@@ -2,6 +2,7 @@
 
 import pytest
 
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 
 
@@ -45,12 +46,32 @@ def test_defaults_match_vllm():
         ("stop_token_ids", [1, "2"]),
         ("stop_token_ids", 7),
         ("stop_token_ids", [-1]),
+        ("temperature", float("inf")),
+        ("temperature", 10**400),
+        ("temperature", True),
+        ("top_p", float("nan")),
+        ("min_p", float("nan")),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", float("-inf")),
+        ("repetition_penalty", float("inf")),
+        ("repetition_penalty", float("nan")),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("seed", 2**70),
+        ("seed", True),
+        ("top_k", 2**63),
     ],
 )
 def test_bad_value_raises_naming_field_and_value(field, value):
-    with pytest.raises(ValueError, match=field) as info:
+    with pytest.raises(InvalidRequestError, match=field) as info:
         SamplingParams(**{field: value})
     assert repr(value) in str(info.value)
+    assert info.value.param == field
+
+
+def test_seed_range_is_signed_64_bit():
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
