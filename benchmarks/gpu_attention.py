@@ -151,10 +151,10 @@ def decode_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[d
     }
 
     if tune:
-        for tile in (16, 32, 64, 128):
-            for warps in (2, 4, 8):
-                for stages in (1, 2, 3, 4):
-                    for split in (None, 512, 1024, 2048):
+        for tile in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for split in (None, 1024):
                         if split is not None and split % tile:
                             continue
                         settings = dict(
@@ -196,7 +196,7 @@ def decode_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[d
         }
 
 
-def prefill_records(shape: Shape, device: torch.device) -> Iterator[dict]:
+def prefill_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[dict]:
     from pagedllm.gpu.triton_prefill import prefill_attention
     from pagedllm.kv.kv_quant import resolve_kv_format
 
@@ -217,9 +217,9 @@ def prefill_records(shape: Shape, device: torch.device) -> Iterator[dict]:
     scale = s.head_dim**-0.5
     fmt = resolve_kv_format("auto", dtype)
 
-    def ours() -> torch.Tensor:
+    def ours(**tuning) -> torch.Tensor:
         return prefill_attention(
-            q, k_cache, v_cache, tables, seq_lens, starts, s.prefill_new, scale, fmt
+            q, k_cache, v_cache, tables, seq_lens, starts, s.prefill_new, scale, fmt, **tuning
         )
 
     seconds = median_seconds(ours, device)
@@ -257,7 +257,7 @@ def run_checks(device: torch.device, quick: bool = False, tune: bool = False) ->
                 continue
             yield record
         if not quick:
-            yield from prefill_records(shape, device)
+            yield from prefill_records(shape, device, tune)
 
 
 def main() -> None:
