@@ -92,18 +92,27 @@ class DecoderLayer(nn.Module):
 class LlamaDecoder(nn.Module):
     """Embedding, ``num_layers`` decoder layers, final RMSNorm and the LM head.
 
-    All weights share one dtype (float32 or bfloat16). The LM head is the embedding
+    All weights share one dtype (float32, bfloat16, or float16 on CUDA) and one device,
+    where the rotary tables live too; each source tensor is moved and converted as it is
+    read, so no second copy of the whole model is ever built. The LM head is the embedding
     matrix when the config ties them; then one copy is kept, in the LM head's form, and
     embedding lookups read its rows.
     """
 
-    def __init__(self, config: ModelConfig, get: WeightSource, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        get: WeightSource,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
 
         def get_as_dtype(name: str) -> torch.Tensor:
-            return get(name).to(dtype).contiguous()
+            return get(name).to(device=self.device, dtype=dtype).contiguous()
 
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
@@ -116,7 +125,16 @@ class LlamaDecoder(nn.Module):
         else:
             self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"))
             self.embed_tokens = embed
-        self.rotary = RotaryTable(config, dtype)
+        self.rotary = RotaryTable(config, dtype, self.device)
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every learned tensor the forward pass reads, each once (a tied embedding once,
+        packed weights as their padded panels): matrices, norm weights and biases."""
+        matrices = [self.embed_tokens, self.lm_head]
+        for layer in self.layers:
+            matrices += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight]
+        tensors = [w.panels if isinstance(w, PackedWeight) else w for w in matrices]
+        return list({id(t): t for t in (*tensors, *self.buffers())}.values())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``."""

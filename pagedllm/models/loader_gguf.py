@@ -147,9 +147,13 @@ def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
 
 
 def load_gguf_model(
-    path: Path, dtype: torch.dtype, reader: gguf.GGUFReader | None = None
+    path: Path,
+    dtype: torch.dtype,
+    reader: gguf.GGUFReader | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from a GGUF file, dequantized and converted to ``dtype``."""
+    """Build the decoder from a GGUF file, dequantized (one float32 tensor at a time, on
+    the CPU) and converted to ``dtype`` on ``device``."""
     reader = reader or open_gguf(path)
     config = gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
@@ -166,4 +170,4 @@ def load_gguf_model(
             weight = deinterleave_rope_rows(weight, heads_of[projection])
         return weight
 
-    return config, LlamaDecoder(config, get, dtype)
+    return config, LlamaDecoder(config, get, dtype, device)

@@ -18,7 +18,11 @@ SHARD_INDEX = "model.safetensors.index.json"
 
 def read_hf_config(folder: Path) -> ModelConfig:
     """The folder's ``config.json`` as a :class:`ModelConfig`."""
-    path = folder / "config.json"
+    return read_config_file(folder / "config.json")
+
+
+def read_config_file(path: Path) -> ModelConfig:
+    """A Hugging Face ``config.json`` file (any name) as a :class:`ModelConfig`."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -48,8 +52,13 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_safetensors_model(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from the folder's weights, converted to ``dtype``."""
+def load_safetensors_model(
+    folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[ModelConfig, LlamaDecoder]:
+    """Build the decoder from the folder's weights, converted to ``dtype`` on ``device``.
+
+    The files are memory-mapped and each tensor is moved and converted as the decoder
+    reads it, so the host never holds a converted copy of the whole model."""
     config = read_hf_config(folder)
     with ExitStack() as stack:
         handle_of_tensor = {}
@@ -65,4 +74,4 @@ def load_safetensors_model(folder: Path, dtype: torch.dtype) -> tuple[ModelConfi
                 raise ModelLoadError(f"missing tensor {name!r} in the safetensors of {folder}")
             return handle_of_tensor[name].get_tensor(name)
 
-        return config, LlamaDecoder(config, get, dtype)
+        return config, LlamaDecoder(config, get, dtype, device)

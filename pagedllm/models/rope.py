@@ -53,17 +53,21 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryTable:
     """Precomputed ``cos`` and ``sin`` for positions ``[0, max_position_embeddings)``.
 
-    Both tables are ``[max_positions, head_dim // 2]`` in the model dtype.
+    Both tables are ``[max_positions, head_dim // 2]`` in the model dtype, on ``device``
+    (angles computed there in float32, as transformers does on the model's device).
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        angles = positions[:, None] * inverse_frequencies(config)[None, :]
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+        angles = positions[:, None] * inverse_frequencies(config).to(device)[None, :]
         self.cos = angles.cos().to(dtype)
         self.sin = angles.sin().to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin`` rows for ``positions`` ``[T]``, shaped ``[T, 1, head_dim // 2]``."""
+        """``cos`` and ``sin`` rows for ``positions`` ``[T]`` (on the tables' device, or the
+        CPU), shaped ``[T, 1, head_dim // 2]``, on the tables' device."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def split_qkv(
