@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import LOAD_FORMATS, EngineConfig
 from pagedllm.kv.kv_quant import KV_CACHE_DTYPES
 
 
@@ -15,8 +15,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
     defaults = EngineConfig.__dataclass_fields__
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    group.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF folder (default: SmolLM2); with --load-format dummy, a preset",
+    )
+    group.add_argument(
+        "--load-format",
+        default=defaults["load_format"].default,
+        choices=LOAD_FORMATS,
+        help="dummy: seeded random weights of the --model shape (a preset such as llama-3-8b, "
+        "a config.json or a folder holding one); prompts are then token ids",
+    )
+    group.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"]
+    )
     group.add_argument(
         "--kv-cache-dtype",
         default=defaults["kv_cache_dtype"].default,
@@ -56,6 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        load_format=args.load_format,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,

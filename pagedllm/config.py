@@ -15,7 +15,11 @@ _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
     "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
+
+LOAD_FORMATS = ("auto", "dummy")
+"""``load_format`` values: read the checkpoint, or seeded random weights of its shape."""
 
 _SIZE_UNITS = {
     "": 1,
@@ -45,8 +49,10 @@ def parse_bytes(size: int | float | str) -> int:
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype for a user's ``dtype`` option (float32 on CPU for ``auto``)."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dtype {dtype} is not supported; use float32 or bfloat16")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"dtype {dtype} is not supported; use float32, bfloat16 or float16 (CUDA only)"
+            )
         return dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
@@ -57,6 +63,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class EngineConfig:
     """Engine settings. Units: tokens unless a name says blocks or bytes.
 
+    - ``load_format``: ``"auto"`` reads the checkpoint ``model`` names; ``"dummy"`` builds
+      seeded random weights of the shape ``model`` names (a preset such as
+      ``"llama-3-8b"``, a config.json or a folder holding one), with no tokenizer.
     - ``kv_cache_memory``: bytes for the whole KV pool (all layers, K and V).
     - ``kv_cache_dtype``: the KV cache's element format, ``"auto"`` (the model's dtype),
       ``"bfloat16"``, ``"float16"``, or 8-bit ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``
@@ -78,6 +87,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    load_format: str = "auto"
     dtype: str | torch.dtype = "float32"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -130,4 +140,8 @@ class EngineConfig:
         if self.kv_allocation not in ("paged", "contiguous"):
             raise ValueError(
                 f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )

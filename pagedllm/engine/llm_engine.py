@@ -56,7 +56,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         keep_freed_memory()
         start = time.monotonic()
-        self.loaded = loaded or load_model(config.model, config.dtype)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, load_format=config.load_format
+        )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         logger.info(

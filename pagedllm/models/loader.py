@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.config import LOAD_FORMATS
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
+from pagedllm.models.dummy import load_dummy_model
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import load_gguf_model, open_gguf
@@ -16,12 +18,16 @@ from pagedllm.models.loader_safetensors import generation_eos_ids, load_safetens
 from pagedllm.tokenizer import Tokenizer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+CUDA_ONLY_DTYPES = (torch.float16,)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 @dataclass
 class LoadedModel:
-    """A decoder with its config and tokenizer (``None`` if the checkpoint holds none)."""
+    """A decoder with its config and tokenizer (``None`` if the checkpoint holds none).
+
+    ``source``: the file or folder loaded; for dummy weights the config's path or the
+    preset's name (a one-part path such as ``Path("llama-3-8b")``)."""
 
     model: LlamaDecoder
     config: ModelConfig
@@ -29,34 +35,68 @@ class LoadedModel:
     source: Path
 
 
-def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``model``: ``None`` or ``"default"`` (SmolLM2-135M-Instruct), a ``.gguf``
-    file, or a Hugging Face folder (``config.json`` + safetensors). Nothing is downloaded.
+def load_model(
+    model: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+) -> LoadedModel:
+    """Load ``model`` onto ``device``; nothing is downloaded.
+
+    ``load_format="auto"``: ``model`` is ``None`` or ``"default"`` (SmolLM2-135M-Instruct),
+    a ``.gguf`` file, or a Hugging Face folder (``config.json`` + safetensors).
+    ``load_format="dummy"``: seeded random weights of the shape ``model`` names (a preset
+    name, a ``config.json`` or a folder holding one, a ``.gguf`` file), with no tokenizer
+    (prompts are token ids); see :mod:`pagedllm.models.dummy`.
+    ``dtype``: float32 or bfloat16; float16 on CUDA devices only.
     """
-    if dtype not in SUPPORTED_DTYPES:
-        raise ModelLoadError(f"unsupported dtype {dtype}; use torch.float32 or torch.bfloat16")
+    device = torch.device(device)
+    _check_dtype(dtype, device)
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(
+            f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
+        )
+    if load_format == "dummy":
+        config, decoder, source = load_dummy_model(model, dtype, device)
+        return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        config, decoder, has_tokenizer = _load_gguf_weights(path, dtype)
+        config, decoder, has_tokenizer = _load_gguf_weights(path, dtype, device)
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
-        config, decoder = load_safetensors_model(path, dtype)
+        config, decoder = load_safetensors_model(path, dtype, device)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
         eos_ids = config.eos_token_ids + generation_eos_ids(path)
         tokenizer = Tokenizer.from_folder(path, eos_ids) if has_tokenizer else None
     else:
         raise ModelLoadError(
             f"{model!r} is neither a .gguf file nor a folder with config.json "
-            "(models are never downloaded; pass a local path)"
+            "(models are never downloaded; pass a local path, or load_format='dummy' "
+            "with a preset name for random weights)"
         )
     decoder.eval()
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)
 
 
-def _load_gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, LlamaDecoder, bool]:
+def _check_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    if dtype in CUDA_ONLY_DTYPES and device.type != "cuda":
+        raise ModelLoadError(
+            f"dtype {dtype} runs on CUDA devices only, not on {device}; "
+            "use torch.float32 or torch.bfloat16"
+        )
+    if dtype not in SUPPORTED_DTYPES + CUDA_ONLY_DTYPES:
+        raise ModelLoadError(
+            f"unsupported dtype {dtype}; use torch.float32 or torch.bfloat16 "
+            "(or torch.float16 on CUDA)"
+        )
+
+
+def _load_gguf_weights(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaDecoder, bool]:
     """Config, decoder and whether the file holds a tokenizer; the parsed file is
     released before the tokenizer parses it again, to keep peak memory down."""
     reader = open_gguf(path)
-    config, decoder = load_gguf_model(path, dtype, reader)
+    config, decoder = load_gguf_model(path, dtype, reader, device)
     return config, decoder, "tokenizer.ggml.model" in reader.fields

@@ -37,6 +37,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"preset ({', '.join(PRESETS)}), .gguf file, config.json or HF folder "
         "(default: the embedded SmolLM2)",
     )
+    parser.add_argument(
+        "--model",
+        dest="model_option",
+        default=None,
+        metavar="MODEL",
+        help="the model, spelled as the engine commands spell it (instead of the positional)",
+    )
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument(
         "--memory",
@@ -100,7 +107,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def build_plan(args: argparse.Namespace) -> CapacityPlan:
     """The plan the command line describes."""
-    model = resolve_model(args.model)
+    if args.model_option and args.model and args.model_option != args.model:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    model = resolve_model(args.model_option or args.model)
     kv_dtypes = tuple(name.strip() for name in args.kv_dtype.split(","))
     unknown = [name for name in kv_dtypes if name not in KV_DTYPES]
     if unknown:

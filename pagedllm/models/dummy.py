@@ -1,0 +1,133 @@
+"""Random weights from a model shape alone (``load_format="dummy"``): memory and speed
+experiments at a real model's scale without its checkpoint.
+
+Each tensor is drawn on its own, directly on the target device and in the target dtype,
+from a generator seeded by ``(seed, tensor name)``: the same seed gives the same weights
+whatever order they are read in (on one device type; CPU and CUDA generators differ),
+and loading holds no more than the model plus a few tensors of one layer. The scales
+keep activations finite and logits spread out in bfloat16 or float16 through dozens of
+layers: matrices and embeddings normal with standard deviation ``MATRIX_STD``, biases
+``BIAS_STD``, norm weights one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.default import default_model_path
+from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.llama import LlamaDecoder, WeightSource
+from pagedllm.models.loader_gguf import gguf_config, open_gguf
+from pagedllm.models.loader_safetensors import read_config_file
+from pagedllm.plan.presets import PRESETS
+
+MATRIX_STD = 0.02
+BIAS_STD = 0.02
+DEFAULT_SEED = 0
+
+
+def dummy_config(model: str | Path | None) -> tuple[ModelConfig, Path]:
+    """The shape ``model`` names, and what names it: a preset name (case-insensitive, see
+    :data:`~pagedllm.plan.presets.PRESETS`; returned as a one-part path), a
+    ``config.json`` file or a folder holding one, or a ``.gguf`` file (its metadata;
+    ``None`` or ``"default"`` is the embedded default model's)."""
+    if isinstance(model, str) and model.lower() in PRESETS:
+        preset = PRESETS[model.lower()]
+        return ModelConfig.from_hf_dict(preset.hf_config), Path(model.lower())
+    is_default = model is None or model == "default"
+    path = default_model_path() if is_default else Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_config_file(path / "config.json"), path
+    if path.is_file() and path.suffix == ".json":
+        return read_config_file(path), path
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_config(open_gguf(path), path), path
+    raise ModelLoadError(
+        f"load_format='dummy' needs a model shape: {str(model)!r} is not a preset "
+        f"({', '.join(PRESETS)}), a config.json file, a folder holding one, or a .gguf file"
+    )
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter name -> shape, for every parameter of a checkpoint of this
+    shape (``lm_head.weight`` only when the embeddings are not tied)."""
+    hidden, q_size, kv_size = config.hidden_size, config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}."
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        shapes.update(
+            {
+                prefix + "input_layernorm.weight": (hidden,),
+                prefix + "post_attention_layernorm.weight": (hidden,),
+                attn + "q_proj.weight": (q_size, hidden),
+                attn + "k_proj.weight": (kv_size, hidden),
+                attn + "v_proj.weight": (kv_size, hidden),
+                attn + "o_proj.weight": (hidden, q_size),
+                mlp + "gate_proj.weight": (config.intermediate_size, hidden),
+                mlp + "up_proj.weight": (config.intermediate_size, hidden),
+                mlp + "down_proj.weight": (hidden, config.intermediate_size),
+            }
+        )
+        if config.attention_bias:
+            shapes[attn + "q_proj.bias"] = (q_size,)
+            shapes[attn + "k_proj.bias"] = (kv_size,)
+            shapes[attn + "v_proj.bias"] = (kv_size,)
+    return shapes
+
+
+def dummy_weight_source(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = DEFAULT_SEED,
+) -> WeightSource:
+    """A :data:`~pagedllm.models.llama.WeightSource` drawing each parameter of
+    :func:`parameter_shapes` when it is asked for (on the ``meta`` device: shapes only)."""
+    if seed < 0:
+        raise ModelLoadError(f"the dummy weights' seed must be >= 0, got {seed}")
+    shapes = parameter_shapes(config)
+    device = torch.device(device)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in shapes:
+            raise ModelLoadError(f"no parameter {name!r} in a {config.architecture} model")
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name], dtype=dtype, device=device)
+        tensor = torch.empty(shapes[name], dtype=dtype, device=device)
+        if device.type == "meta":
+            return tensor
+        generator = torch.Generator(device=tensor.device)
+        generator.manual_seed(_tensor_seed(seed, name))
+        std = BIAS_STD if name.endswith(".bias") else MATRIX_STD
+        return tensor.normal_(0.0, std, generator=generator)
+
+    return get
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    """A 32-bit seed for one tensor (the CPU generator keeps only 32 bits of a seed)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def load_dummy_model(
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = DEFAULT_SEED,
+) -> tuple[ModelConfig, LlamaDecoder, Path]:
+    """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
+    random weights, its config, and its source (the preset name or the config's path)."""
+    config, source = dummy_config(model)
+    get = dummy_weight_source(config, dtype, device, seed)
+    return config, LlamaDecoder(config, get, dtype, device), source
