@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.server.app import served_model_name
 from pagedllm.server.errors import error_body, validation_error
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,7 +26,6 @@ def test_chat_maps_openai_fields_to_sampling_params():
     assert (params.n, params.seed, params.stop, params.logprobs) == (2, 3, ["x"], 4)
     assert (params.presence_penalty, params.frequency_penalty, params.top_p) == (0.5, -0.5, 0.9)
     assert chat().sampling_params().max_tokens is None  # fill the context, as OpenAI does
-    assert chat(top_logprobs=4).sampling_params().logprobs is None  # logprobs not asked for
     assert chat(logprobs=True).sampling_params().logprobs == 0
 
 
@@ -62,6 +62,10 @@ def test_completion_prompts_of_every_form():
         ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
         ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages"),
+        ({"temperature": float("inf")}, "temperature", "finite number"),
+        ({"top_p": float("nan")}, "top_p", "finite number"),
+        ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+        ({"temperature": 1e308}, "temperature", "less than or equal to 2"),
     ],
 )
 def test_type_errors_name_the_field(fields, param, words):
@@ -72,11 +76,27 @@ def test_type_errors_name_the_field(fields, param, words):
     assert words in error.message
 
 
-def test_range_errors_come_from_sampling_params():
-    with pytest.raises(ValueError, match="^n "):
-        chat(n=0).sampling_params()
-    with pytest.raises(ValueError, match="^max_tokens "):
-        chat(max_tokens=-1).sampling_params()
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop": ""}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ],
+)
+def test_range_errors_name_the_field(fields, param):
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(**fields).sampling_params()
+    assert caught.value.param == param
+    assert str(caught.value).startswith(param)
+
+
+def test_empty_stop_list_means_no_stop_strings():
+    assert chat(stop=[]).sampling_params().stop == []
 
 
 def test_error_body_has_the_openai_shape():

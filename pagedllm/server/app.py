@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
-from pagedllm.server.errors import APIError, install_error_handlers
+from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.middleware import BodyLimit, Gate
 from pagedllm.server.responses import TokenTexts
@@ -36,27 +36,45 @@ def served_model_name(model: str | None) -> str:
 @dataclass
 class ServerSettings:
     """HTTP-side limits. ``max_body_bytes``: largest request body accepted;
-    ``max_pending_requests``: engine requests admitted and unfinished before 503."""
+    ``max_pending_requests``: engine requests admitted and unfinished before 503;
+    ``api_key_scope``: ``"v1"`` (the key guards ``/v1/`` only) or ``"all"`` (every
+    path but ``/health``)."""
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_pending_requests: int = 1024
+    api_key_scope: str = "v1"
 
 
 @dataclass
 class Lifecycle:
-    """``draining`` turns true when shutdown begins: new requests then get 503."""
+    """``draining`` turns true when shutdown begins: new requests then get 503.
+    ``engine_failed`` turns true if the engine loop dies; ``request_exit`` (set by
+    whoever runs the server) is then called, so the process can exit non-zero."""
 
     draining: bool = False
+    engine_failed: bool = False
+    request_exit: Callable[[], None] | None = None
+
+    def engine_loop_died(self) -> None:
+        self.engine_failed = True
+        if self.request_exit is not None:
+            self.request_exit()
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
-    """An app serving ``engine``; its engine loop runs from startup to shutdown."""
+    """An app serving ``engine``; its engine loop runs from startup to shutdown.
+
+    ``/health`` answers 200 while the engine loop runs, 503 when it has died or the
+    server is shutting down.
+    """
     metrics = ServerMetrics(settings.model_name)
-    async_engine = AsyncEngine(engine, metrics, settings.max_pending_requests)
-    ctx = ServingContext(async_engine, settings.model_name, TokenTexts(engine.tokenizer))
     lifecycle = Lifecycle()
+    async_engine = AsyncEngine(
+        engine, metrics, settings.max_pending_requests, lifecycle.engine_loop_died
+    )
+    ctx = ServingContext(async_engine, settings.model_name, TokenTexts(engine.tokenizer))
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -93,7 +111,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
-            raise APIError(503, "The engine loop is not running")
+            raise async_engine.unavailable()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -101,5 +119,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(Gate, api_key=settings.api_key, is_draining=lambda: lifecycle.draining)
+    app.add_middleware(
+        Gate,
+        api_key=settings.api_key,
+        is_draining=lambda: lifecycle.draining,
+        api_key_scope=settings.api_key_scope,
+    )
     return app

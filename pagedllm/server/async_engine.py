@@ -7,6 +7,18 @@ back to the event loop, where one ``asyncio.Queue`` per HTTP request feeds its
 handler. With nothing to run, the loop thread blocks on the command queue (no
 polling). Chat templates and tokenization also run on the loop thread, so the
 tokenizer never encodes on two threads at once.
+
+Failures, from the smallest to the largest:
+- A request the engine refuses (bad field, too long, worst case beyond the pool) gets
+  a 400 naming the field; anything else raised while adding it, a 500; both alone.
+- A request the engine fails inside a step (``RequestOutput.error``) gets a 500 (an
+  error event when streamed); the rest of the batch goes on.
+- A step that raises for no single request fails every request in flight with a 500
+  and the loop goes on, provided the engine is then empty with every block free.
+- Anything else that escapes the loop (or an engine that is not clean after a failed
+  step) ends the loop thread for good: every waiting request gets a 503, new ones get
+  503, ``is_running`` turns false (``/health`` answers 503) and ``on_loop_death`` is
+  called on the event loop so that the server can exit non-zero and be restarted.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from jinja2 import TemplateError
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.metrics import ServerMetrics
@@ -30,7 +43,8 @@ from pagedllm.server.metrics import ServerMetrics
 logger = logging.getLogger("pagedllm.server")
 
 DISCONNECT_POLL_S = 0.5
-"""How often a waiting consumer asks whether its client is still connected."""
+"""How often a waiting consumer asks whether its client is still connected and the
+loop thread still alive."""
 
 
 @dataclass(frozen=True)
@@ -80,17 +94,29 @@ class _Stop:
 _ACCEPTED = object()
 
 
+class EngineUnclean(RuntimeError):
+    """After a failed step and aborting everything, the engine still holds requests or
+    blocks: its state cannot be trusted, so the loop stops."""
+
+
 class AsyncEngine:
     """Owns the loop thread; every public method is called from the event loop."""
 
     def __init__(
-        self, engine: LLMEngine, metrics: ServerMetrics, max_pending_requests: int
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        max_pending_requests: int,
+        on_loop_death: Callable[[], None] | None = None,
     ) -> None:
         """``max_pending_requests``: engine requests admitted and not yet finished
-        (queued, waiting or running) beyond which new HTTP requests get 503."""
+        (queued, waiting or running) beyond which new HTTP requests get 503.
+        ``on_loop_death``: called once on the event loop if the loop thread dies."""
         self.engine = engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
+        self._on_loop_death = on_loop_death
+        self.loop_died = False  # set once, by the loop thread
         self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}  # loop thread only
         self._num_pending = 0  # event loop only
@@ -118,7 +144,22 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """True while the loop thread is alive and new requests are accepted."""
-        return self._accepting and self._thread is not None and self._thread.is_alive()
+        return self._accepting and self._thread_alive
+
+    @property
+    def _thread_alive(self) -> bool:
+        return not self.loop_died and self._thread is not None and self._thread.is_alive()
+
+    def unavailable(self) -> APIError:
+        """The 503 for a request that arrives (or waits) while the loop is not running."""
+        if self.loop_died:
+            return APIError(
+                503,
+                "The engine loop has stopped; this server is exiting so that it can be "
+                "restarted",
+                code="engine_dead",
+            )
+        return APIError(503, "The server is shutting down", code="shutting_down")
 
     # ---- requests (event loop) --------------------------------------------------------
 
@@ -136,7 +177,7 @@ class AsyncEngine:
         the group stays queued.
         """
         if not self.is_running:
-            raise APIError(503, "The server is shutting down", code="shutting_down")
+            raise self.unavailable()
         if self._num_pending + len(prompts) > self.max_pending_requests:
             raise APIError(
                 503,
@@ -151,7 +192,7 @@ class AsyncEngine:
         error: APIError | None = None
         try:
             for _ in request_ids:
-                _, item = await group.items.get()
+                _, item = await self._next_item(group)
                 if isinstance(item, APIError):
                     error = error or item
         except BaseException:
@@ -178,6 +219,8 @@ class AsyncEngine:
                 try:
                     request_id, item = await asyncio.wait_for(group.items.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    if not self._thread_alive:
+                        raise self.unavailable() from None
                     if is_disconnected is not None and await is_disconnected():
                         return
                     continue
@@ -188,6 +231,15 @@ class AsyncEngine:
                 yield item
         finally:
             self.abort(group)
+
+    async def _next_item(self, group: RequestGroup) -> tuple[str, object]:
+        """The group's next item; a 503 if the loop thread dies while we wait."""
+        while True:
+            try:
+                return await asyncio.wait_for(group.items.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if not self._thread_alive:
+                    raise self.unavailable() from None
 
     def abort(self, group: RequestGroup) -> None:
         """Abort the group's unfinished requests and release it; idempotent."""
@@ -201,6 +253,14 @@ class AsyncEngine:
     # ---- the loop thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            logger.critical("the engine loop died; failing every request", exc_info=True)
+            self.loop_died = True
+            self._fail_everything()
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             if not self._apply_commands(block=not engine.has_unfinished_requests()):
@@ -210,10 +270,42 @@ class AsyncEngine:
                     outputs = engine.step()
                 except Exception:
                     logger.exception("engine step failed; failing the requests in flight")
-                    self._abort_all(APIError(500, "The engine failed while running this request"))
+                    self.metrics.step_failed()
+                    self._abort_all(
+                        APIError(500, "The engine failed while running this request")
+                    )
+                    self._check_clean()
                     continue
                 self._dispatch(outputs)
             self.metrics.record_step(engine.get_stats())
+
+    def _check_clean(self) -> None:
+        """Raise EngineUnclean unless the engine is empty with every block free."""
+        engine = self.engine
+        used = engine.block_manager.pool.num_used
+        if engine.has_unfinished_requests() or used:
+            raise EngineUnclean(
+                f"after a failed step the engine still holds {used} blocks "
+                f"(unfinished requests: {engine.has_unfinished_requests()})"
+            )
+
+    def _fail_everything(self) -> None:
+        """After the loop died: a 503 to every request in flight or queued, then tell
+        the event loop. Touches no engine state."""
+        error = self.unavailable()
+        deliveries = [(group, request_id, error) for request_id, group in self._groups.items()]
+        self._groups.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                deliveries.append((command.group, command.request_id, error))
+        self._send(deliveries)
+        loop = self._event_loop
+        if self._on_loop_death is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._on_loop_death)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands, waiting for one if ``block``; False once stopped."""
@@ -245,7 +337,15 @@ class AsyncEngine:
                 command.request_id, prompt, command.params, arrival_time=command.arrival_time
             )
         except (ValueError, TemplateError) as error:
-            self._send([(command.group, command.request_id, APIError(400, str(error)))])
+            param = error.param if isinstance(error, InvalidRequestError) else None
+            refused = APIError(400, str(error), param=param, code="invalid_value")
+            self._send([(command.group, command.request_id, refused)])
+            return
+        except Exception:
+            logger.exception("adding request %s failed", command.request_id)
+            self.engine.abort_request(command.request_id)
+            failed = APIError(500, "The engine failed while admitting this request")
+            self._send([(command.group, command.request_id, failed)])
             return
         self._groups[command.request_id] = command.group
         self.metrics.request_added(command.request_id)
@@ -270,6 +370,12 @@ class AsyncEngine:
         for output in outputs:
             group = self._groups.get(output.request_id)
             if group is None:
+                continue
+            if output.error is not None:
+                del self._groups[output.request_id]
+                self.metrics.request_failed(output.request_id)
+                failure = APIError(500, f"The engine failed on this request: {output.error}")
+                deliveries.append((group, output.request_id, failure))
                 continue
             self.metrics.request_progressed(output, now)
             if output.finished:

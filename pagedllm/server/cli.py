@@ -3,12 +3,17 @@
 SIGINT/SIGTERM start a graceful shutdown: the listening socket closes, requests that
 arrive on open connections get 503, requests in flight may finish for
 ``--shutdown-timeout`` seconds, then the rest are aborted and the process exits 0.
+
+If the engine loop dies, ``/health`` and the generation routes answer 503 at once,
+the same graceful shutdown starts, and the process exits with ``EXIT_ENGINE_DIED`` so
+that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import signal
 import sys
 from collections.abc import Iterator
@@ -16,6 +21,8 @@ from collections.abc import Iterator
 from pagedllm.config import parse_bytes
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_ENGINE_DIED = 70
+"""Exit status after the engine loop died (EX_SOFTWARE: an internal error)."""
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +33,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--api-key-scope",
+        default="v1",
+        choices=["v1", "all"],
+        help="what --api-key guards: the /v1/ routes (default), or every path but /health "
+        "(/metrics, /docs and /openapi.json too)",
+    )
+    serve.add_argument(
+        "--max-n",
+        type=int,
+        default=None,
+        help="most samples (n) one request may ask for (default: the engine's max_n, 128)",
+    )
     serve.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: from path)"
     )
@@ -70,8 +90,12 @@ def run_server(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=parse_bytes(args.max_body_size),
         max_pending_requests=args.max_pending_requests,
+        api_key_scope=args.api_key_scope,
     )
-    engine = LLMEngine(engine_config(args))
+    engine_settings = engine_config(args)
+    if args.max_n is not None:
+        engine_settings = dataclasses.replace(engine_settings, max_n=args.max_n)
+    engine = LLMEngine(engine_settings)
     tracer = PoolTracer(engine).attach() if args.trace_pool else None
     app = build_app(engine, settings)
     config = uvicorn.Config(
@@ -106,8 +130,15 @@ def run_server(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    DrainingServer(config).run()
+    server = DrainingServer(config)
+
+    def exit_after_engine_death() -> None:
+        print("The engine loop died; shutting down", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    lifecycle.request_exit = exit_after_engine_death
+    server.run()
     if tracer is not None and tracer.trace.snapshots:
         draw_trace(tracer.trace, args.trace_pool, f"pagedllm serve, {settings.model_name}")
         print(f"Block-pool trace written to {args.trace_pool}", file=sys.stderr, flush=True)
-    return 0
+    return EXIT_ENGINE_DIED if lifecycle.engine_failed else 0

@@ -2,10 +2,13 @@
 
 Every failure the server reports goes through :class:`APIError`, so each status code
 has one place that decides its JSON; handlers turn FastAPI's and pydantic's own
-validation errors (422 by default) into 400s of the same shape.
+validation errors (422 by default) into 400s of the same shape, Starlette's 404 and
+405 into the same shape, and any exception nothing else caught into a logged 500.
 """
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,9 +22,14 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+logger = logging.getLogger("pagedllm.server")
 
 
 class APIError(Exception):
@@ -79,5 +87,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(error).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return APIError(error.status_code, str(error.detail)).response()
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = str(error.detail)
+        if error.status_code == 404:
+            message = f"There is no route {request.url.path}"
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        response = APIError(error.status_code, message).response()
+        response.headers.update(error.headers or {})  # e.g. Allow on a 405
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.error("unhandled %r on %s %s", error, request.method, request.url.path)
+        return APIError(500, "The server failed on this request", code="internal_error").response()

@@ -28,19 +28,27 @@ class ServerProcess:
     """A ``pagedllm serve`` child on ``127.0.0.1``; a context manager.
 
     ``serve_args``: options after ``serve`` (engine and HTTP options, not host/port).
-    The child's output goes to a temporary log, shown when start-up fails.
+    ``entry``: the command that runs pagedllm's CLI (default: this Python with
+    ``-m pagedllm.cli``). The child's output goes to a temporary log, shown when
+    start-up fails.
     """
 
-    def __init__(self, serve_args: list[str], startup_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        serve_args: list[str],
+        startup_timeout_s: float = 300.0,
+        entry: list[str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://{LOCALHOST}:{self.port}"
         self._args = serve_args
+        self._entry = entry or [sys.executable, "-m", "pagedllm.cli"]
         self._startup_timeout_s = startup_timeout_s
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in __exit__)
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
-        command = [sys.executable, "-m", "pagedllm.cli", "serve", "--host", LOCALHOST]
+        command = [*self._entry, "serve", "--host", LOCALHOST]
         command += ["--port", str(self.port), *self._args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         self.process = subprocess.Popen(

@@ -16,6 +16,9 @@ Meanings:
 - ``vllm:time_per_output_token_seconds``: each interval between two steps that gave
   a request new tokens (inter-token latency; a step adds at most one token per
   sequence).
+- ``pagedllm:num_requests_failed``: requests the engine failed alone (an error inside
+  the step for that request); ``pagedllm:engine_step_failures``: steps that raised for
+  no single request and so failed every request in flight. Both stay 0 in health.
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ class ServerMetrics:
         )
         self.aborted = counter(
             "pagedllm:num_requests_aborted", "Requests aborted (client gone or shutdown)."
+        )
+        self.failed = counter(
+            "pagedllm:num_requests_failed", "Requests the engine failed alone, by an error."
+        )
+        self.step_failures = counter(
+            "pagedllm:engine_step_failures", "Engine steps that failed every request in flight."
         )
         self._success = Counter(
             "vllm:request_success",
@@ -140,3 +149,10 @@ class ServerMetrics:
     def request_aborted(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
         self.aborted.inc()
+
+    def request_failed(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        self.failed.inc()
+
+    def step_failed(self) -> None:
+        self.step_failures.inc()

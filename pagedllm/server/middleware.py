@@ -14,15 +14,41 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm.server.errors import APIError
 
 API_PREFIX = "/v1/"
+UNGUARDED_PATHS = ("/health",)
+"""Paths open without the API key whatever the scope: supervisors probe them."""
+API_KEY_SCOPES = ("v1", "all")
+"""What ``--api-key`` guards: the ``/v1/`` routes, or every path but ``/health``
+(``/metrics``, ``/docs``, ``/openapi.json`` too)."""
 
 
 class Gate:
-    """503 while draining (except ``/metrics``), 401 on ``/v1/`` without the API key."""
+    """503 while draining (except ``/metrics``), 401 without the API key on the paths
+    ``api_key_scope`` covers. The key travels as ``Authorization: Bearer <key>``; the
+    scheme is compared case-insensitively (RFC 9110), the key exactly."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, is_draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        is_draining: Callable[[], bool],
+        api_key_scope: str = "v1",
+    ) -> None:
+        if api_key_scope not in API_KEY_SCOPES:
+            raise ValueError(f"api_key_scope must be one of {API_KEY_SCOPES}: {api_key_scope!r}")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._expected = api_key.encode() if api_key else None
         self._is_draining = is_draining
+        self._guards_all = api_key_scope == "all"
+
+    def _guarded(self, path: str) -> bool:
+        if self._expected is None or path in UNGUARDED_PATHS:
+            return False
+        return self._guards_all or path.startswith(API_PREFIX)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -32,14 +58,12 @@ class Gate:
         error = None
         if self._is_draining() and path != "/metrics":
             error = APIError(503, "The server is shutting down", code="shutting_down")
-        elif self._expected is not None and path.startswith(API_PREFIX):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                error = APIError(
-                    401,
-                    "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
+        elif self._guarded(path) and not self._authorized(scope):
+            error = APIError(
+                401,
+                "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
         if error is None:
             await self.app(scope, receive, send)
         else:

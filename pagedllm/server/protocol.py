@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI endpoints, and their translation to ``SamplingParams``.
 
-Pydantic checks types and presence; ranges (n >= 1, max_tokens >= 1, penalties in
-[-2, 2], ...) are checked once, by :class:`SamplingParams`. Unknown fields are
-rejected, as OpenAI does, so a misspelt option never goes silently unused.
+Pydantic checks types and presence, and that numbers are finite; ranges (n >= 1,
+max_tokens >= 1, penalties in [-2, 2], ...) are checked once, by :class:`SamplingParams`,
+and limits of the model (vocabulary, ``max_n``, ``max_model_len``, the KV pool) by the
+engine. ``temperature`` is bounded by OpenAI's 2. Unknown fields are rejected, as
+OpenAI does, so a misspelt option (or ``best_of``, which this server does not offer)
+never goes silently unused.
 Besides OpenAI's fields, vLLM's common sampling extras are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids).
 """
@@ -13,10 +16,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a client may ask for (OpenAI's chat limit)."""
+
+MAX_TEMPERATURE = 2.0
+"""OpenAI's upper bound on ``temperature``."""
 
 
 class StreamOptions(BaseModel):
@@ -28,11 +35,11 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Decoding fields both endpoints share, with OpenAI's defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
+    temperature: float = Field(default=1.0, le=MAX_TEMPERATURE)
     top_p: float = 1.0
     n: int = 1
     stop: str | list[str] | None = None
@@ -65,7 +72,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            stop=self.stop or None,
+            stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
@@ -110,6 +117,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def sampling_params(self) -> SamplingParams:
+        """Raises InvalidRequestError for ``top_logprobs`` without ``logprobs``."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs requires logprobs to be true", param="top_logprobs"
+            )
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens

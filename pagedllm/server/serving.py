@@ -3,7 +3,6 @@ collecting or streaming its outputs."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -12,16 +11,16 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EnginePrompt, RequestGroup
-from pagedllm.server.errors import APIError, validation_error
+from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import SamplingFields
+from pagedllm.server.request_body import read_body
 from pagedllm.server.responses import TokenTexts, usage
 
-Body = TypeVar("Body", bound=BaseModel)
 Fields = TypeVar("Fields", bound=SamplingFields)
 
 
@@ -43,32 +42,10 @@ class Admitted:
     group: RequestGroup
 
 
-async def read_body(raw: Request, model: type[Body]) -> Body:
-    """The validated body; APIError 400 for bad UTF-8, bad JSON or a bad field.
-
-    Types are checked strictly ("5" is not an integer), as OpenAI's API does.
-    """
-    data = await raw.body()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise APIError(400, f"The request body is not valid UTF-8 (byte {error.start})") from None
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise APIError(400, f"The request body is not valid JSON: {error}") from None
-    if not isinstance(parsed, dict):
-        raise APIError(400, "The request body must be a JSON object")
-    try:
-        return model.model_validate(parsed, strict=True)
-    except ValidationError as error:
-        raise validation_error(error) from None
-
-
 async def parse_request(
     raw: Request, ctx: ServingContext, model: type[Fields]
 ) -> tuple[Fields, SamplingParams]:
-    """The validated body and its sampling parameters; APIError 400/404 otherwise."""
+    """The validated body and its sampling parameters; APIError 400/404/415 otherwise."""
     body = await read_body(raw, model)
     check_model(ctx, body)
     return body, sampling_params(body.sampling_params)
@@ -86,12 +63,11 @@ def check_model(ctx: ServingContext, body: SamplingFields) -> None:
 
 
 def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
-    """``make()``, with its ValueError (which starts with the field's name) as a 400."""
+    """``make()``, with its ``InvalidRequestError`` as a 400 naming the field."""
     try:
         return make()
-    except ValueError as error:
-        message = str(error)
-        raise APIError(400, message, param=message.split(" ", 1)[0]) from None
+    except InvalidRequestError as error:
+        raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
 
 async def admit(

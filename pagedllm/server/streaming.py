@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from pagedllm.engine.sampler import TokenLogprobs
 from pagedllm.server.errors import APIError
 from pagedllm.server.responses import new_logprobs, sse, usage
 from pagedllm.server.serving import Admitted, ServingContext
+
+logger = logging.getLogger("pagedllm.server")
 
 
 @dataclass
@@ -79,7 +82,8 @@ async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
 
 
 def event_stream(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> StreamingResponse:
-    """An SSE response; an engine failure mid-stream becomes an error event.
+    """An SSE response; a failure mid-stream (the engine's, or any other once the
+    headers are out) becomes an OpenAI-shaped error event, then ``[DONE]``.
 
     The group is aborted when the response ends for any reason, also when the client
     leaves before the first event (the generator then never starts, so only the
@@ -92,6 +96,11 @@ def event_stream(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
                 yield event
         except APIError as error:
             yield sse(error.body())
+            yield sse("[DONE]")
+        except Exception as error:
+            logger.exception("stream %s failed", admitted.response_id)
+            failed = APIError(500, f"The server failed while streaming: {type(error).__name__}")
+            yield sse(failed.body())
             yield sse("[DONE]")
 
     return StreamingResponse(
