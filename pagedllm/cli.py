@@ -28,7 +28,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "a config.json or a folder holding one); prompts are then token ids",
     )
     group.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"]
+        "--device",
+        default=defaults["device"].default,
+        help="auto (CUDA when available, else the CPU), cpu, or cuda[:N]",
+    )
+    group.add_argument(
+        "--dtype",
+        default=defaults["dtype"].default,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype; auto is float32 on the CPU, bfloat16 on CUDA",
     )
     group.add_argument(
         "--kv-cache-dtype",
@@ -40,7 +48,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-memory",
         default=defaults["kv_cache_memory"].default,
-        help="bytes for the KV pool, e.g. 2GiB or 512MB",
+        help="bytes for the KV pool, e.g. 2GiB or 512MB (default: 2GiB on the CPU; on CUDA "
+        "what --gpu-memory-utilization leaves after weights and activations)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=defaults["gpu_memory_utilization"].default,
+        help="share of the GPU's memory the engine may use, KV pool included",
+    )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs",
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"].default)
@@ -70,10 +90,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         load_format=args.load_format,
+        device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -21,6 +21,9 @@ _DTYPES = {
 LOAD_FORMATS = ("auto", "dummy")
 """``load_format`` values: read the checkpoint, or seeded random weights of its shape."""
 
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
+"""Bytes of the KV pool on the CPU when ``kv_cache_memory`` is not given."""
+
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -46,6 +49,23 @@ def parse_bytes(size: int | float | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device for a user's ``device`` option: ``"auto"`` is the first CUDA
+    device when one is available, else the CPU; ``"cuda"`` without one is an error."""
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}") from err
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}, but torch sees no CUDA device")
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype for a user's ``dtype`` option (float32 on CPU for ``auto``)."""
     if isinstance(dtype, torch.dtype):
@@ -66,7 +86,15 @@ class EngineConfig:
     - ``load_format``: ``"auto"`` reads the checkpoint ``model`` names; ``"dummy"`` builds
       seeded random weights of the shape ``model`` names (a preset such as
       ``"llama-3-8b"``, a config.json or a folder holding one), with no tokenizer.
-    - ``kv_cache_memory``: bytes for the whole KV pool (all layers, K and V).
+    - ``device``: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"``, ``"cuda[:N]"``;
+      resolved to a ``torch.device``. ``dtype`` ``"auto"`` is float32 on the CPU and
+      bfloat16 on CUDA.
+    - ``kv_cache_memory``: bytes for the whole KV pool (all layers, K and V). ``None``:
+      2 GiB on the CPU; on CUDA, what ``gpu_memory_utilization`` (a fraction of the
+      device's memory) leaves after the weights and the peak activation memory of a
+      profiling step, measured at start-up.
+    - ``enforce_eager``: on CUDA, run every step eagerly instead of replaying the CUDA
+      graphs captured at start-up for decode batches.
     - ``kv_cache_dtype``: the KV cache's element format, ``"auto"`` (the model's dtype),
       ``"bfloat16"``, ``"float16"``, or 8-bit ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``
       with a scale per token and KV head (:mod:`pagedllm.kv.kv_quant`); the pool holds
@@ -88,10 +116,13 @@ class EngineConfig:
 
     model: str | None = None
     load_format: str = "auto"
-    dtype: str | torch.dtype = "float32"
+    device: str | torch.device = "auto"
+    dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int | str = "2GiB"
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
@@ -106,9 +137,23 @@ class EngineConfig:
     log_stats_interval: float = 5.0
 
     def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
+        if self.dtype == "auto" and self.device.type == "cuda":
+            self.dtype = "bfloat16"
         self.dtype = resolve_dtype(self.dtype)
         resolve_kv_format(self.kv_cache_dtype, self.dtype)  # raises on an unknown name
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_memory is None and self.device.type == "cpu":
+            self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                raise ValueError(
+                    f"kv_cache_memory must be positive, got {self.kv_cache_memory}"
+                )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         self.swap_space = parse_bytes(self.swap_space)
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(
@@ -118,8 +163,6 @@ class EngineConfig:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         validate_block_size(self.block_size)
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_n < 1:

@@ -21,9 +21,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pagedllm.attention.paged_backend import PagedAttentionBackend
+from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig
 from pagedllm.cpu.allocator import keep_freed_memory
+from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.output_state import SequenceOutput
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
@@ -56,8 +58,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         keep_freed_memory()
         start = time.monotonic()
+        self.device = config.device
         self.loaded = loaded or load_model(
-            config.model, config.dtype, load_format=config.load_format
+            config.model, config.dtype, device=self.device, load_format=config.load_format
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -67,9 +70,10 @@ class LLMEngine:
             self.model_config.architecture,
             time.monotonic() - start,
         )
+        self.kv_budget = self._kv_budget()
         mc = self.model_config
         self.num_blocks = num_blocks_for_budget(
-            config.kv_cache_memory,
+            self.kv_budget,
             mc.num_layers,
             config.block_size,
             mc.num_kv_heads,
@@ -85,18 +89,18 @@ class LLMEngine:
         )
         self.max_model_len = self._resolve_max_model_len()
         self._log_pool()
-        self.kv_cache = KVCache(
-            mc.num_layers,
-            self.num_blocks,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.dtype,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
-        self.runner = ModelRunner(
-            self.loaded.model, PagedAttentionBackend(self.kv_cache), self.block_manager
-        )
+        self.kv_cache = self._make_cache(self.num_blocks)
+        attn = attention_backend_for(self.kv_cache)
+        self.runner = ModelRunner(self.loaded.model, attn, self.block_manager, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.graphs = DecodeGraphs(
+                self.loaded.model,
+                attn,
+                self.max_model_len,
+                config.block_size,
+                capture_sizes(config.max_num_seqs),
+                self.device,
+            )
         self.swap_space = self._make_swap_space()
         reserve = self.max_model_len if config.kv_allocation == "contiguous" else None
         self.scheduler = Scheduler(
@@ -121,6 +125,37 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> LLMEngine:
         return cls(EngineConfig(**kwargs))
+
+    def _make_cache(self, num_blocks: int) -> KVCache:
+        mc, config = self.model_config, self.config
+        return KVCache(
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.dtype,
+            device=self.device,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV pool: the configured size, or on CUDA what the memory
+        profile leaves of ``gpu_memory_utilization`` of the device."""
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        profile = profile_memory(
+            self.loaded.model,
+            attention_backend_for,
+            self._make_cache,
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.config.block_size,
+            self.config.gpu_memory_utilization,
+            self.device,
+        )
+        profile.log()
+        return profile.kv_budget
 
     def _make_swap_space(self) -> SwapSpace | None:
         config = self.config
@@ -161,7 +196,7 @@ class LLMEngine:
     def _pool_too_small_message(self, wanted: int, fits: int) -> str:
         return (
             f"The KV cache pool ({self.num_blocks} blocks of {self.config.block_size} tokens, "
-            f"{self.config.kv_cache_memory} bytes) cannot hold one request of max_model_len="
+            f"{self.kv_budget} bytes) cannot hold one request of max_model_len="
             f"{wanted} tokens. The largest max_model_len that fits is {fits}; "
             "lower max_model_len or raise kv_cache_memory."
         )
@@ -449,6 +484,7 @@ class LLMEngine:
             [seq.output_token_ids for seq in sampling],
             [seq.generator for seq in sampling],
             self.tokenizer.eos_token_id if self.tokenizer else None,
+            device=logits.device,
         )
         return self.sampler(logits, batch)
 

@@ -3,6 +3,10 @@
 The batch is every scheduled token of every sequence, concatenated in plan order,
 with no padding. Only rows that end a sequence's known tokens are projected to the
 vocabulary: a prefill chunk that stops short of the prompt's end samples nothing.
+
+The batch is built on the host; on a CUDA device it travels in one pinned,
+asynchronous copy per tensor, and decode-only batches replay a captured CUDA graph
+when one was captured for their size (:mod:`pagedllm.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -12,17 +16,30 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.engine.cuda_graphs import DecodeGraphs
 from pagedllm.engine.scheduler import ScheduledSequence
 from pagedllm.kv.block_manager import BlockManager
 
 
 class ModelRunner:
-    """Runs ``model`` over a plan; K/V go through ``attn`` into the paged cache."""
+    """Runs ``model`` over a plan; K/V go through ``attn`` into the paged cache.
 
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, block_manager: BlockManager):
+    ``device`` is where the model, the cache and the batch tensors live. ``graphs``,
+    when given, replays decode-only batches it has captured.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn: AttentionBackend,
+        block_manager: BlockManager,
+        device: torch.device | str = "cpu",
+    ):
         self.model = model
         self.attn = attn
         self.block_manager = block_manager
+        self.device = torch.device(device)
+        self.graphs: DecodeGraphs | None = None
 
     def build_batch(
         self, scheduled: list[ScheduledSequence]
@@ -54,10 +71,10 @@ class ModelRunner:
         for row, table in enumerate(tables):
             block_tables[row, : len(table)] = table
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.from_numpy(block_tables),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.from_numpy(query_start_loc),
+            slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=self._to_device(torch.from_numpy(block_tables)),
+            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=self._to_device(torch.from_numpy(query_start_loc)),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
@@ -65,11 +82,18 @@ class ModelRunner:
             int(query_start_loc[row + 1]) - 1 for row, item in enumerate(scheduled) if item.samples
         ]
         return (
-            torch.tensor(token_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
+            self._to_device(torch.tensor(token_ids, dtype=torch.int64)),
+            self._to_device(torch.tensor(positions, dtype=torch.int64)),
             metadata,
-            torch.tensor(sample_rows, dtype=torch.int64),
+            self._to_device(torch.tensor(sample_rows, dtype=torch.int64)),
         )
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` itself on the CPU; elsewhere a copy made from pinned memory without
+        waiting (the step's kernels are queued behind it on the same stream)."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(
@@ -80,5 +104,7 @@ class ModelRunner:
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Float32 logits ``[len(sample_rows), vocab]`` for the rows that sample."""
+        if self.graphs is not None and self.graphs.can_run(metadata, len(sample_rows)):
+            return self.graphs.run(input_ids, positions, metadata)
         hidden = self.model(input_ids, positions, self.attn, metadata, sample_rows)
         return self.model.compute_logits(hidden)

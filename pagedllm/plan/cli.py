@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedllm.config import EngineConfig, parse_bytes
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, parse_bytes
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.plan.capacity import (
     KV_DTYPES,
@@ -55,7 +55,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "--kv-cache-memory",
         default=None,
         help="the KV cache budget itself, as the engine's option (default "
-        f"{EngineConfig.kv_cache_memory} when --memory is not given)",
+        "2GiB, the engine's CPU default, when --memory is not given)",
     )
     parser.add_argument(
         "--weight-dtype",
@@ -123,7 +123,7 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
     )
     kv_memory = args.kv_cache_memory
     if args.memory is None and kv_memory is None:
-        kv_memory = EngineConfig.kv_cache_memory
+        kv_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     budget = memory_budget(
         model.num_parameters,
         args.weight_dtype,
