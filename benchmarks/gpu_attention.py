@@ -14,6 +14,12 @@ tensor (reads only). Our kernel's K/V bytes per second are compared with it (goa
 contiguously, ``[64, 8, 4096, 128]`` with ``enable_gqa`` (and, as a second baseline, K/V
 repeated to 32 heads; the faster one is the baseline; goal <= 1.2x). Times are medians
 (``triton.testing.do_bench``). ``run_checks`` is what ``gpu_check.py`` calls.
+
+Measured on an H200 (torch 2.11, Triton 3.6): bfloat16 decode 264 us, 4.07 TB/s against
+4.35 TB/s read by ``torch.sum`` (94 %), 1.04x SDPA with ``enable_gqa`` (255 us; K/V
+repeated to 32 heads: 959 us); int8 / fp8 caches 1.25-1.35 ms (their 130-byte rows load
+byte by byte: slower than bfloat16, still to be done); prefill 16 x 1,024 new tokens over
+a 1,024-token cached prefix 302 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -245,6 +251,17 @@ def prefill_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[
         "tflops": flops / seconds / 1e12,
         "max_abs_error_vs_sdpa_first_sequence": (got.float() - expected.float()).abs().max().item(),
     }
+    if tune:
+        for block_m in (64, 128):
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    settings = dict(block_m=block_m, block_n=block_n, num_warps=warps)
+                    try:
+                        t = median_seconds(lambda st=settings: ours(**st), device)
+                    except Exception as error:  # noqa: BLE001 - a setting may not compile
+                        yield {"case": "prefill_tune", **settings, "error": repr(error)[:200]}
+                        continue
+                    yield {"case": "prefill_tune", **settings, "tflops": flops / t / 1e12}
 
 
 def run_checks(device: torch.device, quick: bool = False, tune: bool = False) -> Iterator[dict]:

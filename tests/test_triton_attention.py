@@ -119,6 +119,7 @@ def test_decode_matches_reference(block, hq, hkv, dim, dtype, split):
     out = decode_attention(
         case.q.to(DEVICE), case.k_cache.to(DEVICE), case.v_cache.to(DEVICE),
         meta.block_tables, meta.seq_lens, meta.max_seq_len, case.scale, fmt, split_tokens=split,
+        tile_tokens=32 if split else None,
     )  # fmt: skip
     expected = reference_paged_attention(case.q, case.k_cache, case.v_cache, case.metadata,
                                          case.scale)  # fmt: skip
@@ -199,7 +200,7 @@ def test_quantized_cache_matches_reference_on_decoded_rows(kv_cache_dtype, query
     if meta.is_decode_only:
         out = decode_attention(case.q.to(DEVICE), cache.tensor[0, 0], cache.tensor[0, 1],
                                meta.block_tables, meta.seq_lens, meta.max_seq_len, case.scale,
-                               fmt, split_tokens=32)  # fmt: skip
+                               fmt, split_tokens=32, tile_tokens=32)  # fmt: skip
     else:
         out = prefill_attention(case.q.to(DEVICE), cache.tensor[0, 0], cache.tensor[0, 1],
                                 meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -161,8 +161,11 @@ def plan_splits(
     return tiles_per_split * tile_tokens, math.ceil(tiles / tiles_per_split)
 
 
-def default_tile_tokens(block_size: int) -> int:
-    return max(block_size, 32)
+def default_tile_tokens(block_size: int, fmt: KVFormat) -> int:
+    """64 positions per step for float caches: the fastest of 32/64/128 on an H200
+    (Llama-3-8B shape, bfloat16, block size 16; ``benchmarks/gpu_attention.py --tune``).
+    32 for 8-bit caches, which ran 2-13x slower at 64 with 3 stages there."""
+    return max(block_size, 32 if fmt.quantized else 64)
 
 
 def decode_attention(
@@ -178,7 +181,7 @@ def decode_attention(
     split_tokens: int | None = None,
     tile_tokens: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of query row ``i`` (``q`` ``[num_seqs, num_q_heads, head_dim]``) over
     positions ``0 .. seq_lens[i] - 1`` of sequence ``i``, K/V read from one layer's caches
@@ -189,7 +192,9 @@ def decode_attention(
     the kernel. Returns ``q``'s shape and dtype."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    tile = tile_tokens or default_tile_tokens(block_size)
+    tile = tile_tokens or default_tile_tokens(block_size, fmt)
+    if num_stages is None:
+        num_stages = 2 if fmt.quantized else 3
     if tile < max(16, block_size) or tile & (tile - 1):
         raise ValueError(f"tile_tokens must be a power of two >= max(16, block_size), got {tile}")
     if split_tokens is None:
