@@ -229,3 +229,26 @@ def test_plan_takes_the_new_presets_by_option_or_position(capsys):
         assert plan["kv_dtypes"][0]["kv_bytes_per_token"] == 2 * 40 * 40 * 128 * 2
     assert main(["plan", "llama-2-13b", "--model", "qwen2.5-7b"]) == 2
     assert "two models given" in capsys.readouterr().err
+
+
+def test_default_model_shape_from_its_gguf_metadata_equals_its_preset():
+    loaded = load_model(None, torch.bfloat16, device="meta", load_format="dummy")
+    assert loaded.source.suffix == ".gguf" and loaded.tokenizer is None
+    assert sum(w.numel() for w in loaded.model.weights()) == PRESETS["smollm2-135m"].num_parameters
+    preset = ModelConfig.from_hf_dict(PRESETS["smollm2-135m"].hf_config)
+    fields = (
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "rope_theta",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "attention_bias",
+    )
+    for field in fields:
+        assert getattr(loaded.config, field) == pytest.approx(getattr(preset, field)), field
