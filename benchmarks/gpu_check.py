@@ -333,7 +333,7 @@ def section_d(args: argparse.Namespace) -> None:
         "llama-2-13b", torch.bfloat16, device=torch.device("cuda"), load_format="dummy"
     )
     requests = synthetic_workload(
-        48 if args.quick else 96,
+        48,
         seed=1,
         prompt_len=(64, 512),
         output_len=(32, 256),
@@ -355,7 +355,7 @@ def section_d(args: argparse.Namespace) -> None:
             log_stats_interval=0,
         )
         engine = LLMEngine(config, loaded)
-        result = run_engine(requests, config, engine, time_limit_s=60)
+        result = run_engine(requests, config, engine, time_limit_s=45)
         result["check"] = "d_paged_vs_contiguous_13b"
         emit(result)
         results[allocation] = result
