@@ -60,7 +60,7 @@ def causal_attention(
     k_heads = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
     v_heads = v.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
     scores = torch.matmul(q_heads, k_heads) * scale  # [B, Hkv, group, L, L]
-    future = torch.ones(length, length, dtype=torch.bool).triu_(1)
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
     scores.masked_fill_(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     attended = torch.matmul(probs, v_heads)  # [B, Hkv, group, L, D]
