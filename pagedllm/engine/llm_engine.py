@@ -551,8 +551,6 @@ class LLMEngine:
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
-            if request_id in failures:
-                continue
             state.metrics.num_output_tokens = sum(o.seq.num_output_tokens for o in state.sequences)
             if state.finished:
                 state.metrics.finished_time = now
