@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_checkpoints import run_token_ids
 
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
 from pagedllm.models.loader import load_model
@@ -18,15 +19,7 @@ PROMPTS = [list(range(100, 140)) + [7, 8, 9], list(range(100, 140)) + [11] * 6, 
 
 
 def generate(engine: LLMEngine, params: SamplingParams) -> dict[str, list[list[int]]]:
-    for i, ids in enumerate(PROMPTS):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [o.token_ids for o in out.outputs]
-    assert engine.block_manager.pool.num_used == 0
-    return done
+    return run_token_ids(engine, PROMPTS, params)
 
 
 def engine_on(loaded, **overrides) -> LLMEngine:

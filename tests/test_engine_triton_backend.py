@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tiny_checkpoints import tiny_engine  # noqa: E402
+from tiny_checkpoints import run_token_ids, tiny_engine  # noqa: E402
 
 import pagedllm.engine.llm_engine as llm_engine  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -17,29 +17,17 @@ from pagedllm.engine.sampling_params import SamplingParams  # noqa: E402
 pytestmark = pytest.mark.triton
 
 
-def run(engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[list[int]]]:
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [o.token_ids for o in out.outputs]
-    assert engine.block_manager.pool.num_used == 0
-    return done
-
-
 def test_triton_backend_engine_matches_cpu_backend(tiny_model, monkeypatch):
     shared = list(range(100, 140))  # 40 tokens: 10 full blocks of 4 shared by the prompts
     prompts = [shared + [7, 8, 9], shared + [11] * 6, list(range(300, 323)), [5, 6]]
     params = SamplingParams(temperature=0.0, max_tokens=12, n=2, ignore_eos=True)
     # a pool small enough that the batch preempts, and a token budget that chunks prefills
     settings = dict(num_blocks=26, max_num_seqs=8, max_num_batched_tokens=16)
-    expected = run(tiny_engine(tiny_model, **settings), prompts, params)
+    expected = run_token_ids(tiny_engine(tiny_model, **settings), prompts, params)
     monkeypatch.setattr(llm_engine, "attention_backend_for", TritonAttentionBackend)
     engine = tiny_engine(tiny_model, **settings)
     assert isinstance(engine.runner.attn, TritonAttentionBackend)
-    got = run(engine, prompts, params)
+    got = run_token_ids(engine, prompts, params)
     assert got == expected
     stats = engine.get_stats()
     assert stats.prefix_cache_hits > 0
