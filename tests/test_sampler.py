@@ -18,7 +18,7 @@ def seeded_global_generator():
     torch.manual_seed(0)
 
 
-def sample(logits, params, outputs=None, prompts=None, generators=None, eos=EOS):
+def sample(logits, params, outputs=None, prompts=None, generators=None, stop_ids=(EOS,)):
     """One sampler step over ``logits`` rows with per-row ``params``."""
     rows = len(params)
     batch = SamplingBatch.from_requests(
@@ -26,7 +26,7 @@ def sample(logits, params, outputs=None, prompts=None, generators=None, eos=EOS)
         prompts or [[] for _ in range(rows)],
         outputs or [[] for _ in range(rows)],
         generators or [make_generator(p.seed) for p in params],
-        eos_token_id=eos,
+        stop_token_ids=stop_ids,
     )
     return Sampler()(logits, batch)
 
@@ -204,7 +204,16 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert sample(logits, [params], outputs=[[4, 4, 4]]).token_ids == [0]
     ignoring = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
     assert sample(logits, [ignoring], outputs=[[4]]).token_ids == [0]
-    assert sample(logits, [params], outputs=[[4]], eos=None).token_ids == [0]
+    assert sample(logits, [params], outputs=[[4]], stop_ids=()).token_ids == [0]
+
+
+def test_min_tokens_masks_every_id_of_the_engine_stop_set():
+    logits = torch.tensor([[9.0, 1.0, 8.0, 7.0, 0.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    assert sample(logits, [params], outputs=[[4]], stop_ids={0, 2}).token_ids == [3]
+    assert sample(logits, [params], outputs=[[4, 4]], stop_ids={0, 2}).token_ids == [0]
+    ignoring = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert sample(logits, [ignoring], outputs=[[4]], stop_ids={0, 2}).token_ids == [0]
 
 
 def step_logits(step, rows=1):

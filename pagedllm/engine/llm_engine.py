@@ -483,7 +483,7 @@ class LLMEngine:
             [seq.prompt_token_ids for seq in sampling],
             [seq.output_token_ids for seq in sampling],
             [seq.generator for seq in sampling],
-            self.tokenizer.eos_token_id if self.tokenizer else None,
+            self.stop_token_ids,
             device=logits.device,
         )
         return self.sampler(logits, batch)

@@ -4,7 +4,8 @@ The engine builds a :class:`SamplingBatch` each step from the scheduled sequence
 (their params, token history and random generators), then calls :class:`Sampler`.
 
 Order of operations per row: repetition, presence and frequency penalties; ``-inf``
-on the stop ids (eos unless ``ignore_eos``, and ``stop_token_ids``) while the output is
+on the stop ids (the engine's stop set unless ``ignore_eos``, and the request's
+``stop_token_ids``: the same set the output check stops on) while the output is
 shorter than ``min_tokens``; then greedy rows take the argmax, and the other rows divide
 by the temperature, apply top-k, top-p and min-p, and draw.
 
@@ -22,7 +23,7 @@ given, before penalties, temperature and truncation), as vLLM returns by default
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,16 +107,17 @@ class SamplingBatch:
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
-        eos_token_id: int | None,
+        stop_token_ids: Collection[int],
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         """Describe one step: row ``i`` samples the next token of a sequence with
         ``params[i]``, its prompt and output ids so far, and its own generator (None
-        when unseeded). ``eos_token_id`` is masked until ``min_tokens`` is reached.
+        when unseeded). ``stop_token_ids`` is the engine's stop set (eos and end-of-turn
+        ids); with the row's own ``stop_token_ids`` it is masked until ``min_tokens``.
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
             raise ValueError("params, token ids and generators must have one entry per row")
-        banned_rows, banned_ids = _min_tokens_bans(params, output_token_ids, eos_token_id)
+        banned_rows, banned_ids = _min_tokens_bans(params, output_token_ids, stop_token_ids)
         return cls(
             num_logprobs=[p.logprobs for p in params],
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=device),
@@ -133,18 +135,18 @@ class SamplingBatch:
 def _min_tokens_bans(
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
-    eos_token_id: int | None,
+    stop_token_ids: Collection[int],
 ) -> tuple[list[int], list[int]]:
     rows: list[int] = []
     ids: list[int] = []
     for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
         if len(output) >= p.min_tokens:
             continue
-        stop_ids = list(p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:
-            stop_ids.append(eos_token_id)
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids.update(stop_token_ids)
         rows.extend([row] * len(stop_ids))
-        ids.extend(stop_ids)
+        ids.extend(sorted(stop_ids))
     return rows, ids
 
 
