@@ -24,6 +24,11 @@ class ModelConfig:
     Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` is even;
     ``rope_scaling`` is ``None`` or a dict with a ``"rope_type"`` key
     (``"linear"``, ``"llama3"`` or ``"freq_factors"``) and that type's parameters.
+    ``attention_bias``: q/k/v projections have biases; ``output_bias``: the output
+    projection too; ``mlp_bias``: gate/up/down projections have biases.
+    ``sliding_windows``: per layer, ``None`` (full causal attention) or ``W``: a query at
+    position ``p`` sees keys at positions ``p - W + 1 .. p`` (transformers' rule
+    ``kv > q - W``); empty when no layer slides.
     """
 
     architecture: str
@@ -40,6 +45,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = None
+    output_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -76,14 +84,16 @@ class ModelConfig:
                 f"unsupported architecture {found!r} (model_type={architecture!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        refuse_unimplemented_keys(raw)
         num_heads = raw["num_attention_heads"]
+        num_layers = raw["num_hidden_layers"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = raw.get("eos_token_id")
         return cls(
             architecture=architecture,
-            num_layers=raw["num_hidden_layers"],
+            num_layers=num_layers,
             hidden_size=raw["hidden_size"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
@@ -96,10 +106,65 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
             attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
+            output_bias=architecture != "qwen2" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_windows=_sliding_windows(raw, architecture, num_layers),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(eos),
         )
+
+
+# Config keys of other architectures that change the math; a Llama-family config that
+# sets one of them to anything but its neutral value is refused rather than ignored.
+FOREIGN_MATH_KEYS = {
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "num_local_experts": None,
+    "num_experts": None,
+    "use_qk_norm": False,
+}
+
+
+def refuse_unimplemented_keys(raw: Mapping[str, Any]) -> None:
+    """Raise :class:`ModelLoadError` naming a config key whose value changes the math in a
+    way no part of the decoder implements."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"hidden_act={act!r} is not implemented (only 'silu')")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor={partial} is not implemented (only 1.0)")
+    for key, neutral in FOREIGN_MATH_KEYS.items():
+        if raw.get(key, neutral) != neutral:
+            raise ModelLoadError(f"config key {key}={raw[key]!r} is not implemented")
+
+
+def _sliding_windows(
+    raw: Mapping[str, Any], architecture: str, num_layers: int
+) -> tuple[int | None, ...]:
+    """Each layer's window as transformers reads the config: Mistral slides every layer
+    (4096 when the key is absent); Qwen2 only with ``use_sliding_window``, on the layers
+    ``layer_types`` marks, else those from ``max_window_layers`` (default 28) on."""
+    if architecture == "mistral":
+        window = raw.get("sliding_window", 4096)
+        return () if window is None else (window,) * num_layers
+    if architecture == "qwen2" and raw.get("use_sliding_window", False):
+        window = raw.get("sliding_window", 4096)
+        if window is None:
+            return ()
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if i >= raw.get("max_window_layers", 28) else "full_attention"
+            for i in range(num_layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return ()
 
 
 def _as_id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:

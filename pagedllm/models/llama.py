@@ -18,6 +18,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.fused import rms_norm, silu_and_mul
 from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
 from pagedllm.models.rope import RotaryTable
@@ -25,6 +26,20 @@ from pagedllm.models.rope import RotaryTable
 # Returns the tensor stored under a Hugging Face parameter name, e.g.
 # "model.layers.0.self_attn.q_proj.weight"; raises ModelLoadError when absent.
 WeightSource = Callable[[str], torch.Tensor]
+
+
+def refuse_unimplemented(config: ModelConfig) -> None:
+    """Raise :class:`ModelLoadError` for a config feature this decoder does not compute."""
+    if config.output_bias:
+        raise ModelLoadError("attention_bias=True (an o_proj bias) is not implemented")
+    if config.mlp_bias:
+        raise ModelLoadError("mlp_bias=True is not implemented")
+    sliding = [w for w in config.sliding_windows if w is not None]
+    if any(w < config.max_position_embeddings for w in sliding):
+        raise ModelLoadError(
+            f"sliding_window={min(sliding)} shorter than max_position_embeddings="
+            f"{config.max_position_embeddings} is not implemented"
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -107,6 +122,7 @@ class LlamaDecoder(nn.Module):
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
+        refuse_unimplemented(config)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)

@@ -18,6 +18,7 @@ import torch
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
 # GGUF architecture -> (our architecture, whether Q/K rows are interleaved).
 GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
@@ -84,6 +85,8 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
 
     num_heads = arch_value("attention.head_count")
     hidden_size = arch_value("embedding_length")
+    head_dim = arch_value("attention.key_length", hidden_size // num_heads)
+    _refuse_unimplemented_metadata(reader, gguf_arch, head_dim, path)
     vocab = metadata_value(reader, "tokenizer.ggml.tokens")
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     return ModelConfig(
@@ -92,7 +95,7 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         hidden_size=hidden_size,
         num_heads=num_heads,
         num_kv_heads=arch_value("attention.head_count_kv", num_heads),
-        head_dim=arch_value("attention.key_length", hidden_size // num_heads),
+        head_dim=head_dim,
         intermediate_size=arch_value("feed_forward_length"),
         vocab_size=arch_value("vocab_size", len(vocab) if vocab else None),
         rms_norm_eps=float(arch_value("attention.layer_norm_rms_epsilon")),
@@ -106,6 +109,39 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
             v for v in (metadata_value(reader, k) for k in eos_keys) if v is not None
         ),
     )
+
+
+# Metadata keys (after "<arch>.") whose presence changes the math, with the value that
+# leaves it unchanged (None: any value is refused).
+UNIMPLEMENTED_METADATA = {
+    "attention.sliding_window": None,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "expert_count": 0,
+}
+
+
+def _refuse_unimplemented_metadata(
+    reader: gguf.GGUFReader, arch: str, head_dim: int, path: Path
+) -> None:
+    for key, neutral in UNIMPLEMENTED_METADATA.items():
+        value = metadata_value(reader, f"{arch}.{key}")
+        if value is not None and value != neutral:
+            raise ModelLoadError(
+                f"GGUF metadata {arch}.{key}={value!r} is not implemented ({path})"
+            )
+    rotated = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
+    values = metadata_value(reader, f"{arch}.attention.value_length", head_dim)
+    if rotated != head_dim:
+        raise ModelLoadError(
+            f"GGUF metadata {arch}.rope.dimension_count={rotated} (partial rotary) differs "
+            f"from head_dim {head_dim}: not implemented ({path})"
+        )
+    if values != head_dim:
+        raise ModelLoadError(
+            f"GGUF metadata {arch}.attention.value_length={values} differs from head_dim "
+            f"{head_dim}: not implemented ({path})"
+        )
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, path: Path) -> dict[str, Any] | None:
@@ -170,4 +206,10 @@ def load_gguf_model(
             weight = deinterleave_rope_rows(weight, heads_of[projection])
         return weight
 
-    return config, LlamaDecoder(config, get, dtype, device)
+    tracked = TrackedSource(get)
+    decoder = LlamaDecoder(config, tracked, dtype, device)
+    # rope_freqs.weight was read into the config's rope scaling.
+    refuse_unread(
+        tensors, {gguf_name(n) for n in tracked.read}, {"rope_freqs.weight"}, f"the GGUF {path}"
+    )
+    return config, decoder

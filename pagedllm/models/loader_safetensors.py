@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -74,4 +75,9 @@ def load_safetensors_model(
                 raise ModelLoadError(f"missing tensor {name!r} in the safetensors of {folder}")
             return handle_of_tensor[name].get_tensor(name)
 
-        return config, LlamaDecoder(config, get, dtype, device)
+        tracked = TrackedSource(get)
+        decoder = LlamaDecoder(config, tracked, dtype, device)
+        # A tied checkpoint may still store lm_head.weight; transformers ignores it too.
+        known_unused = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        refuse_unread(handle_of_tensor, tracked.read, known_unused, f"the checkpoint {folder}")
+        return config, decoder
