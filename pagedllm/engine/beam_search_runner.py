@@ -220,10 +220,7 @@ class BeamSearchRunner:
         )
         child.output_token_ids = list(parent.output_token_ids)
         child.all_token_ids = list(parent.all_token_ids)
-        self.engine.block_manager.fork(parent.seq_id, child.seq_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SequenceStatus.RUNNING
-        self.engine.scheduler.running.append(child)
+        self.engine.scheduler.fork(parent, child)
         child.append_token(token_id)
         return child
 

@@ -91,7 +91,9 @@ class LLMEngine:
         self._log_pool()
         self.kv_cache = self._make_cache(self.num_blocks)
         attn = attention_backend_for(self.kv_cache)
-        self.runner = ModelRunner(self.loaded.model, attn, self.block_manager, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, attn, config.block_size, self.max_model_len, self.device
+        )
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.graphs = DecodeGraphs(
                 self.loaded.model,
@@ -404,6 +406,12 @@ class LLMEngine:
         times.schedule += time.perf_counter() - t0
         if plan.is_empty:
             return []
+        return self.run_plan(plan)
+
+    def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """The rest of :meth:`step` after scheduling: execute ``plan`` (from
+        ``scheduler.schedule()``), sample, and return the requests it touched."""
+        times = self.step_times
         ending, logits = self.execute_plan(plan)
         t1 = time.perf_counter()
         sampling, logits = self._fork_parallel_samples(ending, logits)
@@ -413,39 +421,39 @@ class LLMEngine:
         times.sample += t2 - t1
         times.postprocess += time.perf_counter() - t2
         times.steps += 1
-        self._prompt_tokens_total += plan.num_batched_tokens - len(ending)
         self._generation_tokens_total += len(sampling)
         self._last_batched_tokens = plan.num_batched_tokens
         self._max_concurrent = max(self._max_concurrent, len(plan.scheduled))
-        if self.config.log_stats_interval > 0:
-            self._stats_logger.maybe_log(self.get_stats())
+        if self._stats_logger.due():
+            self._stats_logger.log(self.get_stats())
         return outputs
 
     def execute_plan(self, plan: SchedulerOutput) -> tuple[list[Seq], torch.Tensor]:
-        """Run a scheduler plan through the model: copy blocks on write, write and attend
-        K/V, commit the written tokens to the prefix cache.
+        """Run a scheduler plan through the model: apply its block copies, write and attend
+        K/V, then hand the result back to the scheduler.
 
         Returns the sequences whose known tokens are now all computed (plan order) and
         their float32 next-token logits ``[len(sequences), vocab]``.
         """
         times = self.step_times
         t0 = time.perf_counter()
-        if plan.block_copies:
-            self.kv_cache.copy_blocks(plan.block_copies)
-        input_ids, positions, metadata, sample_rows = self.runner.build_batch(plan.scheduled)
+        self._apply_copies(plan)
+        input_ids, positions, metadata, sample_rows = self.runner.build_batch(plan)
         t1 = time.perf_counter()
         logits = self.runner.forward(input_ids, positions, metadata, sample_rows)
         times.prepare += t1 - t0
         times.forward += time.perf_counter() - t1
-        ending = [item.seq for item in plan.scheduled if item.samples]
-        for item in plan.scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            self.block_manager.commit_tokens(
-                seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
-            )
-            seq.num_computed_tokens += item.num_tokens
-        return ending, logits
+        return self.scheduler.update_from_output(plan), logits
+
+    def _apply_copies(self, plan: SchedulerOutput) -> None:
+        """Every block copy of a plan, in the order its invariants need: blocks leave the
+        pool (swap-out) before they are reused, come back (swap-in), then are copied on
+        write."""
+        if self.swap_space is not None:
+            self.swap_space.copy_out(plan.swap_out)
+            self.swap_space.copy_in(plan.swap_in)
+        if plan.block_copies:
+            self.kv_cache.copy_blocks(plan.block_copies)
 
     def _fork_parallel_samples(
         self, sampling: list[Seq], logits: torch.Tensor
@@ -464,10 +472,7 @@ class LLMEngine:
                 continue
             for out in state.unforked:
                 child = out.seq
-                self.block_manager.fork(seq.seq_id, child.seq_id)
-                child.num_computed_tokens = seq.num_computed_tokens
-                child.status = SequenceStatus.RUNNING
-                self.scheduler.running.append(child)
+                self.scheduler.fork(seq, child)
                 forked.append(child)
                 rows.append(row)
             state.unforked = []
@@ -543,6 +548,9 @@ class LLMEngine:
                 continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+                # vLLM's prompt_tokens_total: each request's whole prompt, once, when
+                # its first token comes (cached tokens count, recomputed ones do not)
+                self._prompt_tokens_total += len(state.prompt_token_ids)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if status is not None:

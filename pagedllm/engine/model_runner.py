@@ -16,43 +16,53 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.engine.block_table_rows import BlockTableRows
 from pagedllm.engine.cuda_graphs import DecodeGraphs
-from pagedllm.engine.scheduler import ScheduledSequence
-from pagedllm.kv.block_manager import BlockManager
+from pagedllm.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
     """Runs ``model`` over a plan; K/V go through ``attn`` into the paged cache.
 
     ``device`` is where the model, the cache and the batch tensors live. ``graphs``,
-    when given, replays decode-only batches it has captured.
+    when given, replays decode-only batches it has captured. The runner never reads the
+    block manager: every sequence's block table arrives as deltas in the plans.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         attn: AttentionBackend,
-        block_manager: BlockManager,
+        block_size: int,
+        max_model_len: int,
         device: torch.device | str = "cpu",
     ):
         self.model = model
         self.attn = attn
-        self.block_manager = block_manager
+        self.block_size = block_size
+        self.block_tables = BlockTableRows(-(-max_model_len // block_size))
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None
 
     def build_batch(
-        self, scheduled: list[ScheduledSequence]
+        self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Input ids, positions, attention metadata and the row index of each sample."""
+        """Input ids, positions, attention metadata and the row index of each sample.
+
+        Applies the plan's block-table deltas to the runner's persistent tables first.
+        """
+        tables = self.block_tables
+        tables.release(plan.released)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        tables: list[list[int]] = []
-        for item in scheduled:
+        seq_ids: list[int] = []
+        for item in plan.scheduled:
             seq = item.seq
+            if item.new_block_ids:
+                tables.update(seq.seq_id, item.table_start, item.new_block_ids)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             if item.num_tokens == 1:
                 token_ids.append(seq.all_token_ids[start])
@@ -63,23 +73,23 @@ class ModelRunner:
             slots.extend(item.slots)
             seq_lens.append(end)
             query_lens.append(item.num_tokens)
-            tables.append(self.block_manager.block_table(seq.seq_id))
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
+            seq_ids.append(seq.seq_id)
+        query_start_loc = np.zeros(len(plan.scheduled) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        max_blocks = max(len(table) for table in tables)
-        block_tables = np.full((len(tables), max_blocks), -1, dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = table
+        max_seq_len = max(seq_lens)
+        block_tables = tables.gather(seq_ids, -(-max_seq_len // self.block_size))
         metadata = AttentionMetadata(
             slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
             block_tables=self._to_device(torch.from_numpy(block_tables)),
             seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             query_start_loc=self._to_device(torch.from_numpy(query_start_loc)),
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max_seq_len,
         )
         sample_rows = [
-            int(query_start_loc[row + 1]) - 1 for row, item in enumerate(scheduled) if item.samples
+            int(query_start_loc[row + 1]) - 1
+            for row, item in enumerate(plan.scheduled)
+            if item.samples
         ]
         return (
             self._to_device(torch.tensor(token_ids, dtype=torch.int64)),

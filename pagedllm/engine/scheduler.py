@@ -34,11 +34,18 @@ from pagedllm.kv.swap_space import SwapSpace
 class ScheduledSequence:
     """``num_tokens`` tokens of ``seq``, from ``seq.num_computed_tokens`` on, written at
     ``slots``; ``samples`` is True when they reach the end of the sequence, so the step
-    yields its next token."""
+    yields its next token.
+
+    Block-table delta for the model runner: logical blocks ``table_start ..`` of the
+    sequence now live in physical blocks ``new_block_ids`` (new blocks, a block replaced
+    by copy-on-write, or the whole table when the sequence starts on a new one).
+    """
 
     seq: Sequence
     num_tokens: int
     slots: list[int]
+    table_start: int = 0
+    new_block_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -47,11 +54,21 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: what runs, which blocks to copy first, who was preempted."""
+    """One step's plan: what runs, the block copies to apply before it, who was
+    preempted, and which sequences the model runner can forget.
+
+    Copies are ``(src, dst)`` block pairs, applied in this order: ``swap_out`` (pool ->
+    swap space), ``swap_in`` (swap space -> pool), ``block_copies`` (copy-on-write
+    within the pool). ``released``: sequence ids that finished or were preempted since
+    the previous plan.
+    """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -92,6 +109,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._released: list[int] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -109,7 +127,7 @@ class Scheduler:
         """End ``seq`` with a finished ``status`` and return its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.block_manager.free(seq.seq_id)
+            self._free(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swap_space.free(seq.swap_block_ids)
@@ -118,8 +136,35 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` running as a copy of ``parent``'s computed state, sharing all
+        its blocks (the partly filled last block is copied on its first write). The one
+        way parallel samples (n > 1) and beam search branch a sequence."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_table_blocks_sent = 0
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    def update_from_output(self, plan: SchedulerOutput) -> list[Sequence]:
+        """Record that the plan's forward pass wrote K/V of its tokens: commit them to the
+        prefix cache and advance each sequence. Returns the sequences whose known tokens
+        are now all computed, in plan order (they sample this step)."""
+        ending = []
+        for item in plan.scheduled:
+            seq = item.seq
+            if item.samples:
+                ending.append(seq)
+            start = seq.num_computed_tokens
+            self.block_manager.commit_tokens(
+                seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
+            )
+            seq.num_computed_tokens += item.num_tokens
+        return ending
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(released=self._released)
+        self._released = []
         budget = self.max_num_batched_tokens
         queue = sorted(self.running, key=Sequence.sort_key)
         while queue and budget > 0:
@@ -139,6 +184,12 @@ class Scheduler:
                 self._admit_waiting(budget, out)
         return out
 
+    def _free(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks to the pool; the runner drops its table next plan."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_table_blocks_sent = 0
+        self._released.append(seq.seq_id)
+
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
         """Bring swapped sequences back while their blocks (and one more token) fit."""
         manager = self.block_manager
@@ -149,7 +200,9 @@ class Scheduler:
             if not manager.can_append(seq.seq_id, computed + num_tokens, seq.is_high_priority):
                 break
             manager.append_slots(seq.seq_id, computed, seq.is_high_priority)
-            self.swap_space.swap_in(seq.swap_block_ids, manager.block_table(seq.seq_id))
+            block_ids = manager.block_table(seq.seq_id)
+            out.swap_in.extend(zip(seq.swap_block_ids, block_ids, strict=True))
+            self.swap_space.unpark(seq.swap_block_ids)
             seq.swap_block_ids = []
             self.swapped.pop(0)
             self.running.append(seq)
@@ -198,11 +251,20 @@ class Scheduler:
         out: SchedulerOutput,
         prefix: CachedPrefix | None = None,
     ) -> None:
-        result = self.block_manager.append_slots(
-            seq.seq_id, num_tokens, seq.is_high_priority, prefix
-        )
+        manager = self.block_manager
+        held = manager.num_held_blocks(seq.seq_id)
+        result = manager.append_slots(seq.seq_id, num_tokens, seq.is_high_priority, prefix)
         out.block_copies.extend(result.copies)
-        out.scheduled.append(ScheduledSequence(seq, num_tokens, result.slots))
+        changed = held
+        if result.copies:
+            table = manager.block_table(seq.seq_id)
+            changed = min(table.index(dst) for _, dst in result.copies)
+        start = min(seq.num_table_blocks_sent, changed)
+        new_block_ids = manager.block_ids_from(seq.seq_id, start)
+        seq.num_table_blocks_sent = start + len(new_block_ids)
+        out.scheduled.append(
+            ScheduledSequence(seq, num_tokens, result.slots, start, new_block_ids)
+        )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take ``seq``'s blocks back: park them in the swap space, or drop them and
@@ -212,13 +274,14 @@ class Scheduler:
         out.preempted.append(seq)
         block_ids = self.block_manager.block_table(seq.seq_id)
         if self._swaps(seq, len(block_ids)):
-            seq.swap_block_ids = self.swap_space.swap_out(block_ids)
-            self.block_manager.free(seq.seq_id)
+            seq.swap_block_ids = self.swap_space.park(len(block_ids))
+            out.swap_out.extend(zip(block_ids, seq.swap_block_ids, strict=True))
+            self._free(seq)
             seq.status = SequenceStatus.SWAPPED
             seq.num_preemptions += 1
             bisect.insort(self.swapped, seq, key=Sequence.sort_key)
             return
-        self.block_manager.free(seq.seq_id)
+        self._free(seq)
         seq.reset_for_recompute()
         self.add(seq)
 

@@ -79,6 +79,9 @@ class Sequence:
     finished_time: float | None = None
     stop_reason: int | str | None = None
     swap_block_ids: list[int] = field(default_factory=list)
+    # Leading block-table entries the model runner holds for this sequence; 0 whenever
+    # the sequence (re)starts on a new table, so its next plan sends the whole table.
+    num_table_blocks_sent: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -80,11 +80,13 @@ class StatsLogger:
         self._last_prompt = 0
         self._last_generation = 0
 
-    def maybe_log(self, stats: EngineStats) -> None:
+    def due(self) -> bool:
+        """Whether a line is due: build the stats snapshot only then."""
+        return self.interval > 0 and time.monotonic() - self._last_time >= self.interval
+
+    def log(self, stats: EngineStats) -> None:
         now = time.monotonic()
         elapsed = now - self._last_time
-        if self.interval <= 0 or elapsed < self.interval:
-            return
         prompt_rate = (stats.prompt_tokens_total - self._last_prompt) / elapsed
         generation_rate = (stats.generation_tokens_total - self._last_generation) / elapsed
         logger.info(

@@ -269,6 +269,15 @@ class BlockManager:
         """A copy of the physical block ids of ``seq_id``, in logical order."""
         return list(self._seqs[seq_id].table.block_ids)
 
+    def block_ids_from(self, seq_id: SeqId, start: int) -> list[int]:
+        """The physical blocks of logical blocks ``start ..`` of ``seq_id`` (a copy)."""
+        return self._seqs[seq_id].table.block_ids[start:]
+
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks ``seq_id``'s table holds (0 for an unknown sequence)."""
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else len(seq.table.block_ids)
+
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens ``seq_id`` has slots for."""
         return self._seqs[seq_id].table.num_tokens

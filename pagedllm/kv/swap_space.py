@@ -7,9 +7,13 @@ beyond RAM. For a pool on a GPU the host memory is pinned and every copy is
 asynchronous, queued on the current stream: a block freed in the pool by a swap-out
 is reused only by kernels queued after the copy, and a parked block read by a
 swap-in is overwritten only by copies queued after it. Its blocks are bookkept by a
-plain :class:`~pagedllm.kv.block_pool.BlockPool` (no reserve, never cached). A
-swap-out copies every block of a sequence once; a swap-in copies them back into
-freshly allocated pool blocks and frees the swap blocks.
+plain :class:`~pagedllm.kv.block_pool.BlockPool` (no reserve, never cached).
+
+Bookkeeping and data movement are apart: the scheduler parks a preempted sequence's
+blocks (:meth:`park` allocates swap blocks) and unparks them when it comes back
+(:meth:`unpark`), and the plan carries the ``(src, dst)`` pairs that the step's executor hands to
+:meth:`copy_out` and :meth:`copy_in` before the forward pass. A plan never both parks
+and unparks, so a swap block freed by an unpark is not overwritten before it is read.
 """
 
 from __future__ import annotations
@@ -61,41 +65,48 @@ class SwapSpace:
     def can_hold(self, num_blocks: int) -> bool:
         return self.pool.can_allocate(num_blocks)
 
-    def swap_out(self, block_ids: list[int]) -> list[int]:
-        """Copy pool blocks ``block_ids`` here; return the swap block holding each."""
-        swap_ids = self.pool.allocate(len(block_ids))
-        if block_ids:
-            src = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.tensor.device)
-            blocks = self.cache.tensor.index_select(2, src).movedim(2, 0)
-            if self._on_gpu:
-                blocks = blocks.contiguous()
-                for row, swap_id in enumerate(swap_ids):
-                    self.tensor[swap_id].copy_(blocks[row], non_blocking=True)
-            else:
-                self.tensor.index_copy_(0, torch.tensor(swap_ids, dtype=torch.int64), blocks)
+    def park(self, num_blocks: int) -> list[int]:
+        """Swap blocks for one preempted sequence's ``num_blocks`` pool blocks."""
         self._swap_outs += 1
-        self._bytes_out += len(block_ids) * self._block_bytes
-        return swap_ids
+        return self.pool.allocate(num_blocks)
 
-    def swap_in(self, swap_ids: list[int], block_ids: list[int]) -> None:
-        """Copy swap blocks ``swap_ids`` into pool blocks ``block_ids`` and free them here."""
-        if len(swap_ids) != len(block_ids):
-            raise ValueError(f"{len(swap_ids)} swap blocks for {len(block_ids)} pool blocks")
-        if swap_ids:
-            device = self.cache.tensor.device
-            if self._on_gpu:
-                blocks = torch.empty(
-                    (len(swap_ids), *self.tensor.shape[1:]), dtype=self.tensor.dtype, device=device
-                )
-                for row, swap_id in enumerate(swap_ids):
-                    blocks[row].copy_(self.tensor[swap_id], non_blocking=True)
-            else:
-                blocks = self.tensor.index_select(0, torch.tensor(swap_ids, dtype=torch.int64))
-            dst = torch.tensor(block_ids, dtype=torch.int64, device=device)
-            self.cache.tensor.index_copy_(2, dst, blocks.movedim(0, 2))
-        self.pool.free(swap_ids)
+    def unpark(self, swap_ids: list[int]) -> None:
+        """Free a returning sequence's swap blocks (their copy-in is in the same plan)."""
         self._swap_ins += 1
-        self._bytes_in += len(block_ids) * self._block_bytes
+        self.pool.free(swap_ids)
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy pool block ``src`` into swap block ``dst`` for every ``(src, dst)`` pair."""
+        if not pairs:
+            return
+        block_ids, swap_ids = (list(ids) for ids in zip(*pairs, strict=True))
+        src = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.tensor.device)
+        blocks = self.cache.tensor.index_select(2, src).movedim(2, 0)
+        if self._on_gpu:
+            blocks = blocks.contiguous()
+            for row, swap_id in enumerate(swap_ids):
+                self.tensor[swap_id].copy_(blocks[row], non_blocking=True)
+        else:
+            self.tensor.index_copy_(0, torch.tensor(swap_ids, dtype=torch.int64), blocks)
+        self._bytes_out += len(pairs) * self._block_bytes
+
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy swap block ``src`` into pool block ``dst`` for every ``(src, dst)`` pair."""
+        if not pairs:
+            return
+        swap_ids, block_ids = (list(ids) for ids in zip(*pairs, strict=True))
+        device = self.cache.tensor.device
+        if self._on_gpu:
+            blocks = torch.empty(
+                (len(swap_ids), *self.tensor.shape[1:]), dtype=self.tensor.dtype, device=device
+            )
+            for row, swap_id in enumerate(swap_ids):
+                blocks[row].copy_(self.tensor[swap_id], non_blocking=True)
+        else:
+            blocks = self.tensor.index_select(0, torch.tensor(swap_ids, dtype=torch.int64))
+        dst = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        self.cache.tensor.index_copy_(2, dst, blocks.movedim(0, 2))
+        self._bytes_in += len(pairs) * self._block_bytes
 
     def free(self, swap_ids: list[int]) -> None:
         """Drop parked blocks without copying them back (the sequence was aborted)."""

@@ -42,6 +42,9 @@ from pagedllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedllm.server")
 
+METRICS_INTERVAL_S = 0.5
+"""Seconds between engine snapshots for /metrics while requests run."""
+
 DISCONNECT_POLL_S = 0.5
 """How often a waiting consumer asks whether its client is still connected and the
 loop thread still alive."""
@@ -262,6 +265,7 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         engine = self.engine
+        last_metrics = 0.0
         while True:
             if not self._apply_commands(block=not engine.has_unfinished_requests()):
                 return
@@ -277,7 +281,13 @@ class AsyncEngine:
                     self._check_clean()
                     continue
                 self._dispatch(outputs)
-            self.metrics.record_step(engine.get_stats())
+            now = time.monotonic()
+            idle = not engine.has_unfinished_requests()
+            if idle or now - last_metrics >= METRICS_INTERVAL_S:
+                # the snapshot walks every live table: build it when due, and at rest
+                # so that the counters are exact once the engine is idle
+                self.metrics.record_step(engine.get_stats())
+                last_metrics = now
 
     def _check_clean(self) -> None:
         """Raise EngineUnclean unless the engine is empty with every block free."""

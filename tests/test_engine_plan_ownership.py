@@ -1,0 +1,77 @@
+"""Who changes what in one step: the scheduler plans (bookkeeping only), one executor
+applies the plan's copies, and the model runner keeps block tables from the plans'
+deltas alone."""
+
+from __future__ import annotations
+
+import numpy as np
+from test_engine_swap import workload
+from tiny_checkpoints import tiny_engine
+
+from pagedllm.engine.block_table_rows import BlockTableRows
+
+
+def test_block_table_rows_follow_deltas_and_reuse_rows():
+    rows = BlockTableRows(columns=2, rows=1)
+    rows.update(7, 0, [3, 4])
+    rows.update(8, 0, [9])
+    rows.update(7, 2, [5, 6])  # grows the columns
+    rows.update(8, 0, [10, 11])  # copy-on-write replaced block 0, then one more block
+    assert rows.gather([8, 7], 4).tolist() == [[10, 11, -1, -1], [3, 4, 5, 6]]
+    rows.release([7])
+    assert 7 not in rows
+    rows.update(12, 0, [1])  # takes the released row, which was cleared
+    assert rows.gather([12], 4).tolist() == [[1, -1, -1, -1]]
+
+
+def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tiny_model):
+    engine = tiny_engine(
+        tiny_model,
+        32,
+        max_model_len=100,
+        max_num_batched_tokens=64,
+        preemption_mode="auto",
+        swap_blocks=64,
+    )
+    prompts, params = workload(count=24)
+    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, param)
+    saw_swap_copies = saw_cow = False
+    while engine.has_unfinished_requests():
+        plan = engine.scheduler.schedule()
+        if plan.is_empty:
+            continue
+        swapped_out_bytes = engine.swap_space.stats().bytes_swapped_out
+        if plan.swap_out:
+            # planning moved no data: the executor does, in execute_plan
+            assert engine.swap_space.stats().bytes_swapped_out == swapped_out_bytes
+            saw_swap_copies = True
+        saw_cow |= bool(plan.block_copies)
+        engine.run_plan(plan)
+        for item in plan.scheduled:
+            if item.seq.seq_id not in engine.block_manager:
+                continue  # finished in this step
+            held = engine.block_manager.block_table(item.seq.seq_id)
+            runner = engine.runner.block_tables.gather([item.seq.seq_id], len(held))
+            assert np.array_equal(runner[0], held)
+    assert saw_swap_copies and saw_cow
+    assert engine.block_manager.pool.num_used == 0
+
+
+def test_token_counters_follow_vllms_definitions(tiny_model):
+    """prompt_tokens_total counts each request's prompt once (recomputation after
+    preemption and cached prefixes do not change it); generation_tokens_total counts
+    every sampled token of every sample."""
+    engine = tiny_engine(tiny_model, 32, max_model_len=100, max_num_batched_tokens=64)
+    prompts, params = workload(count=24)
+    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, param)
+    generated = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += sum(len(sample.token_ids) for sample in out.outputs)
+    stats = engine.get_stats()
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+    assert stats.prompt_tokens_total == sum(len(p["prompt_token_ids"]) for p in prompts)
+    assert stats.generation_tokens_total == generated
