@@ -7,7 +7,7 @@ templates behave exactly as transformers' do; streaming decode uses the Rust
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -26,6 +26,9 @@ END_OF_TURN_TEXTS = (
     "<|end|>",
     "<end_of_turn>",
 )
+
+# Token texts that open a fill-in-the-middle prompt in common formats.
+FIM_PREFIX_TEXTS = ("<fim_prefix>", "<|fim_prefix|>", "<|fim_begin|>", "<PRE>", "▁<PRE>")
 
 # Prompt tokens given to a streaming decoder as context (enough for the
 # decoder to know whether the first generated token starts a word).
@@ -84,6 +87,12 @@ class Tokenizer:
         return cls(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), eos_token_ids)
 
     @property
+    def has_fill_in_the_middle(self) -> bool:
+        """True when the vocabulary holds a fill-in-the-middle prefix token."""
+        vocab = self._hf.get_vocab()
+        return any(text in vocab for text in FIM_PREFIX_TEXTS)
+
+    @property
     def vocab_size(self) -> int:
         return len(self._hf)
 
@@ -108,3 +117,11 @@ class Tokenizer:
     def incremental_decoder(self, prompt_ids: Sequence[int] | None = None) -> IncrementalDecoder:
         """A streaming decoder for one sequence; ``prompt_ids`` give it context."""
         return IncrementalDecoder(self._backend, prompt_ids)
+
+
+def word_encoder(tokenizer: Tokenizer | None) -> Callable[[str], list[int]] | None:
+    """Text -> token ids without special tokens (BOS), as ``bad_words`` are encoded;
+    None for a model without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)

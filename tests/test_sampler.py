@@ -5,6 +5,7 @@ import torch
 
 from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
 from pagedllm.engine.penalties import apply_penalties, token_counts
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampler import Sampler, SamplingBatch, make_generator
 from pagedllm.engine.sampling_params import SamplingParams
 
@@ -332,3 +333,44 @@ def test_a_step_with_no_rows_samples_nothing():
 def test_mismatched_row_counts_are_rejected():
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingBatch.from_requests([SamplingParams()], [[1]], [], [None], EOS)
+
+
+def test_logit_bias_moves_the_greedy_token_of_its_row_only():
+    logits = torch.tensor([[5.0, 4.0, 0.0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={2: 10.0}),
+        SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: 0.5}),
+        SamplingParams(temperature=0.0),
+    ]
+    assert sample(logits, params).token_ids == [2, 1, 0]
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)).repeat(300, 1)
+    allowed = [7, 19, 33]
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    drawn = SamplingParams(temperature=1.5, allowed_token_ids=allowed)
+    free = SamplingParams(temperature=1.5)
+    out = sample(logits, [greedy, *[drawn] * 200, *[free] * 99])
+    assert out.token_ids[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert set(out.token_ids[1:201]) == set(allowed)  # all three, nothing else
+    assert not set(out.token_ids[201:]) <= set(allowed)
+
+
+def test_bad_words_ban_the_last_token_after_their_prefix():
+    logits = torch.tensor([[9.0, 8.0, 7.0, 6.0, 5.0]])
+    params = SamplingParams(temperature=0.0, bad_words=["x"])
+    params.bad_words_token_ids = [[0], [3, 1]]  # as check_for_model sets them
+    assert sample(logits, [params], outputs=[[4]]).token_ids == [1]
+    assert sample(logits, [params], outputs=[[1, 3]]).token_ids == [2]
+    assert sample(logits, [params], outputs=[[3, 4]]).token_ids == [1]
+
+
+def test_bad_words_need_resolving_and_ids_the_vocabulary_holds():
+    logits = torch.zeros(1, VOCAB)
+    with pytest.raises(InvalidRequestError, match="check_for_model"):
+        sample(logits, [SamplingParams(bad_words=["x"])])
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        sample(logits, [SamplingParams(logit_bias={VOCAB: 1.0})])
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        sample(logits, [SamplingParams(allowed_token_ids=[1, VOCAB + 3])])

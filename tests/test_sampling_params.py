@@ -60,6 +60,17 @@ def test_defaults_match_vllm():
         ("seed", 2**70),
         ("seed", True),
         ("top_k", 2**63),
+        ("logit_bias", {1: 100.5}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"1": 1.0}),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", [1, 2]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+        ("allowed_token_ids", 3),
+        ("bad_words", [" "]),
+        ("bad_words", "word"),
+        ("bad_words", ["ok", 5]),
     ],
 )
 def test_bad_value_raises_naming_field_and_value(field, value):
@@ -118,3 +129,24 @@ def test_derived_seeds_are_seed_plus_sample_index():
     assert SamplingParams(n=3).derived_seed(2) is None
     with pytest.raises(ValueError, match="sample_index"):
         p.derived_seed(4)
+
+
+ENCODINGS = {"cat": [5, 6], " cat": [9, 6], "dog": [7], " dog": [7, 8], "big": [11], " big": [12]}
+
+
+def test_check_for_model_resolves_bad_words_and_checks_the_vocabulary():
+    params = SamplingParams(
+        bad_words=["cat", " dog", "big"], logit_bias={3: -2}, allowed_token_ids=[1]
+    )
+    params.check_for_model(20, ENCODINGS.__getitem__)
+    # the spaced form counts when it starts with another token and is as long
+    assert params.bad_words_token_ids == [[5, 6], [9, 6], [7], [11], [12]]
+    assert params.logit_bias == {3: -2.0}
+    for field, value in [("logit_bias", {20: 1.0}), ("allowed_token_ids", [0, 25])]:
+        with pytest.raises(InvalidRequestError, match=r"\[0, 20\)") as info:
+            SamplingParams(**{field: value}).check_for_model(20, ENCODINGS.__getitem__)
+        assert info.value.param == field
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        SamplingParams(bad_words=["cat"]).check_for_model(20, None)
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams(bad_words=["cat"]).check_for_model(6, ENCODINGS.__getitem__)

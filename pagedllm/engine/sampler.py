@@ -3,10 +3,12 @@
 The engine builds a :class:`SamplingBatch` each step from the scheduled sequences
 (their params, token history and random generators), then calls :class:`Sampler`.
 
-Order of operations per row: repetition, presence and frequency penalties; ``-inf``
-on the stop ids (the engine's stop set unless ``ignore_eos``, and the request's
-``stop_token_ids``: the same set the output check stops on) while the output is
-shorter than ``min_tokens``; then greedy rows take the argmax, and the other rows divide
+Order of operations per row (vLLM's): ``-inf`` outside ``allowed_token_ids``; ``-inf``
+on banned ids: the last token of each ``bad_words`` sequence whose other tokens end
+the output, and the stop ids (the engine's stop set unless ``ignore_eos``, and the
+request's ``stop_token_ids``: the same set the output check stops on) while the output
+is shorter than ``min_tokens``; ``logit_bias`` added; repetition, presence and
+frequency penalties; then greedy rows take the argmax, and the other rows divide
 by the temperature, apply top-k, top-p and min-p, and draw.
 
 Drawing is by inverse transform: one uniform ``u`` in [0, 1) per row, and the token is
@@ -30,6 +32,7 @@ import torch
 
 from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
 from pagedllm.engine.penalties import apply_penalties, token_counts
+from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 
 
@@ -83,13 +86,33 @@ class RandomRows:
 
 
 @dataclass
+class TokenEdits:
+    """Per-row token constraints as flat (row, token id) pairs, all int64 on the device.
+
+    - ``bias_rows``, ``bias_ids``, ``bias_values`` (float32) ``[num_biased]``: added to
+      the logits (``logit_bias``).
+    - ``allowed_rows`` ``[num_restricted]``: the rows with ``allowed_token_ids``;
+      ``allowed_pairs`` ``[2, num_allowed]``: (index into ``allowed_rows``, id) pairs.
+    - ``max_id``: the largest id named, checked against the vocabulary (-1: none).
+    """
+
+    bias_rows: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    allowed_rows: torch.Tensor
+    allowed_pairs: torch.Tensor
+    max_id: int
+
+
+@dataclass
 class SamplingBatch:
     """Everything the sampler needs about the rows of one step, in logits row order.
 
     - ``num_logprobs[i]``: alternatives row ``i`` wants besides its token (None: no
       logprobs at all).
     - ``banned_rows``, ``banned_ids`` ``[num_banned]`` int64: (row, token) pairs set to
-      ``-inf`` because the row has not reached ``min_tokens`` yet.
+      ``-inf`` (stop ids before ``min_tokens``, bad words).
+    - ``edits``: None when no row has ``logit_bias`` or ``allowed_token_ids``.
     - ``penalties``: None when no row has a penalty.
     - ``random``: None when every row is greedy.
     """
@@ -97,6 +120,7 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     banned_rows: torch.Tensor
     banned_ids: torch.Tensor
+    edits: TokenEdits | None
     penalties: PenaltyInputs | None
     random: RandomRows | None
 
@@ -118,10 +142,12 @@ class SamplingBatch:
         if not len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators):
             raise ValueError("params, token ids and generators must have one entry per row")
         banned_rows, banned_ids = _min_tokens_bans(params, output_token_ids, stop_token_ids)
+        _add_bad_word_bans(params, output_token_ids, banned_rows, banned_ids)
         return cls(
             num_logprobs=[p.logprobs for p in params],
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=device),
             banned_ids=torch.tensor(banned_ids, dtype=torch.int64, device=device),
+            edits=_token_edits(params, device),
             penalties=_penalty_inputs(params, prompt_token_ids, output_token_ids, device),
             random=_random_rows(params, generators, device),
         )
@@ -148,6 +174,53 @@ def _min_tokens_bans(
         rows.extend([row] * len(stop_ids))
         ids.extend(sorted(stop_ids))
     return rows, ids
+
+
+def _add_bad_word_bans(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    rows: list[int],
+    ids: list[int],
+) -> None:
+    """Append (row, last token) for each bad word whose other tokens end the output."""
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if not p.bad_words:
+            continue
+        if p.bad_words_token_ids is None:
+            raise InvalidRequestError(
+                "bad_words must be resolved with the model's tokenizer first "
+                "(SamplingParams.check_for_model)",
+                "bad_words",
+            )
+        for word in p.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and list(output[len(output) - len(prefix) :]) == prefix:
+                rows.append(row)
+                ids.append(word[-1])
+
+
+def _token_edits(params: Sequence[SamplingParams], device: torch.device | str) -> TokenEdits | None:
+    if not any(p.logit_bias or p.allowed_token_ids for p in params):
+        return None
+    bias_rows, bias_ids, bias_values = [], [], []
+    allowed_rows, pair_rows, pair_ids = [], [], []
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            bias_rows.append(row)
+            bias_ids.append(token_id)
+            bias_values.append(bias)
+        if p.allowed_token_ids:
+            pair_rows.extend([len(allowed_rows)] * len(p.allowed_token_ids))
+            pair_ids.extend(p.allowed_token_ids)
+            allowed_rows.append(row)
+    return TokenEdits(
+        bias_rows=torch.tensor(bias_rows, dtype=torch.int64, device=device),
+        bias_ids=torch.tensor(bias_ids, dtype=torch.int64, device=device),
+        bias_values=_floats(bias_values, device),
+        allowed_rows=torch.tensor(allowed_rows, dtype=torch.int64, device=device),
+        allowed_pairs=torch.tensor([pair_rows, pair_ids], dtype=torch.int64, device=device),
+        max_id=max(bias_ids + pair_ids, default=-1),
+    )
 
 
 def _penalty_inputs(
@@ -260,10 +333,30 @@ class Sampler:
 
 
 def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalised logits with min_tokens bans; never modifies the input."""
+    """Constrained, biased and penalised logits; never modifies the input."""
+    vocab_size = logits.shape[-1]
+    edits = batch.edits
+    if edits is not None:
+        if edits.max_id >= vocab_size:
+            raise InvalidRequestError(
+                f"token id {edits.max_id} is outside the vocabulary of {vocab_size}"
+            )
+        if edits.allowed_rows.numel() > 0:
+            allowed = torch.zeros(
+                len(edits.allowed_rows), vocab_size, dtype=torch.bool, device=logits.device
+            )
+            allowed[edits.allowed_pairs[0], edits.allowed_pairs[1]] = True
+            restricted = logits[edits.allowed_rows].masked_fill(~allowed, float("-inf"))
+            logits = logits.index_put((edits.allowed_rows,), restricted)
+    if batch.banned_rows.numel() > 0:
+        ban = torch.tensor(float("-inf"), device=logits.device)
+        logits = logits.index_put((batch.banned_rows, batch.banned_ids), ban)
+    if edits is not None and edits.bias_rows.numel() > 0:
+        logits = logits.index_put(
+            (edits.bias_rows, edits.bias_ids), edits.bias_values, accumulate=True
+        )
     if batch.penalties is not None:
         inputs = batch.penalties
-        vocab_size = logits.shape[-1]
         logits = apply_penalties(
             logits,
             token_counts(inputs.prompt_ids, inputs.prompt_lens, vocab_size),
@@ -272,9 +365,6 @@ def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
             inputs.presence,
             inputs.frequency,
         )
-    if batch.banned_rows.numel() > 0:
-        ban = torch.tensor(float("-inf"), device=logits.device)
-        logits = logits.index_put((batch.banned_rows, batch.banned_ids), ban)
     return logits
 
 

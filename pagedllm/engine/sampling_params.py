@@ -15,6 +15,14 @@ Conventions:
   signed 64-bit integer, as vLLM requires. Checks that depend on the model (token
   ids inside the vocabulary, ``n`` against the engine's ``max_n``, lengths against
   ``max_model_len`` and the KV pool) are the engine's, at ``add_request``.
+- ``logit_bias`` (OpenAI's): token id -> a bias in [-100, 100] added to that logit;
+  ``allowed_token_ids`` (vLLM's): only these ids may be sampled; ``bad_words``
+  (vLLM's): words never generated. A bad word is encoded as it reads and, when that
+  gives another first token with as many tokens, also after a space; its last token
+  is banned whenever the output ends with the tokens before it (a one-token word is
+  always banned). The engine or server resolves the words with the model's tokenizer
+  (:meth:`SamplingParams.check_for_model`), which also checks every id against the
+  vocabulary.
 - Sample ``i`` of a request with ``n > 1`` and seed ``s`` uses seed ``s + i``
   (see :meth:`SamplingParams.derived_seed`), so ``n=4, seed=s`` samples exactly what
   four ``n=1`` requests with seeds ``s, s+1, s+2, s+3`` sample.
@@ -23,13 +31,17 @@ Conventions:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from pagedllm.engine.request_errors import InvalidRequestError
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 """The range of ``seed`` and ``top_k`` (vLLM's: a torch int64)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""Largest bias magnitude ``logit_bias`` accepts (OpenAI's)."""
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures strictly below this decode greedily (vLLM uses the same cut-off)."""
@@ -60,6 +72,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    """``bad_words`` as token sequences, set by :meth:`check_for_model`."""
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -67,6 +84,7 @@ class SamplingParams:
         self._check_penalties()
         self.stop = self._normalised_stop(self.stop)
         self.stop_token_ids = self._normalised_stop_token_ids(self.stop_token_ids)
+        self._check_token_constraints()
         if self.top_k == -1:
             self.top_k = 0
 
@@ -121,6 +139,57 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
             _reject("stop_token_ids", ids, "must be a list of token ids >= 0, or None")
         return list(ids)
+
+    def _check_token_constraints(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping) or not all(
+                _is_int(t) and t >= 0 and _is_finite(b) and abs(b) <= MAX_LOGIT_BIAS
+                for t, b in bias.items()
+            ):
+                _reject("logit_bias", bias, "must map token ids >= 0 to biases in [-100, 100]")
+            self.logit_bias = {int(t): float(b) for t, b in bias.items()}
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, (list, tuple))
+                or not allowed
+                or not all(_is_int(t) and t >= 0 for t in allowed)
+            ):
+                _reject("allowed_token_ids", allowed, "must be a non-empty list of token ids >= 0")
+            self.allowed_token_ids = list(allowed)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                _reject("bad_words", words, "must be a list of words that are not blank")
+            self.bad_words = list(words)
+
+    def check_for_model(self, vocab_size: int, encode: Callable[[str], list[int]] | None) -> None:
+        """Check token ids against ``vocab_size`` and resolve ``bad_words`` with
+        ``encode`` (text -> ids without special tokens; None when the model has no
+        tokenizer). Raises ``InvalidRequestError`` naming the field."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(self, name) or ()
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                _reject(name, outside[0], f"must hold token ids in [0, {vocab_size})")
+        if not self.bad_words:
+            return
+        if encode is None:
+            _reject("bad_words", self.bad_words, "needs a model with a tokenizer")
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            sequences.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        for ids in sequences:
+            if not ids or any(t >= vocab_size for t in ids):
+                _reject("bad_words", self.bad_words, f"must encode to ids in [0, {vocab_size})")
+        self.bad_words_token_ids = sequences
 
     @property
     def is_greedy(self) -> bool:
