@@ -102,9 +102,9 @@ BAD_BODIES = [
     ),
     pytest.param(
         "/v1/completions",
-        json.dumps({**COMPLETION, "frobnicate": True}).encode(),
-        "frobnicate",
-        id="unknown-field",
+        json.dumps({**COMPLETION, "echo": True}).encode(),
+        "echo",
+        id="unsupported-field",
     ),
     pytest.param(
         "/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', "UTF-8", id="invalid-utf8"

@@ -80,7 +80,9 @@ PLAUSIBLE = {
     "min_p": st.floats(0, 1),
     "seed": st.integers(-(2**63), 2**63 - 1),
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries(
+        {"include_usage": st.booleans()}, optional={"continuous_usage_stats": st.booleans()}
+    ),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)),
     "stop_token_ids": TOKEN_IDS,
     "logprobs": st.integers(0, 5),
@@ -90,6 +92,11 @@ PLAUSIBLE = {
     "repetition_penalty": st.floats(0.5, 2),
     "min_tokens": st.integers(0, 12),
     "ignore_eos": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(0, 258).map(str), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": TOKEN_IDS,
+    "bad_words": st.lists(TEXT, max_size=2),
+    "include_stop_str_in_output": st.booleans(),
+    "best_of": st.integers(1, 4),
 }
 
 

@@ -7,7 +7,13 @@ from pydantic import ValidationError
 
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.server.app import served_model_name
-from pagedllm.server.errors import error_body, validation_error
+from pagedllm.server.errors import APIError, error_body, validation_error
+from pagedllm.server.field_policy import (
+    IGNORED_FIELDS_HEADER,
+    MAX_NAMED_FIELDS,
+    check_fields,
+    ignored_fields_headers,
+)
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -59,7 +65,7 @@ def test_completion_prompts_of_every_form():
         ({"max_tokens": "5"}, "max_tokens", "valid integer"),
         ({"temperature": "hot"}, "temperature", "valid number"),
         ({"messages": []}, "messages", "at least 1"),
-        ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
+        ({"messages": [{"role": "user", "content": "x", "frob": 1}]}, "messages", "Unrecognized"),
         ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages"),
         ({"temperature": float("inf")}, "temperature", "finite number"),
@@ -115,3 +121,72 @@ def test_served_model_name():
     assert served_model_name(None) == "SmolLM2-135M-Instruct"
     assert served_model_name("/models/Qwen2-0.5B/") == "Qwen2-0.5B"
     assert served_model_name("weights/tiny.Q8_0.gguf") == "tiny.Q8_0"
+
+
+def test_unknown_fields_are_ignored_and_named():
+    body = chat(
+        metadata={"a": "b"}, store=True, parallel_tool_calls=False, reasoning_effort="low",
+        service_tier="auto", frobnicate=1, stream_options={"include_usage": True, "x y": 1},
+        tools=[], tool_choice="none", response_format={"type": "text"}, echo=False,
+    )  # fmt: skip
+    ignored = check_fields(body)
+    # refused fields whose values ask for nothing are not named
+    assert ignored == [
+        "metadata", "store", "parallel_tool_calls", "reasoning_effort", "service_tier",
+        "frobnicate", "stream_options.x y",
+    ]  # fmt: skip
+    header = ignored_fields_headers(ignored)[IGNORED_FIELDS_HEADER]
+    assert header.endswith("frobnicate, stream_options.x%20y")
+    assert ignored_fields_headers([]) == {}
+    many = [f"f{i}" for i in range(MAX_NAMED_FIELDS + 3)]
+    assert ignored_fields_headers(many)[IGNORED_FIELDS_HEADER].endswith(", and 3 more")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "auto"},
+        {"echo": True},
+        {"best_of": 2},
+        {"suffix": "tail"},
+        {"guided_json": {}},
+        {"skip_special_tokens": False},
+        {"add_generation_prompt": False},
+    ],
+)
+def test_known_fields_that_change_results_are_refused(fields):
+    with pytest.raises(APIError) as caught:
+        check_fields(chat(**fields))
+    (name,) = fields
+    assert caught.value.status == 400 and caught.value.param == name
+    assert "not supported" in caught.value.message
+
+
+def test_new_sampling_fields_reach_sampling_params():
+    params = chat(
+        logit_bias={"5": -100, "7": 2.5}, allowed_token_ids=[5, 7], bad_words=["no"],
+        include_stop_str_in_output=True,
+    ).sampling_params()  # fmt: skip
+    assert params.logit_bias == {5: -100.0, 7: 2.5} and params.allowed_token_ids == [5, 7]
+    assert params.bad_words == ["no"] and params.include_stop_str_in_output
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(logit_bias={"x": 1}).sampling_params()
+    assert caught.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(logit_bias={"5": 101}).sampling_params()
+    assert caught.value.param == "logit_bias"
+
+
+def test_best_of_samples_more_and_ranks_by_logprob():
+    def completion(**fields):
+        return CompletionRequest.model_validate({"prompt": "a", **fields}, strict=True)
+
+    params = completion(n=2, best_of=5).sampling_params()
+    assert (params.n, params.logprobs) == (5, 0)
+    assert completion(n=2, best_of=2).sampling_params().logprobs is None
+    for fields in ({"n": 3, "best_of": 2}, {"best_of": 3, "stream": True}):
+        with pytest.raises(InvalidRequestError) as caught:
+            completion(**fields).sampling_params()
+        assert caught.value.param == "best_of"

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pagedllm import __version__
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.chat import create_chat_completion
@@ -20,7 +21,8 @@ from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.middleware import BodyLimit, Gate
 from pagedllm.server.responses import TokenTexts
-from pagedllm.server.serving import ServingContext
+from pagedllm.server.serving import ServingContext, model_not_found
+from pagedllm.server.tokenize import detokenize, tokenize
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -74,7 +76,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(
         engine, metrics, settings.max_pending_requests, lifecycle.engine_loop_died
     )
-    ctx = ServingContext(async_engine, settings.model_name, TokenTexts(engine.tokenizer))
+    ctx = ServingContext(
+        async_engine,
+        settings.model_name,
+        TokenTexts(engine.tokenizer),
+        engine.tokenizer,
+        engine.model_config.vocab_size,
+        engine.max_model_len,
+    )
     started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -97,16 +106,35 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def completions(raw: Request) -> Response:
         return await create_completion(raw, ctx)
 
+    card = {
+        "id": settings.model_name,
+        "object": "model",
+        "created": started,
+        "owned_by": "pagedllm",
+        "max_model_len": engine.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {
-            "id": settings.model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "pagedllm",
-            "max_model_len": engine.max_model_len,
-        }
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != settings.model_name:
+            raise model_not_found(ctx, model_id)
+        return JSONResponse(card)
+
+    @app.post("/tokenize")
+    async def tokenize_route(raw: Request) -> Response:
+        return await tokenize(raw, ctx)
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw: Request) -> Response:
+        return await detokenize(raw, ctx)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:

@@ -19,8 +19,9 @@ from pagedllm.server.streaming import ChoiceUpdate, StreamFormat, event_stream
 
 
 async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
-    body, params = await parse_request(raw, ctx, ChatCompletionRequest)
-    admitted = await admit(ctx, "chatcmpl", [ChatPrompt(body.template_messages())], params)
+    parsed = await parse_request(raw, ctx, ChatCompletionRequest)
+    body = parsed.body
+    admitted = await admit(ctx, "chatcmpl", [ChatPrompt(body.template_messages())], parsed)
     if body.stream:
         return event_stream(ctx, admitted, _stream_format(ctx, body))
     outputs = await final_outputs(ctx, admitted, raw)
@@ -66,5 +67,11 @@ def _stream_format(ctx: ServingContext, body: ChatCompletionRequest) -> StreamFo
         for index in range(body.n)
     ]
     return StreamFormat(
-        "chat.completion.chunk", body.n, body.logprobs, body.include_usage, choice, opening
+        "chat.completion.chunk",
+        body.n,
+        body.logprobs,
+        body.include_usage,
+        body.continuous_usage,
+        choice,
+        opening,
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import Request, Response
 
-from pagedllm.engine.outputs import CompletionOutput
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import CompletionRequest
 from pagedllm.server.responses import completion_logprobs
@@ -19,23 +21,44 @@ from pagedllm.server.streaming import ChoiceUpdate, StreamFormat, event_stream
 
 
 async def create_completion(raw: Request, ctx: ServingContext) -> Response:
-    body, params = await parse_request(raw, ctx, CompletionRequest)
+    parsed = await parse_request(raw, ctx, CompletionRequest)
+    body = parsed.body
+    if body.suffix is not None:
+        raise _suffix_refusal(ctx)
     try:
         prompts = body.prompts()
     except ValueError as error:
         raise APIError(400, str(error), param="prompt") from None
-    admitted = await admit(ctx, "cmpl", prompts, params)
+    admitted = await admit(ctx, "cmpl", prompts, parsed)
     if body.stream:
         return event_stream(ctx, admitted, _stream_format(ctx, body))
     outputs = await final_outputs(ctx, admitted, raw)
     if outputs is None:
         return Response(status_code=499)
+    if body.num_samples != body.n:
+        outputs = [best_of(output, body.n) for output in outputs]
     choices = [
         _choice(ctx, body, number * body.n + completion.index, completion)
         for number, output in enumerate(outputs)
         for completion in output.outputs
     ]
     return response_json(ctx, admitted, "text_completion", choices, outputs)
+
+
+def best_of(output: RequestOutput, n: int) -> RequestOutput:
+    """``output`` with only its ``n`` samples of highest cumulative logprob (of the raw
+    model distribution), best first, renumbered 0 to n - 1; ties keep sample order."""
+    ranked = sorted(output.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))
+    chosen = [replace(c, index=index) for index, c in enumerate(ranked[:n])]
+    return replace(output, outputs=chosen)
+
+
+def _suffix_refusal(ctx: ServingContext) -> APIError:
+    if ctx.tokenizer is None or not ctx.tokenizer.has_fill_in_the_middle:
+        reason = "this model has no fill-in-the-middle tokens"
+    else:
+        reason = "fill-in-the-middle prompts are not implemented yet"
+    return APIError(400, f"'suffix' is not supported: {reason}", "suffix", "unsupported_field")
 
 
 def _choice(
@@ -72,4 +95,12 @@ def _stream_format(ctx: ServingContext, body: CompletionRequest) -> StreamFormat
         }
 
     with_logprobs = body.logprobs is not None
-    return StreamFormat("text_completion", body.n, with_logprobs, body.include_usage, choice, [])
+    return StreamFormat(
+        "text_completion",
+        body.n,
+        with_logprobs,
+        body.include_usage,
+        body.continuous_usage,
+        choice,
+        [],
+    )

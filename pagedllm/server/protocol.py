@@ -3,11 +3,13 @@
 Pydantic checks types and presence, and that numbers are finite; ranges (n >= 1,
 max_tokens >= 1, penalties in [-2, 2], ...) are checked once, by :class:`SamplingParams`,
 and limits of the model (vocabulary, ``max_n``, ``max_model_len``, the KV pool) by the
-engine. ``temperature`` is bounded by OpenAI's 2. Unknown fields are rejected, as
-OpenAI does, so a misspelt option (or ``best_of``, which this server does not offer)
-never goes silently unused.
+engine. ``temperature`` is bounded by OpenAI's 2. Unknown fields are accepted and
+ignored, as vLLM does; :mod:`pagedllm.server.field_policy` names them in a response
+header and refuses the known ones whose effect is not implemented.
 Besides OpenAI's fields, vLLM's common sampling extras are accepted (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids).
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, allowed_token_ids,
+bad_words, include_stop_str_in_output). ``logit_bias`` keys are
+token ids written as JSON strings, as OpenAI's.
 """
 
 from __future__ import annotations
@@ -27,15 +29,18 @@ MAX_TEMPERATURE = 2.0
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """``continuous_usage_stats`` (vLLM's) puts the usage so far in every chunk too."""
+
+    model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
     """Decoding fields both endpoints share, with OpenAI's defaults."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -55,15 +60,39 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: needs ``include_usage`` too, as in vLLM."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, n: int | None = None
+    ) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range; ``n``
+        replaces the body's."""
         return SamplingParams(
-            n=self.n,
+            n=self.n if n is None else n,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -78,6 +107,10 @@ class SamplingFields(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
@@ -142,9 +175,26 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | PromptIds | list[PromptIds]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated per prompt: ``best_of`` when set, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        """With ``best_of``, ``best_of`` samples with their logprobs (to rank them);
+        raises InvalidRequestError when ``best_of`` is below ``n`` or streamed."""
+        if self.best_of is None or self.best_of == self.n:
+            return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.best_of < self.n:
+            raise InvalidRequestError(
+                f"best_of must be >= n={self.n}, got {self.best_of}", param="best_of"
+            )
+        if self.stream:
+            raise InvalidRequestError("best_of above n cannot be streamed", param="best_of")
+        return self._sampling_params(self.max_tokens, self.logprobs or 0, n=self.best_of)
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """One engine prompt per batch entry; raises ValueError for an empty batch."""

@@ -11,17 +11,21 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.server.async_engine import AsyncEngine, EnginePrompt, RequestGroup
 from pagedllm.server.errors import APIError
+from pagedllm.server.field_policy import check_fields, ignored_fields_headers
 from pagedllm.server.protocol import SamplingFields
 from pagedllm.server.request_body import read_body
 from pagedllm.server.responses import TokenTexts, usage
+from pagedllm.tokenizer import Tokenizer, word_encoder
 
 Fields = TypeVar("Fields", bound=SamplingFields)
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -31,38 +35,61 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     texts: TokenTexts
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
 
 
 @dataclass
 class Admitted:
-    """A request the engine accepted: its id, creation time (Unix seconds) and group."""
+    """A request the engine accepted: its id, creation time (Unix seconds), group, and
+    the headers of its response."""
 
     response_id: str
     created: int
     group: RequestGroup
+    headers: dict[str, str]
 
 
-async def parse_request(
-    raw: Request, ctx: ServingContext, model: type[Fields]
-) -> tuple[Fields, SamplingParams]:
-    """The validated body and its sampling parameters; APIError 400/404/415 otherwise."""
+@dataclass
+class ParsedRequest:
+    """A validated body, its sampling parameters (checked against the model) and the
+    response headers that name the fields it ignored."""
+
+    body: SamplingFields
+    params: SamplingParams
+    headers: dict[str, str]
+
+
+async def parse_request(raw: Request, ctx: ServingContext, model: type[Fields]) -> ParsedRequest:
+    """The request read and checked; APIError 400/404/415 otherwise."""
     body = await read_body(raw, model)
     check_model(ctx, body)
-    return body, sampling_params(body.sampling_params)
+    headers = ignored_fields_headers(check_fields(body))
+    params = invalid_as_400(body.sampling_params)
+    encode = word_encoder(ctx.tokenizer)
+    invalid_as_400(lambda: params.check_for_model(ctx.vocab_size, encode))
+    return ParsedRequest(body, params, headers)
 
 
-def check_model(ctx: ServingContext, body: SamplingFields) -> None:
+def check_model(ctx: ServingContext, body: BaseModel) -> None:
     """404 unless the body names the served model (or no model at all)."""
-    if body.model is not None and body.model != ctx.model_name:
-        raise APIError(
-            404,
-            f"The model '{body.model}' does not exist; this server serves '{ctx.model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+    name = getattr(body, "model", None)
+    if name is not None and name != ctx.model_name:
+        raise model_not_found(ctx, name)
 
 
-def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
+def model_not_found(ctx: ServingContext, name: str) -> APIError:
+    """OpenAI's 404 for a model this server does not serve."""
+    return APIError(
+        404,
+        f"The model '{name}' does not exist; this server serves '{ctx.model_name}'",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def invalid_as_400(make: Callable[[], Result]) -> Result:
     """``make()``, with its ``InvalidRequestError`` as a 400 naming the field."""
     try:
         return make()
@@ -71,14 +98,14 @@ def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
 
 
 async def admit(
-    ctx: ServingContext, prefix: str, prompts: list[EnginePrompt], params: SamplingParams
+    ctx: ServingContext, prefix: str, prompts: list[EnginePrompt], parsed: ParsedRequest
 ) -> Admitted:
     """Queue one engine request per prompt; raises APIError if the engine refuses."""
     arrival_time = time.monotonic()
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     request_ids = [f"{response_id}-{index}" for index in range(len(prompts))]
-    group = await ctx.engine.add_group(request_ids, prompts, params, arrival_time)
-    return Admitted(response_id, int(time.time()), group)
+    group = await ctx.engine.add_group(request_ids, prompts, parsed.params, arrival_time)
+    return Admitted(response_id, int(time.time()), group, parsed.headers)
 
 
 async def final_outputs(
@@ -110,5 +137,6 @@ def response_json(
             "model": ctx.model_name,
             "choices": choices,
             "usage": usage(outputs),
-        }
+        },
+        headers=admitted.headers,
     )

@@ -33,12 +33,16 @@ class StreamFormat:
 
     ``object_name``: the chunks' ``object``; ``opening``: choices sent before any
     token (chat's role announcements); ``choice``: the choice JSON of an update.
+    ``continuous_usage``: every chunk carries the usage of the outputs seen so far
+    (the opening chunks then wait for the first output, which knows the prompt's
+    length).
     """
 
     object_name: str
     n: int
     with_logprobs: bool
     include_usage: bool
+    continuous_usage: bool
     choice: Callable[[ChoiceUpdate], dict[str, object]]
     opening: list[dict[str, object]]
 
@@ -70,12 +74,23 @@ async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
         "created": admitted.created,
         "model": ctx.model_name,
     }
-    tail = {"usage": None} if fmt.include_usage else {}
-    for choice in fmt.opening:
-        yield sse({**head, "choices": [choice], **tail})
     latest: dict[str, RequestOutput] = {}
+
+    def tail() -> dict[str, object]:
+        if fmt.continuous_usage:
+            return {"usage": usage(list(latest.values()))}
+        return {"usage": None} if fmt.include_usage else {}
+
+    opening = list(fmt.opening)
+    if not fmt.continuous_usage:
+        for choice in opening:
+            yield sse({**head, "choices": [choice], **tail()})
+        opening = []
     async for update in choice_updates(ctx, admitted, fmt, latest):
-        yield sse({**head, "choices": [fmt.choice(update)], **tail})
+        for choice in opening:
+            yield sse({**head, "choices": [choice], **tail()})
+        opening = []
+        yield sse({**head, "choices": [fmt.choice(update)], **tail()})
     if fmt.include_usage:
         yield sse({**head, "choices": [], "usage": usage(list(latest.values()))})
     yield sse("[DONE]")
@@ -106,5 +121,6 @@ def event_stream(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
     return StreamingResponse(
         with_errors(),
         media_type="text/event-stream",
+        headers=admitted.headers,
         background=BackgroundTask(ctx.engine.abort, admitted.group),
     )
