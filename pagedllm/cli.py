@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from pagedllm.config import LOAD_FORMATS, EngineConfig
 from pagedllm.kv.kv_quant import KV_CACHE_DTYPES
@@ -184,6 +185,18 @@ def _write_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    from pagedllm.models.default import default_model_path
+    from pagedllm.tokenizer import Tokenizer
+
+    path = default_model_path() if args.model in (None, "default") else Path(args.model)
+    if path.suffix != ".gguf":
+        raise ValueError(f"--model must be a .gguf file (a folder has its tokenizer), got {path}")
+    Tokenizer.from_gguf(path).save(Path(args.folder))
+    print(f"wrote the tokenizer of {path.name} to {args.folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine statistics")
@@ -214,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=run_bench)
     add_serve_parser(commands)
     add_plan_parser(commands)
+
+    export = commands.add_parser(
+        "export-tokenizer",
+        help="write a model's tokenizer as a Hugging Face tokenizer folder",
+    )
+    export.add_argument("folder", help="the folder to write (created if missing)")
+    export.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
+    export.set_defaults(func=cmd_export_tokenizer)
     return parser
 
 

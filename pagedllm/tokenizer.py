@@ -7,6 +7,7 @@ templates behave exactly as transformers' do; streaming decode uses the Rust
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -113,6 +114,25 @@ class Tokenizer:
         return self._hf.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
+
+    def save(self, folder: Path) -> None:
+        """Write a Hugging Face tokenizer folder: ``tokenizer.json`` and
+        ``tokenizer_config.json`` holding the special tokens and the chat template, as a
+        ``PreTrainedTokenizerFast`` (which transformers 4 and 5 both load)."""
+        folder = Path(folder)
+        self._hf.save_pretrained(folder)
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        template = folder / "chat_template.jinja"
+        if template.is_file():
+            config["chat_template"] = template.read_text(encoding="utf-8")
+            template.unlink()
+        elif self._hf.chat_template is not None:
+            config["chat_template"] = self._hf.chat_template
+        for machine_specific in ("is_local", "local_files_only", "name_or_path"):
+            config.pop(machine_specific, None)
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
     def incremental_decoder(self, prompt_ids: Sequence[int] | None = None) -> IncrementalDecoder:
         """A streaming decoder for one sequence; ``prompt_ids`` give it context."""
