@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import dense_causal_attention
@@ -61,7 +62,8 @@ def run_steps(dtype: torch.dtype, index_dtype: torch.dtype, seed: int) -> float:
             def rows(t: list[torch.Tensor]) -> torch.Tensor:
                 return torch.cat([t[i][layer, s.start : s.stop] for i, s in zip(batch, spans)])  # noqa: B023,B905
 
-            out = backend.forward(layer, rows(queries), rows(keys), rows(values), metadata, 0.125)
+            options = AttentionOptions(0.125)
+            out = backend.forward(layer, rows(queries), rows(keys), rows(values), metadata, options)
             assert out.dtype == dtype and out.shape == (starts[-1], HQ, D)
             for row, (i, s) in enumerate(zip(batch, spans, strict=True)):
                 dense = dense_causal_attention(

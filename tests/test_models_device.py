@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from test_models_logits import TINY_SHAPE, write_checkpoint
 
+from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.dense_backend import dense_metadata
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models import ModelLoadError, fused, linear, load_model, rope
@@ -38,7 +39,7 @@ class CausalSdpaBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
+        options: AttentionOptions,
     ) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
@@ -48,7 +49,9 @@ class CausalSdpaBackend:
                 x[start:end].repeat_interleave(n, dim=1).transpose(0, 1)
                 for x, n in ((q, 1), (k, group), (v, group))
             ]
-            attended = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=scale)
+            attended = F.scaled_dot_product_attention(
+                *heads_first, is_causal=True, scale=options.scale
+            )
             out[start:end] = attended.transpose(0, 1)
         return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import dense_causal_attention
@@ -42,7 +43,7 @@ def step(backend, q, k, v, seqs, positions) -> torch.Tensor:
         max_query_len=max(len(p) for p in positions),
         max_seq_len=max(p.stop for p in positions),
     )
-    return backend.forward(0, q, k, v, metadata, q.shape[-1] ** -0.5)
+    return backend.forward(0, q, k, v, metadata, AttentionOptions(q.shape[-1] ** -0.5))
 
 
 @pytest.mark.parametrize(("head_dim", "fast"), [(16, True), (8, False)])

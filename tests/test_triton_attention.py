@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from paged_cases import build_case  # noqa: E402
 
+from pagedllm.attention.backend import AttentionOptions  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.attention.reference import (  # noqa: E402
     dense_causal_attention,
@@ -247,7 +248,7 @@ def test_backend_writes_then_attends_over_chunked_steps():
             max_seq_len=max(s.stop for _, s in batch),
         )  # fmt: skip
         out = backend.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(metadata),
-                              scale).cpu()  # fmt: skip
+                              AttentionOptions(scale)).cpu()  # fmt: skip
         assert out.dtype == dtype
         for j, (i, s) in enumerate(batch):
             k_seq, v_seq = (x[i][: s.stop].transpose(0, 1) for x in (keys, values))
@@ -266,4 +267,4 @@ def test_backend_refuses_what_the_kernels_do_not_take():
                              torch.tensor([2], dtype=torch.int32),
                              torch.tensor([0, 2], dtype=torch.int32), 2, 2)  # fmt: skip
     with pytest.raises(ValueError, match="dtype"):
-        backend.forward(0, q, kv, kv, on_device(meta), 0.125)
+        backend.forward(0, q, kv, kv, on_device(meta), AttentionOptions(0.125))

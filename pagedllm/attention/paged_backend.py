@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
@@ -59,7 +60,7 @@ class PagedAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
+        options: AttentionOptions,
     ) -> torch.Tensor:
         """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``k``, ``v`` are
         stored in the cache's format, the output has ``q``'s dtype."""
@@ -69,10 +70,14 @@ class PagedAttentionBackend:
         if not self.uses_fast_kernel:
             fmt = self.kv_cache.format
             return reference_paged_attention(
-                q, decode_rows(keys, fmt), decode_rows(values, fmt), metadata, scale
-            )
+                q, decode_rows(keys, fmt), decode_rows(values, fmt), metadata,
+                options.scale, options.sliding_window, options.logit_softcap,
+            )  # fmt: skip
         query = q if q.dtype in (torch.float32, keys.dtype) else q.float()
         query = query.contiguous()
         out = torch.empty_like(query)
-        paged_attention(out, query, keys, values, block_tables, seq_lens, query_start_loc, scale)
+        paged_attention(
+            out, query, keys, values, block_tables, seq_lens, query_start_loc, options.scale,
+            options.sliding_window or 0, options.logit_softcap or 0.0,
+        )  # fmt: skip
         return out.to(q.dtype)

@@ -25,12 +25,19 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int)
 
 
 def dense_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the last ``q_len`` positions of one sequence, in float32.
 
     ``q`` ``[q_len, Hq, D]``; ``k``, ``v`` ``[Hkv, seq_len, D]``. Query row ``i`` sits at
-    position ``seq_len - q_len + i`` and sees positions ``0 ..`` itself.
+    position ``p = seq_len - q_len + i`` and sees positions ``0 ..`` itself, or only
+    ``p - sliding_window + 1 .. p``. With ``logit_softcap`` ``c``, scaled scores ``s``
+    become ``c * tanh(s / c)`` before the mask.
     """
     q_len, num_q_heads, _ = q.shape
     seq_len = k.shape[1]
@@ -38,8 +45,13 @@ def dense_causal_attention(
     k = k.float().repeat_interleave(group, dim=0)
     v = v.float().repeat_interleave(group, dim=0)
     scores = torch.einsum("qhd,hkd->hqk", q.float(), k) * scale
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
     query_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    hidden = torch.arange(seq_len).unsqueeze(0) > query_pos
+    key_pos = torch.arange(seq_len).unsqueeze(0)
+    hidden = key_pos > query_pos
+    if sliding_window:
+        hidden |= key_pos <= query_pos - sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,hkd->qhd", torch.softmax(scores, dim=-1), v)
 
@@ -50,13 +62,18 @@ def reference_paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention for every query row of a flattened batch, K/V already in the cache."""
+    """Causal attention for every query row of a flattened batch, K/V already in the cache
+    (window and soft-cap as in :func:`dense_causal_attention`)."""
     out = torch.empty_like(q)
     starts = metadata.query_start_loc.tolist()
     for i, seq_len in enumerate(metadata.seq_lens.tolist()):
         rows = slice(starts[i], starts[i + 1])
         k = gather_sequence(k_cache, metadata.block_tables[i], seq_len)
         v = gather_sequence(v_cache, metadata.block_tables[i], seq_len)
-        out[rows] = dense_causal_attention(q[rows], k, v, scale).to(q.dtype)
+        out[rows] = dense_causal_attention(
+            q[rows], k, v, scale, sliding_window, logit_softcap
+        ).to(q.dtype)
     return out

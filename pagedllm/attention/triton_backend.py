@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.gpu.kernel_dtypes import QUERY_DTYPES
 from pagedllm.gpu.triton_decode import decode_attention
@@ -46,7 +47,7 @@ class TritonAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
+        options: AttentionOptions,
     ) -> torch.Tensor:
         """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``k``, ``v`` are
         stored in the cache's format, the output has ``q``'s dtype."""
@@ -71,9 +72,11 @@ class TritonAttentionBackend:
                 raise ValueError("a decode-only batch has one query row per sequence")
             return decode_attention(
                 q, keys, values, metadata.block_tables, metadata.seq_lens,
-                metadata.max_seq_len, scale, cache.format,
+                metadata.max_seq_len, options.scale, cache.format,
+                sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
             )  # fmt: skip
         return prefill_attention(
             q, keys, values, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, metadata.max_query_len, scale, cache.format,
+            metadata.query_start_loc, metadata.max_query_len, options.scale, cache.format,
+            sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
         )  # fmt: skip

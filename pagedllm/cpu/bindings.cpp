@@ -44,8 +44,10 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale) {
+                     double scale, int64_t sliding_window, double logit_softcap) {
   check_cache(k_cache, v_cache);
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0,
+              "sliding_window and logit_softcap must be >= 0 (0: off)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
               out.sizes() == q.sizes(), "q and out are contiguous [num_tokens, Hq, head_dim]");
   const pagedllm::KVFormat format = kv_format(k_cache.scalar_type());
@@ -98,6 +100,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                                  k_cache.stride(1),
                                  k_cache.stride(2),
                                  static_cast<float>(scale),
+                                 sliding_window,
+                                 static_cast<float>(logit_softcap),
                                  format,
                                  q.scalar_type() == at::kBFloat16,
                                  at::get_num_threads()};
@@ -234,7 +238,8 @@ bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "int sliding_window=0, float logit_softcap=0.0) -> ()");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");

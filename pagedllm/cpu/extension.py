@@ -52,8 +52,14 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> None:
     """Writes into ``out`` ``[num_tokens, Hq, D]`` the causal attention of every query row.
+
+    ``sliding_window`` ``W`` > 0: a query at position ``p`` sees keys ``p - W + 1 .. p``
+    only. ``logit_softcap`` ``c`` > 0: each score ``s`` (already scaled) becomes
+    ``c * tanh(s / c)`` before the softmax. 0 turns either off.
 
     ``q``/``out`` contiguous float32 (or bfloat16 over a bfloat16 cache); caches
     ``[num_blocks, num_kv_heads, block_size, row]`` (any strides with the row contiguous)
@@ -64,7 +70,10 @@ def paged_attention(
     :class:`~pagedllm.attention.metadata.AttentionMetadata`. Every block a sequence uses
     is checked to lie inside the cache.
     """
-    ops().paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    ops().paged_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        sliding_window, logit_softcap,
+    )  # fmt: skip
 
 
 def write_kv(

@@ -26,6 +26,10 @@ struct AttentionBatch {
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size_shift, max_blocks;
   int64_t block_stride, head_stride, token_stride;
   float scale;
+  // A query at position p sees keys p - sliding_window + 1 .. p (0: all keys 0 .. p).
+  int64_t sliding_window;
+  // Scores become logit_softcap * tanh(score / logit_softcap) before the softmax (0: off).
+  float logit_softcap;
   KVFormat kv_format;
   bool bfloat16_query;  // q and out are bfloat16 (only with a bfloat16 cache), else float32
   int num_threads;  // torch's intra-op thread count

@@ -243,7 +243,7 @@ struct Scratch {
 // Attention of query tokens [first_token, first_token + num_tokens) of one sequence,
 // for the query heads of kv head `kv_head`. The first of these tokens sits at position
 // `first_pos` of the sequence and sees positions [0, first_pos]; each later one sees one
-// more. A row is one (query token, query head) pair; rows are processed RB at a time so
+// more (with a sliding window W, a token at position p sees [p - W + 1, p] only). A row is one (query token, query head) pair; rows are processed RB at a time so
 // that every K/V row loaded serves RB query rows. NV is head_dim / 16, or 0 when only
 // known at run time.
 template <typename T, typename Rows, int NV, int RB>
@@ -275,13 +275,17 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
   alignas(64) float probs[RB][kChunk];
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t visible_end = first_pos + num_tokens;
+  const int64_t window = s.sliding_window;
+  // Chunks wholly before the first token's window hold no visible key for any row.
+  const int64_t visible_begin =
+      window ? std::max<int64_t>(0, first_pos - window + 1) / kChunk * kChunk : 0;
   const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(Elem));
   const int64_t prefetch_distance = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   auto row_offset = [&](int64_t pos) {
     return table[pos >> s.block_size_shift] * s.block_stride + kv_head * s.head_stride +
            (pos & block_mask) * s.token_stride;
   };
-  for (int64_t c0 = 0; c0 < visible_end; c0 += kChunk) {
+  for (int64_t c0 = visible_begin; c0 < visible_end; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, visible_end - c0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t off = row_offset(c0 + t);
@@ -291,13 +295,18 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
       v_scales[t] = row_scale<Rows>(v_rows[t], s.head_dim);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-      int64_t seen[RB];
+      // Row i sees chunk positions [seen_from[i], seen[i]).
+      int64_t seen[RB], seen_from[RB];
       int64_t seen_max = 0;
+      bool any_seen = false;
       for (int i = 0; i < RB; ++i) {
-        seen[i] = std::clamp<int64_t>(first_pos + (r0 + i) / group + 1 - c0, 0, n);
+        const int64_t pos = first_pos + (r0 + i) / group;
+        seen[i] = std::clamp<int64_t>(pos + 1 - c0, 0, n);
+        seen_from[i] = window ? std::clamp<int64_t>(pos - window + 1 - c0, 0, n) : 0;
         seen_max = std::max(seen_max, seen[i]);
+        any_seen = any_seen || seen_from[i] < seen[i];
       }
-      if (seen_max == 0) continue;
+      if (!any_seen) continue;
       const vfloat* qr = &w.query[r0 * nv];
       for (int64_t t = 0; t < kChunk; ++t) {
         if (t >= seen_max) {
@@ -328,11 +337,17 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
         vfloat visible[kChunkVectors], score[kChunkVectors];
         vfloat chunk_max = vfloat{} + kMinScore;
         for (int c = 0; c < kChunkVectors; ++c) {
-          visible[c] = lane + static_cast<float>(c * kLanes) < static_cast<float>(seen[i])
+          const vfloat index = lane + static_cast<float>(c * kLanes);
+          visible[c] = index < static_cast<float>(seen[i]) &&
+                               index >= static_cast<float>(seen_from[i])
                            ? vfloat{} + 1.f
                            : vfloat{};
-          score[c] = visible[c] > 0.f ? transpose_sum(&parts[i][c * kLanes])
-                                      : vfloat{} + kMinScore;
+          vfloat raw = transpose_sum(&parts[i][c * kLanes]);
+          if (s.logit_softcap > 0.f) {
+            for (int l = 0; l < kLanes; ++l)
+              raw[l] = s.logit_softcap * std::tanh(raw[l] / s.logit_softcap);
+          }
+          score[c] = visible[c] > 0.f ? raw : vfloat{} + kMinScore;
           chunk_max = chunk_max > score[c] ? chunk_max : score[c];
         }
         const float new_max = std::max(w.row_max[r], hmax(chunk_max));
@@ -415,7 +430,9 @@ void run(const Shapes& s) {
     const int64_t context = s.seq_lens[i] - q_len;
     for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) {
       const int64_t n = std::min<int64_t>(kQueryTile, q_len - t0);
-      tiles.push_back({i, start + t0, n, context + t0, n * (context + t0 + n)});
+      const int64_t keys = context + t0 + n;
+      const int64_t seen = s.sliding_window ? std::min(keys, s.sliding_window + n) : keys;
+      tiles.push_back({i, start + t0, n, context + t0, n * seen});
     }
   }
   // Longest first: dynamic scheduling then balances the two ends of the queue.

@@ -25,11 +25,12 @@ def tile_offsets(
     stride_tok,
     TILE_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    floor=0,
 ):
     """Element offsets of the rows of positions ``first_token ..`` (``[TILE_N]`` int64)
-    and which of them are below ``limit`` (the others are never read)."""
+    and which of them lie in ``[floor, limit)`` (the others are never read)."""
     tokens = first_token + tl.arange(0, TILE_N)
-    valid = tokens < limit
+    valid = (tokens < limit) & (tokens >= floor)
     blocks = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
     offsets = (
         blocks.to(tl.int64) * stride_blk
@@ -37,6 +38,13 @@ def tile_offsets(
         + (tokens % BLOCK_SIZE).to(tl.int64) * stride_tok
     )
     return offsets, valid
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)``, as ``1 - 2 / (exp(2x) + 1)`` (exact at both ends in
+    float32: large ``x`` gives 1, very negative ``x`` gives -1)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
 
 
 @triton.jit

@@ -24,10 +24,12 @@ import triton.language as tl
 
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
 from pagedllm.gpu.kv_codes import FLOAT, kernel_format
-from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, tile_offsets
+from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, soft_cap, tile_offsets
 from pagedllm.kv.kv_quant import KVFormat
 
 LOG2_E = 1.4426950408889634
+# The window passed to the kernels when a layer has none: longer than any sequence.
+NO_WINDOW = 2**30
 
 
 @triton.jit
@@ -41,6 +43,8 @@ def _decode_split_kernel(
     part_max_ptr,
     part_sum_ptr,
     scale_log2,
+    window,
+    softcap,
     split_tokens,
     stride_q_tok,
     stride_q_head,
@@ -56,6 +60,7 @@ def _decode_split_kernel(
     KV_FORMAT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,6 +71,9 @@ def _decode_split_kernel(
     if start >= seq_len:
         return
     end = tl.minimum(start + split_tokens, seq_len)
+    lowest = tl.maximum(seq_len - window, 0)  # the first position the query sees
+    # tiles wholly before the window are skipped; a split wholly before it stores -inf
+    first_tile = tl.maximum(start, lowest // TILE_N * TILE_N)
 
     group = tl.arange(0, GROUP_PAD)
     head_ok = group < GROUP
@@ -76,18 +84,24 @@ def _decode_split_kernel(
     q = q.to(DOT_DTYPE)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    # finite: a tile wholly outside a row's window then adds nothing instead of NaN
+    row_max = tl.full([GROUP_PAD], -1e30, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for first in range(start, end, TILE_N):
+    for first in range(first_tile, end, TILE_N):
         offsets, valid = tile_offsets(
-            table, first, end, kv_head, stride_blk, stride_head, stride_tok, TILE_N, BLOCK_SIZE
-        )
+            table, first, end, kv_head, stride_blk, stride_head, stride_tok, TILE_N, BLOCK_SIZE,
+            lowest,
+        )  # fmt: skip
         k = load_keys(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if KV_FORMAT != FLOAT:
             scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        if SOFTCAP:
+            scores = soft_cap(scores * (scale_log2 / LOG2_E), softcap) * LOG2_E
+        else:
+            scores = scores * scale_log2
+        scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         rescale = tl.exp2(row_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
@@ -178,6 +192,8 @@ def decode_attention(
     scale: float,
     fmt: KVFormat,
     *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     split_tokens: int | None = None,
     tile_tokens: int | None = None,
     num_warps: int = 4,
@@ -187,7 +203,9 @@ def decode_attention(
     positions ``0 .. seq_lens[i] - 1`` of sequence ``i``, K/V read from one layer's caches
     ``[num_blocks, num_kv_heads, block_size, row]`` (``fmt.storage_dtype``) through
     ``block_tables`` (int32). ``max_seq_len`` bounds ``seq_lens`` (host int; under a CUDA
-    graph, the bound the graph was captured with). ``split_tokens`` (a multiple of the
+    graph, the bound the graph was captured with). ``sliding_window`` ``W``: the query
+    sees only the last ``W`` positions; ``logit_softcap`` ``c``: scores become
+    ``c * tanh(score / c)``. ``split_tokens`` (a multiple of the
     tile) overrides the split plan; ``tile_tokens``, ``num_warps``, ``num_stages`` tune
     the kernel. Returns ``q``'s shape and dtype."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -218,7 +236,7 @@ def decode_attention(
     part_sum = torch.empty_like(part_max)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
-        scale * LOG2_E, split_tokens,
+        scale * LOG2_E, sliding_window or NO_WINDOW, logit_softcap or 0.0, split_tokens,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group,
@@ -229,6 +247,7 @@ def decode_attention(
         KV_FORMAT=kernel_format(fmt),
         DOT_DTYPE=triton_dtype(operands),
         PRECISION=dot_precision(operands),
+        SOFTCAP=bool(logit_softcap),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

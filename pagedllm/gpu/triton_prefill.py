@@ -19,8 +19,8 @@ import triton.language as tl
 
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
 from pagedllm.gpu.kv_codes import FLOAT, kernel_format
-from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, tile_offsets
-from pagedllm.gpu.triton_decode import LOG2_E
+from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, soft_cap, tile_offsets
+from pagedllm.gpu.triton_decode import LOG2_E, NO_WINDOW
 from pagedllm.kv.kv_quant import KVFormat
 
 
@@ -34,6 +34,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale_log2,
+    window,
+    softcap,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -50,6 +52,7 @@ def _prefill_kernel(
     KV_FORMAT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -72,21 +75,30 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     end = seq_len - q_len + last_token + 1  # past the last position these rows see
+    # the first position the first row sees; tiles wholly before it are skipped
+    lowest = tl.maximum(seq_len - q_len + (tile * BLOCK_M) // GROUP - window + 1, 0)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # finite: a tile wholly outside a row's window then adds nothing instead of NaN
+    row_max = tl.full([BLOCK_M], -1e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for first in range(0, end, BLOCK_N):
+    for first in range(lowest // BLOCK_N * BLOCK_N, end, BLOCK_N):
         offsets, valid = tile_offsets(
-            table, first, end, kv_head, stride_blk, stride_head, stride_tok, BLOCK_N, BLOCK_SIZE
-        )
+            table, first, end, kv_head, stride_blk, stride_head, stride_tok, BLOCK_N, BLOCK_SIZE,
+            lowest,
+        )  # fmt: skip
         k = load_keys(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if KV_FORMAT != FLOAT:
             scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
+        if SOFTCAP:
+            scores = soft_cap(scores * (scale_log2 / LOG2_E), softcap) * LOG2_E
+        else:
+            scores = scores * scale_log2
         key_position = first + tl.arange(0, BLOCK_N)
         visible = (key_position[None, :] <= position[:, None]) & valid[None, :]
-        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        visible = visible & (key_position[None, :] > position[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         rescale = tl.exp2(row_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
@@ -115,6 +127,8 @@ def prefill_attention(
     scale: float,
     fmt: KVFormat,
     *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     block_m: int = 64,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -124,8 +138,10 @@ def prefill_attention(
     num_q_heads, head_dim]``, sequence ``i`` owning rows ``query_start_loc[i] :
     query_start_loc[i + 1]``, int32) over its sequence's K/V in one layer's caches
     ``[num_blocks, num_kv_heads, block_size, row]`` read through ``block_tables``.
-    ``max_query_len`` bounds the query lengths (host int). Returns ``q``'s shape and
-    dtype; makes no host synchronisation."""
+    ``max_query_len`` bounds the query lengths (host int). ``sliding_window`` ``W``: a
+    row at position ``p`` sees positions ``p - W + 1 .. p`` only; ``logit_softcap``
+    ``c``: scores become ``c * tanh(score / c)``. Returns ``q``'s shape and dtype; makes
+    no host synchronisation."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -142,7 +158,7 @@ def prefill_attention(
     row_tiles = math.ceil(max_query_len * group / block_m)
     _prefill_kernel[(num_seqs, row_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2_E,
+        scale * LOG2_E, sliding_window or NO_WINDOW, logit_softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group,
@@ -153,6 +169,7 @@ def prefill_attention(
         KV_FORMAT=kernel_format(fmt),
         DOT_DTYPE=triton_dtype(operands),
         PRECISION=dot_precision(operands),
+        SOFTCAP=bool(logit_softcap),
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

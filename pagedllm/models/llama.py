@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.fused import rms_norm, silu_and_mul
 from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
 from pagedllm.models.rope import RotaryTable
@@ -28,35 +27,25 @@ from pagedllm.models.rope import RotaryTable
 WeightSource = Callable[[str], torch.Tensor]
 
 
-def refuse_unimplemented(config: ModelConfig) -> None:
-    """Raise :class:`ModelLoadError` for a config feature this decoder does not compute."""
-    if config.output_bias:
-        raise ModelLoadError("attention_bias=True (an o_proj bias) is not implemented")
-    if config.mlp_bias:
-        raise ModelLoadError("mlp_bias=True is not implemented")
-    sliding = [w for w in config.sliding_windows if w is not None]
-    if any(w < config.max_position_embeddings for w in sliding):
-        raise ModelLoadError(
-            f"sliding_window={min(sliding)} shorter than max_position_embeddings="
-            f"{config.max_position_embeddings} is not implemented"
-        )
-
-
 class DecoderLayer(nn.Module):
     """One pre-norm block: RMSNorm, attention, residual; RMSNorm, SwiGLU MLP, residual.
 
     Weights (plain or packed, see :func:`~pagedllm.models.linear.prepare_weight`):
     ``qkv_weight`` ``[q_size + 2 * kv_size, hidden]`` (rows q, then k, then v),
     ``o_weight`` ``[hidden, q_size]``, ``gate_up_weight`` ``[2 * intermediate, hidden]``
-    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``. Buffers:
-    ``qkv_bias`` ``[q_size + 2 * kv_size]`` or ``None``, norms ``[hidden]``.
+    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``. Buffers: biases of
+    the same projections (``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias``) or
+    ``None``, norms ``[hidden]``. ``attention``: this layer's scale and sliding window.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, get: WeightSource) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
-        self.scale = config.head_dim**-0.5
+        windows = config.sliding_windows
+        self.attention = AttentionOptions(
+            scale=config.head_dim**-0.5, sliding_window=windows[layer_idx] if windows else None
+        )
         prefix = f"model.layers.{layer_idx}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         projections = ("q_proj", "k_proj", "v_proj")
@@ -71,11 +60,17 @@ class DecoderLayer(nn.Module):
         )
         self.register_buffer("qkv_bias", qkv_bias)
         self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
+        self.register_buffer("o_bias", get(attn + "o_proj.bias") if config.output_bias else None)
         self.register_buffer("post_norm", get(prefix + "post_attention_layernorm.weight"))
+        gate_up = ("gate_proj", "up_proj")
         self.gate_up_weight: Weight = prepare_weight(
-            torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
+            torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
         )
         self.down_weight: Weight = prepare_weight(get(mlp + "down_proj.weight"))
+        mlp_bias = config.mlp_bias
+        gate_up_bias = torch.cat([get(f"{mlp}{p}.bias") for p in gate_up]) if mlp_bias else None
+        self.register_buffer("gate_up_bias", gate_up_bias)
+        self.register_buffer("down_bias", get(mlp + "down_proj.bias") if mlp_bias else None)
 
     def forward(
         self,
@@ -93,14 +88,14 @@ class DecoderLayer(nn.Module):
         normed = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
         qkv = linear(normed, self.qkv_weight, self.qkv_bias)
         q, k, v = rotary.split_qkv(qkv, positions, c.num_heads, c.num_kv_heads)
-        attended = attn.forward(self.layer_idx, q, k, v, metadata, self.scale)
+        attended = attn.forward(self.layer_idx, q, k, v, metadata, self.attention)
         if output_rows is not None:
             hidden, attended = hidden[output_rows], attended[output_rows]
-        hidden += linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight)
+        hidden += linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight, self.o_bias)
 
         normed = rms_norm(hidden, self.post_norm, c.rms_norm_eps)
-        activated = silu_and_mul(linear(normed, self.gate_up_weight))
-        hidden += linear(activated, self.down_weight)
+        activated = silu_and_mul(linear(normed, self.gate_up_weight, self.gate_up_bias))
+        hidden += linear(activated, self.down_weight, self.down_bias)
         return hidden
 
 
@@ -122,7 +117,6 @@ class LlamaDecoder(nn.Module):
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        refuse_unimplemented(config)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
