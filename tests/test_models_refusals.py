@@ -47,31 +47,20 @@ def edit_config(folder, **changes):
 # Checkpoints transformers writes whose math we do not compute: (model_type, config
 # overrides, words the error must contain).
 REFUSED_CHECKPOINTS = {
-    "llama-o_proj-bias": ("llama", dict(attention_bias=True), "o_proj bias"),
-    "llama-mlp-bias": ("llama", dict(mlp_bias=True), "mlp_bias"),
     "llama-gelu": ("llama", dict(hidden_act="gelu"), "hidden_act"),
-    "mistral-window": ("mistral", dict(sliding_window=16), "sliding_window=16"),
-    "qwen2-window": (
-        "qwen2",
-        dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
-        "sliding_window=16",
-    ),
-    "rope-dynamic": (
-        "llama",
-        dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-        "dynamic",
-    ),
-    "rope-yarn": (
-        "llama",
-        dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}),
-        "yarn",
-    ),
     "rope-partial": (
         "llama",
         dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                               "partial_rotary_factor": 0.5}),
         "partial_rotary_factor",
-    ),  # fmt: skip
+    ),
+    "rope-longrope-past-original": (
+        "llama",
+        dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                              "original_max_position_embeddings": 64,
+                              "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}),
+        "longrope",
+    ),
 }
 
 
@@ -80,6 +69,13 @@ def test_unimplemented_checkpoint_is_refused_naming_it(tmp_path, case):
     model_type, overrides, words = REFUSED_CHECKPOINTS[case]
     write_tiny(tmp_path, model_type, **overrides)
     with pytest.raises(ModelLoadError, match=words):
+        load_model(tmp_path)
+
+
+def test_unknown_rope_type_is_refused(tmp_path):
+    write_tiny(tmp_path, "llama")
+    edit_config(tmp_path, rope_parameters={"rope_type": "ntk-by-parts", "rope_theta": 1e4})
+    with pytest.raises(ModelLoadError, match="ntk-by-parts"):
         load_model(tmp_path)
 
 

@@ -82,6 +82,12 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[attn + "q_proj.bias"] = (q_size,)
             shapes[attn + "k_proj.bias"] = (kv_size,)
             shapes[attn + "v_proj.bias"] = (kv_size,)
+        if config.output_bias:
+            shapes[attn + "o_proj.bias"] = (hidden,)
+        if config.mlp_bias:
+            shapes[mlp + "gate_proj.bias"] = (config.intermediate_size,)
+            shapes[mlp + "up_proj.bias"] = (config.intermediate_size,)
+            shapes[mlp + "down_proj.bias"] = (hidden,)
     return shapes
 
 

@@ -33,10 +33,14 @@ LAYER_TENSOR_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
 }
 GLOBAL_TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -103,6 +107,8 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         max_position_embeddings=arch_value("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        output_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, gguf_arch, path),
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(
