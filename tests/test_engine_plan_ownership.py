@@ -36,9 +36,18 @@ def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tin
     prompts, params = workload(count=24)
     for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, param)
-    saw_swap_copies = saw_cow = False
+    saw_swap_copies = saw_cow = saw_swap_in = False
+    manager, block_size = engine.block_manager, engine.config.block_size
     while engine.has_unfinished_requests():
+        swapped = set(engine.scheduler.swapped)
         plan = engine.scheduler.schedule()
+        for item in plan.scheduled:
+            if item.seq in swapped:  # swapped in by this plan: back in the prefix cache
+                saw_swap_in = True
+                computed = item.seq.num_computed_tokens
+                keys = engine.scheduler._extra_keys(item.seq)
+                found = manager.find_cached_prefix(item.seq.all_token_ids[: computed + 1], keys)
+                assert found.num_tokens == computed // block_size * block_size
         if plan.is_empty:
             continue
         swapped_out_bytes = engine.swap_space.stats().bytes_swapped_out
@@ -54,7 +63,7 @@ def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tin
             held = engine.block_manager.block_table(item.seq.seq_id)
             runner = engine.runner.block_tables.gather([item.seq.seq_id], len(held))
             assert np.array_equal(runner[0], held)
-    assert saw_swap_copies and saw_cow
+    assert saw_swap_copies and saw_cow and saw_swap_in
     assert engine.block_manager.pool.num_used == 0
 
 

@@ -125,8 +125,8 @@ def test_priority_orders_queue_and_only_high_priority_uses_reserve():
 
 
 def test_contiguous_mode_reserves_max_model_len_up_front():
-    manager = BlockManager(num_blocks=16, block_size=4, reserved_fraction=0.0)
-    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, reserve_tokens=32)
+    manager = BlockManager(num_blocks=16, block_size=4, reserved_fraction=0.0, upfront_tokens=32)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
     seqs = [make_seq(3, float(i)) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)

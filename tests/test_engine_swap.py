@@ -55,7 +55,8 @@ def test_swap_and_recompute_give_the_unpreempted_outputs(tiny_model):
         stats = swapping.llm_engine.get_stats()
         assert stats.num_preemptions_total > 0
         assert stats.swap.swap_outs > 0 and stats.swap.swap_ins == stats.swap.swap_outs
-        assert stats.swap.bytes_swapped_out == stats.swap.bytes_swapped_in > 0
+        # a swap-in takes the parked blocks still cached in the pool without a copy
+        assert stats.swap.bytes_swapped_out >= stats.swap.bytes_swapped_in > 0
         assert stats.swap.used_blocks == 0 and stats.num_swapped == 0
         assert stats.num_blocks_used == 0
 

@@ -121,10 +121,10 @@ def test_adopted_blocks_must_match_token_count():
         BlockTable(pool, [0], num_tokens=5)
 
 
-def test_reserve_holds_blocks_ahead_and_appends_use_them():
+def test_preallocate_holds_blocks_ahead_and_appends_use_them():
     pool = make_pool()
     table = BlockTable(pool)
-    table.reserve(10)
+    table.preallocate(10)
     assert table.block_ids == [0, 1, 2] and table.num_tokens == 0
     assert table.num_blocks_needed(10) == 0
     assert table.append_slots(5).slots == [0, 1, 2, 3, 4]
@@ -135,10 +135,10 @@ def test_reserve_holds_blocks_ahead_and_appends_use_them():
     assert table.block_ids == [0, 1, 2, 3]
 
 
-def test_fork_of_a_reserved_table_copies_every_shared_block_it_writes():
+def test_fork_of_a_preallocated_table_copies_every_shared_block_it_writes():
     pool = make_pool()
     parent = BlockTable(pool)
-    parent.reserve(12)
+    parent.preallocate(12)
     parent.append_slots(2)
     child = parent.fork()
     assert child.num_blocks_needed(3) == 2
@@ -152,5 +152,5 @@ def test_failed_reserve_changes_nothing():
     pool = make_pool(num_blocks=2)
     table = BlockTable(pool)
     with pytest.raises(OutOfBlocksError):
-        table.reserve(9)
+        table.preallocate(9)
     assert table.block_ids == [] and pool.num_free == 2

@@ -6,7 +6,6 @@ import struct
 import pytest
 
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.kv.block_pool import OutOfBlocksError
 from pagedllm.kv.prefix_hash import BlockKey
 
 
@@ -17,7 +16,7 @@ def make_manager(num_blocks=8, block_size=4, **kwargs):
 def run_prompt(manager, seq_id, prompt, extra_keys=()):
     """Admit ``prompt`` on its cached prefix, compute the rest, commit it; return the hit."""
     prefix = manager.find_cached_prefix(prompt, extra_keys)
-    manager.append_slots(seq_id, len(prompt) - prefix.num_tokens, prefix=prefix)
+    manager.allocate_slots(seq_id, len(prompt) - prefix.num_tokens, prefix=prefix)
     manager.commit_tokens(seq_id, prompt[prefix.num_tokens :])
     return prefix
 
@@ -103,7 +102,7 @@ def test_eviction_order_is_least_recently_freed_first():
     run_prompt(manager, "b", [5, 6, 7, 8])
     manager.free("b")  # queue: 1 0 3 2
     assert manager.pool.free_block_ids() == [1, 0, 3, 2]
-    manager.append_slots("c", 6, prefix=manager.find_cached_prefix([9] * 6))
+    manager.allocate_slots("c", 6, prefix=manager.find_cached_prefix([9] * 6))
     assert manager.block_table("c") == [1, 0, 3]
     assert manager.stats().pool.num_evictions == 3
     assert manager.find_cached_prefix([1, 2, 3, 4, 0]).block_ids == ()
@@ -120,9 +119,7 @@ def test_failed_allocation_after_a_partial_hit_changes_nothing():
     assert manager.num_blocks_needed("c", 9, prefix) == 2 + 3
     assert not manager.can_append("c", 9, prefix=prefix)
     before = state(manager)
-    with pytest.raises(OutOfBlocksError) as info:
-        manager.append_slots("c", 9, prefix=prefix)
-    assert (info.value.requested, info.value.available) == (5, 3)
+    assert manager.allocate_slots("c", 9, prefix=prefix) is None
     assert state(manager) == before and "c" not in manager
     assert manager.can_append("c", 4, prefix=prefix)
 
@@ -131,7 +128,7 @@ def test_hits_on_evictable_blocks_respect_the_reserve():
     manager = BlockManager(20, 4, reserved_fraction=0.1)  # 2 reserved
     run_prompt(manager, "a", list(range(9)))
     manager.free("a")
-    manager.append_slots("filler", 4 * 17)  # free: 2 1 0, with 0 and 1 cached
+    manager.allocate_slots("filler", 4 * 17)  # free: 2 1 0, with 0 and 1 cached
     prefix = manager.find_cached_prefix(list(range(9)))
     assert prefix.block_ids == (0, 1)
     assert manager.num_blocks_needed("b", 1, prefix) == 3
@@ -164,7 +161,7 @@ def test_a_hit_compares_contents_not_just_digests():
 def test_content_computed_twice_is_cached_once():
     manager = make_manager()
     for seq_id in ("a", "b"):  # both admitted before either commits: no hit
-        manager.append_slots(seq_id, 5, prefix=manager.find_cached_prefix(list(range(5))))
+        manager.allocate_slots(seq_id, 5, prefix=manager.find_cached_prefix(list(range(5))))
     manager.commit_tokens("a", list(range(5)))
     manager.commit_tokens("b", list(range(5)))
     assert manager.pool.block_key(0) is not None and manager.pool.block_key(2) is None
@@ -176,7 +173,7 @@ def test_forks_cache_their_own_continuations():
     run_prompt(manager, "p", [1, 2, 3, 4, 5, 6])
     manager.fork("p", "c")
     for seq_id, tokens in (("p", [7, 8]), ("c", [70, 80])):
-        manager.append_slots(seq_id, 2)
+        manager.allocate_slots(seq_id, 2)
         manager.commit_tokens(seq_id, tokens)
     # The first writer copies the shared block; the other then owns it alone.
     assert manager.block_table("p") == [0, 2] and manager.block_table("c") == [0, 1]
@@ -194,7 +191,7 @@ def test_caching_off_never_hashes_or_hits():
 
 def test_sequences_started_without_a_prefix_are_not_cached():
     manager = make_manager()
-    manager.append_slots("a", 8)
+    manager.allocate_slots("a", 8)
     manager.commit_tokens("a", list(range(8)))
     assert manager.stats().pool.cached == 0
 
@@ -206,16 +203,16 @@ def test_misuse_is_rejected():
         manager.commit_tokens("a", [5])
     prefix = manager.find_cached_prefix(list(range(5)))
     with pytest.raises(ValueError, match="exists"):
-        manager.append_slots("a", 1, prefix=prefix)
+        manager.allocate_slots("a", 1, prefix=prefix)
     manager.free("a")
-    manager.append_slots("filler", 8 * 4)  # evicts block 0
+    manager.allocate_slots("filler", 8 * 4)  # evicts block 0
     with pytest.raises(ValueError, match="stale"):
-        manager.append_slots("b", 1, prefix=prefix)
+        manager.allocate_slots("b", 1, prefix=prefix)
 
 
 def test_fork_before_commit_caches_the_shared_block_once():
     manager = make_manager()
-    manager.append_slots("p", 6, prefix=manager.find_cached_prefix([1, 2, 3, 4, 5, 6]))
+    manager.allocate_slots("p", 6, prefix=manager.find_cached_prefix([1, 2, 3, 4, 5, 6]))
     manager.fork("p", "c")  # slots reserved, K/V not yet committed
     manager.commit_tokens("p", [1, 2, 3, 4, 5, 6])
     manager.commit_tokens("c", [1, 2, 3, 4, 5, 6])

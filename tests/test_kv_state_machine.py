@@ -21,7 +21,6 @@ from hypothesis.stateful import (
 )
 
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.kv.block_pool import OutOfBlocksError
 from pagedllm.kv.fragmentation import fragmentation_stats
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=12)
@@ -53,10 +52,15 @@ class KVManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(1, 32),
         reserved_fraction=st.sampled_from([0.0, 0.1, 0.25]),
         enable_prefix_caching=st.booleans(),
+        upfront_tokens=st.sampled_from([None, None, None, 0, 5, 40]),
     )
-    def setup(self, block_size, num_blocks, reserved_fraction, enable_prefix_caching):
+    def setup(
+        self, block_size, num_blocks, reserved_fraction, enable_prefix_caching, upfront_tokens
+    ):
+        """``upfront_tokens``: None allocates on demand; a number is the contiguous
+        baseline, every sequence holding that many slots from its start."""
         self.manager = BlockManager(
-            num_blocks, block_size, reserved_fraction, enable_prefix_caching
+            num_blocks, block_size, reserved_fraction, enable_prefix_caching, upfront_tokens
         )
         self.pool = self.manager.pool
         self.block_size = block_size
@@ -86,14 +90,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         """
         manager, block_size = self.manager, self.block_size
         expected_ok = manager.can_append(seq_id, len(new_tokens), high_priority, prefix)
+        starts = seq_id not in manager
         before = self.snapshot()
-        try:
-            result = manager.append_slots(seq_id, len(new_tokens), high_priority, prefix)
-        except OutOfBlocksError:
+        result = manager.allocate_slots(seq_id, len(new_tokens), high_priority, prefix)
+        if result is None:
             assert not expected_ok
             assert self.snapshot() == before
             return False
         assert expected_ok
+        if starts:
+            shadow.reserved_tokens = manager.upfront_tokens or 0
         for src, dst in result.copies:
             assert self.pool.ref_count(dst) == 1
             for offset in range(block_size):
@@ -152,17 +158,6 @@ class KVManagerMachine(RuleBasedStateMachine):
         event(f"prefix hit of {skipped // self.block_size} blocks" if skipped else "miss")
         shadow = ShadowSequence(salt, prompt[:skipped], num_committed=skipped)
         self.admit(prompt[skipped:], high_priority, shadow, prefix)
-
-    @rule(reserved=st.integers(0, 40), high_priority=st.booleans(), salt=SALTS)
-    def new_reserved_sequence(self, reserved, high_priority, salt):
-        """Admit a sequence the contiguous-reservation way: its blocks held up front."""
-        seq_id = self.new_id()
-        try:
-            self.manager.reserve(seq_id, reserved, high_priority)
-        except OutOfBlocksError:
-            assert seq_id not in self.manager
-            return
-        self.seqs[seq_id] = ShadowSequence(salt, [], reserved_tokens=reserved)
 
     @precondition(lambda self: self.seqs)
     @rule(

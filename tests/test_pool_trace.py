@@ -21,7 +21,7 @@ def fake_engine(num_blocks: int = 16, block_size: int = 4) -> SimpleNamespace:
 
 
 def run(engine, seq_id: int, num_tokens: int) -> None:
-    engine.block_manager.append_slots(seq_id, num_tokens)
+    engine.block_manager.allocate_slots(seq_id, num_tokens)
     engine.scheduler.running.append(SimpleNamespace(seq_id=seq_id))
 
 

@@ -38,6 +38,7 @@ from pagedllm.engine.sequence import Sequence as Seq
 from pagedllm.engine.sequence import SequenceStatus
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
 from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
 from pagedllm.kv.swap_space import SwapSpace
 from pagedllm.models.loader import LoadedModel, load_model
@@ -81,13 +82,18 @@ class LLMEngine:
             config.dtype,
             config.kv_cache_dtype,
         )
+        usable_blocks = self.num_blocks - num_reserved_blocks(
+            self.num_blocks, config.reserved_fraction
+        )
+        self.max_model_len = self._resolve_max_model_len(usable_blocks * config.block_size)
+        contiguous = config.kv_allocation == "contiguous"
         self.block_manager = BlockManager(
             self.num_blocks,
             config.block_size,
             config.reserved_fraction,
             enable_prefix_caching=config.enable_prefix_caching,
+            upfront_tokens=self.max_model_len if contiguous else None,
         )
-        self.max_model_len = self._resolve_max_model_len()
         self._log_pool()
         self.kv_cache = self._make_cache(self.num_blocks)
         attn = attention_backend_for(self.kv_cache)
@@ -104,12 +110,10 @@ class LLMEngine:
                 self.device,
             )
         self.swap_space = self._make_swap_space()
-        reserve = self.max_model_len if config.kv_allocation == "contiguous" else None
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            reserve,
             cache_key=f"{self.loaded.source}:{config.dtype}",
             swap_space=self.swap_space,
             preemption_mode=config.preemption_mode,
@@ -179,14 +183,15 @@ class LLMEngine:
         """Slots a normal-priority request can ever hold (the pool less the reserve)."""
         return self.block_manager.pool.num_available(high_priority=False) * self.config.block_size
 
-    def _resolve_max_model_len(self) -> int:
+    def _resolve_max_model_len(self, fits: int) -> int:
+        """``max_model_len`` as configured, or the model's limit capped by ``fits``, the
+        slots one normal-priority request can ever hold."""
         model_limit = self.model_config.max_position_embeddings
         requested = self.config.max_model_len
         if requested is not None and requested > model_limit:
             raise ValueError(
                 f"max_model_len={requested} exceeds the model's limit of {model_limit} tokens"
             )
-        fits = self.usable_tokens
         if requested is None:
             if fits < min(model_limit, 2):
                 raise ValueError(self._pool_too_small_message(model_limit, fits))
@@ -360,8 +365,9 @@ class LLMEngine:
         shared = prompt_len // block_size
         longest = -(-(prompt_len + max_tokens) // block_size)
         first = longest
-        if self.scheduler.reserve_tokens is not None:
-            first = max(longest, -(-self.scheduler.reserve_tokens // block_size))
+        upfront = self.block_manager.upfront_tokens
+        if upfront is not None:
+            first = max(longest, -(-upfront // block_size))
         worst_case = first + (n - 1) * (longest - shared)
         pool = self.block_manager.pool
         capacity = pool.num_blocks - (0 if priority < 0 else pool.num_reserved)

@@ -82,10 +82,9 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and asks the block manager for slots.
 
-    ``reserve_tokens`` (contiguous mode) is how many slots a sequence takes up front
-    when it is admitted; ``None`` means blocks are taken on demand (paged mode).
     ``cache_key``: identity of the model (and adapter) whose K/V the cache holds; it is
-    part of every cached block's hash, with the sequence's ``cache_salt``.
+    part of every cached block's hash, with the sequence's ``cache_salt``. How blocks
+    are taken (on demand, or up front in contiguous mode) is the block manager's policy.
     """
 
     def __init__(
@@ -93,7 +92,6 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        reserve_tokens: int | None = None,
         cache_key: str = "",
         swap_space: SwapSpace | None = None,
         preemption_mode: str = "recompute",
@@ -105,7 +103,6 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.reserve_tokens = reserve_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -170,13 +167,12 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            while not self._can_append(seq, num_tokens):
+            while not self._append(seq, num_tokens, out):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                self._append(seq, num_tokens, out)
                 budget -= num_tokens
         if not out.preempted:
             budget = self._swap_in(budget, out)
@@ -191,23 +187,30 @@ class Scheduler:
         self._released.append(seq.seq_id)
 
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
-        """Bring swapped sequences back while their blocks (and one more token) fit."""
-        manager = self.block_manager
+        """Bring swapped sequences back while their blocks (and their next tokens) fit."""
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            computed = seq.num_computed_tokens
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not manager.can_append(seq.seq_id, computed + num_tokens, seq.is_high_priority):
+            parked = seq.num_computed_tokens
+            # The parked blocks still cached in the pool are taken as a prefix hit (no
+            # copy); one allocation covers the other parked tokens and the new ones (only
+            # the new ones run); the copied-in blocks join the prefix cache again.
+            manager = self.block_manager
+            tokens = seq.all_token_ids
+            prefix = manager.find_cached_prefix(tokens[: parked + 1], self._extra_keys(seq))
+            copied = parked - prefix.num_tokens
+            if not self._append(seq, num_tokens, out, prefix=prefix, parked=copied):
                 break
-            manager.append_slots(seq.seq_id, computed, seq.is_high_priority)
-            block_ids = manager.block_table(seq.seq_id)
-            out.swap_in.extend(zip(seq.swap_block_ids, block_ids, strict=True))
+            first = len(prefix.block_ids)
+            block_ids = manager.block_table(seq.seq_id)[first:]
+            out.swap_in.extend(zip(seq.swap_block_ids[first:], block_ids, strict=False))
+            # their K/V are back before this plan's forward pass reads any of them
+            manager.commit_tokens(seq.seq_id, tokens[prefix.num_tokens : parked])
             self.swap_space.unpark(seq.swap_block_ids)
             seq.swap_block_ids = []
             self.swapped.pop(0)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
-            self._append(seq, num_tokens, out)
             budget -= num_tokens
         return budget
 
@@ -215,25 +218,14 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            high = seq.is_high_priority
-            prefix = None
-            if self.reserve_tokens is None:
-                prefix = manager.find_cached_prefix(seq.all_token_ids, self._extra_keys(seq))
-                num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
-                if not manager.can_append(seq.seq_id, num_tokens, high, prefix):
-                    return
-            else:
-                num_tokens = min(seq.num_uncomputed_tokens, budget)
-                reserve_blocks = manager.num_blocks_needed(seq.seq_id, self.reserve_tokens)
-                if not manager.pool.can_allocate(reserve_blocks, high):
-                    return
-                manager.reserve(seq.seq_id, self.reserve_tokens, high)
+            prefix = manager.find_cached_prefix(seq.all_token_ids, self._extra_keys(seq))
+            num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
+            if not self._append(seq, num_tokens, out, prefix=prefix):
+                return
+            seq.num_computed_tokens = prefix.num_tokens
             self.waiting.pop(0)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
-            if prefix is not None:
-                seq.num_computed_tokens = prefix.num_tokens
-            self._append(seq, num_tokens, out, prefix)
             budget -= num_tokens
 
     def _extra_keys(self, seq: Sequence) -> tuple[str, ...]:
@@ -241,19 +233,24 @@ class Scheduler:
             return (self.cache_key,)
         return (self.cache_key, seq.cache_salt)
 
-    def _can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.block_manager.can_append(seq.seq_id, num_tokens, seq.is_high_priority)
-
     def _append(
         self,
         seq: Sequence,
         num_tokens: int,
         out: SchedulerOutput,
         prefix: CachedPrefix | None = None,
-    ) -> None:
+        parked: int = 0,
+    ) -> bool:
+        """Allocate slots for ``num_tokens`` tokens of ``seq`` (after ``parked`` tokens
+        whose K/V come back from the swap space) and add them to the plan with their
+        block-table delta; False, changing nothing, when the blocks are not there."""
         manager = self.block_manager
         held = manager.num_held_blocks(seq.seq_id)
-        result = manager.append_slots(seq.seq_id, num_tokens, seq.is_high_priority, prefix)
+        result = manager.allocate_slots(
+            seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix
+        )
+        if result is None:
+            return False
         out.block_copies.extend(result.copies)
         changed = held
         if result.copies:
@@ -262,9 +259,9 @@ class Scheduler:
         start = min(seq.num_table_blocks_sent, changed)
         new_block_ids = manager.block_ids_from(seq.seq_id, start)
         seq.num_table_blocks_sent = start + len(new_block_ids)
-        out.scheduled.append(
-            ScheduledSequence(seq, num_tokens, result.slots, start, new_block_ids)
-        )
+        slots = result.slots[parked:]
+        out.scheduled.append(ScheduledSequence(seq, num_tokens, slots, start, new_block_ids))
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take ``seq``'s blocks back: park them in the swap space, or drop them and
@@ -272,7 +269,9 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
-        block_ids = self.block_manager.block_table(seq.seq_id)
+        # the blocks holding computed tokens (not blocks held up front for later ones)
+        num_computed_blocks = -(-seq.num_computed_tokens // self.block_manager.block_size)
+        block_ids = self.block_manager.block_table(seq.seq_id)[:num_computed_blocks]
         if self._swaps(seq, len(block_ids)):
             seq.swap_block_ids = self.swap_space.park(len(block_ids))
             out.swap_out.extend(zip(block_ids, seq.swap_block_ids, strict=True))

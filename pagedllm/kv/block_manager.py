@@ -1,17 +1,21 @@
 """The scheduler's view of KV memory: block tables keyed by sequence id over one pool.
 
-Each step the scheduler asks, for every sequence it runs, whether the tokens it will
-compute fit (:meth:`BlockManager.can_append`) and then reserves their slots
-(:meth:`BlockManager.append_slots`); a finished or preempted sequence returns its blocks
-with :meth:`BlockManager.free`. Every call costs O(tokens appended) or O(blocks of that
-sequence), never O(blocks in the pool).
+Each step the scheduler reserves the slots of the tokens every sequence computes next in
+one call, :meth:`BlockManager.allocate_slots`, which either allocates or returns None and
+changes nothing (no separate check first); a finished or preempted sequence returns its
+blocks with :meth:`BlockManager.free`. Every call costs O(tokens appended) or O(blocks of
+that sequence), never O(blocks in the pool).
+
+The allocation policy is the manager's: on demand (PagedAttention, the default), or
+``upfront_tokens`` slots held from a sequence's first step, the pre-PagedAttention
+contiguous reservation kept as a baseline (no prefix caching then).
 
 Automatic prefix caching (``enable_prefix_caching``, on by default), in three calls:
 
 1. ``prefix = find_cached_prefix(prompt_token_ids, extra_keys)`` looks up the longest
    chain of cached full blocks of the prompt (a query; nothing changes). It never covers
    the whole prompt: the last prompt token is always computed, to produce logits.
-2. ``append_slots(seq_id, len(prompt) - prefix.num_tokens, prefix=prefix)`` starts the
+2. ``allocate_slots(seq_id, len(prompt) - prefix.num_tokens, prefix=prefix)`` starts the
    sequence on those blocks (ref count + 1) and reserves slots for the rest, all or nothing.
 3. ``commit_tokens(seq_id, token_ids)`` after the model step has written K/V for those
    tokens: every block they complete becomes cached under its content key, findable by
@@ -86,10 +90,12 @@ class BlockManager:
         block_size: int,
         reserved_fraction: float = 0.05,
         enable_prefix_caching: bool = True,
+        upfront_tokens: int | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size, reserved_fraction)
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.upfront_tokens = upfront_tokens
+        self.enable_prefix_caching = enable_prefix_caching and upfront_tokens is None
         self._seqs: dict[SeqId, _Sequence] = {}
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
@@ -143,20 +149,23 @@ class BlockManager:
         num_new_tokens: int,
         high_priority: bool,
         prefix: CachedPrefix | None,
-    ) -> _Sequence:
-        """Register ``seq_id``, on the blocks of ``prefix`` if given, once its first
-        ``num_new_tokens`` tokens are known to fit (else raise, changing nothing)."""
+    ) -> _Sequence | None:
+        """Register ``seq_id`` (on the blocks of ``prefix`` if given, with its upfront
+        blocks under that policy) if its first ``num_new_tokens`` tokens fit; else None,
+        changing nothing."""
         if prefix is not None:
             self._check_prefix(prefix)
         needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix)
         if not self.pool.can_allocate(needed, high_priority):
-            raise OutOfBlocksError(needed, self.pool.num_available(high_priority))
+            return None
         if prefix is None:
             seq = _Sequence(BlockTable(self.pool), hasher=None)
         else:
             self.pool.incref(prefix.block_ids)
             table = BlockTable(self.pool, list(prefix.block_ids), prefix.num_tokens)
             seq = _Sequence(table, self._start_hasher(prefix))
+        if self.upfront_tokens is not None:
+            seq.table.preallocate(self.upfront_tokens, high_priority)
         self._seqs[seq_id] = seq
         return seq
 
@@ -182,8 +191,8 @@ class BlockManager:
         if seq is not None:
             return seq.table.num_blocks_needed(num_new_tokens)
         if prefix is None:
-            return -(-num_new_tokens // self.block_size)
-        return self._prefix_blocks_needed(prefix, num_new_tokens)
+            return -(-max(num_new_tokens, self.upfront_tokens or 0) // self.block_size)
+        return self._prefix_blocks_needed(prefix, max(num_new_tokens, self.upfront_tokens or 0))
 
     def can_append(
         self,
@@ -192,42 +201,36 @@ class BlockManager:
         high_priority: bool = False,
         prefix: CachedPrefix | None = None,
     ) -> bool:
-        """Whether :meth:`append_slots` with the same arguments would succeed now."""
+        """Whether :meth:`allocate_slots` with the same arguments would succeed now (a
+        query for monitoring and tests; allocating needs no check first)."""
         needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix)
         return self.pool.can_allocate(needed, high_priority)
 
-    def append_slots(
+    def allocate_slots(
         self,
         seq_id: SeqId,
         num_new_tokens: int,
         high_priority: bool = False,
         prefix: CachedPrefix | None = None,
-    ) -> AppendResult:
-        """Reserve slots for the ``num_new_tokens`` tokens ``seq_id`` computes next.
+    ) -> AppendResult | None:
+        """Reserve slots for the ``num_new_tokens`` tokens ``seq_id`` computes next, or
+        return None and change nothing when the blocks are not available to this priority.
 
         Creates the sequence on first use, on the blocks of ``prefix`` if given (the new
-        tokens then follow the prefix's ``num_tokens``). All-or-nothing: raises
-        :class:`~pagedllm.kv.block_pool.OutOfBlocksError` and changes nothing when the
-        blocks are not available to this priority.
+        tokens then follow the prefix's ``num_tokens``). Raises ValueError on misuse: a
+        prefix for an existing sequence, or a stale prefix.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._start(seq_id, num_new_tokens, high_priority, prefix)
+            if seq is None:
+                return None
         elif prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
-        return seq.table.append_slots(num_new_tokens, high_priority)
-
-    def reserve(self, seq_id: SeqId, num_tokens: int, high_priority: bool = False) -> None:
-        """Hold blocks for ``num_tokens`` tokens of ``seq_id`` up front.
-
-        The pre-PagedAttention baseline (contiguous per-request reservation) under the same
-        pool. Creates the sequence (never cached) on first use; all-or-nothing.
-        """
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            seq = _Sequence(BlockTable(self.pool), hasher=None)
-        seq.table.reserve(num_tokens, high_priority)
-        self._seqs[seq_id] = seq
+        try:
+            return seq.table.append_slots(num_new_tokens, high_priority)
+        except OutOfBlocksError:
+            return None
 
     def commit_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
         """Record that K/V of ``token_ids`` (the next uncommitted tokens) are now written.

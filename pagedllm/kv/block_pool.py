@@ -27,6 +27,12 @@ from pagedllm.kv.prefix_hash import BlockKey
 MAX_BLOCK_SIZE = 256
 
 
+def num_reserved_blocks(num_blocks: int, reserved_fraction: float) -> int:
+    """Blocks of a pool that only high-priority requests may take: the fraction of
+    ``num_blocks``, rounded down."""
+    return int(num_blocks * reserved_fraction)
+
+
 class OutOfBlocksError(RuntimeError):
     """Not enough free blocks for an allocation; nothing was changed."""
 
@@ -86,7 +92,7 @@ class BlockPool:
             raise ValueError(f"reserved_fraction must be in [0, 1), got {reserved_fraction}")
         self.num_blocks = num_blocks
         self.block_size = validate_block_size(block_size)
-        self.num_reserved = int(num_blocks * reserved_fraction)
+        self.num_reserved = num_reserved_blocks(num_blocks, reserved_fraction)
         self._free_queue = FreeBlockQueue(num_blocks)
         self._ref_counts = [0] * num_blocks
         self._block_keys: list[BlockKey | None] = [None] * num_blocks

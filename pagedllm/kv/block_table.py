@@ -4,7 +4,7 @@ Logical block ``j`` holds the sequence's tokens ``j * block_size .. (j + 1) * bl
 and lives in physical block ``block_ids[j]``. Invariants:
 
 - a table of ``num_tokens`` tokens holds exactly ``ceil(num_tokens / block_size)`` blocks
-  (more only after :meth:`BlockTable.reserve`), each with one reference owned by this table;
+  (more only after :meth:`BlockTable.preallocate`), each with one reference owned by this table;
 - blocks before the one holding token ``num_tokens`` are full and never written again;
 - a block is written in place only while this table is its sole holder: a shared block
   about to be written is first copied (copy-on-write).
@@ -90,7 +90,7 @@ class BlockTable:
         self.num_tokens += num_new_tokens
         return result
 
-    def reserve(self, num_tokens: int, high_priority: bool = False) -> None:
+    def preallocate(self, num_tokens: int, high_priority: bool = False) -> None:
         """Hold blocks for ``num_tokens`` tokens in advance (contiguous-reservation baseline).
 
         All-or-nothing like :meth:`append_slots`; the token count does not change.
