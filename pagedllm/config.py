@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from pagedllm.kv.block_pool import validate_block_size
-from pagedllm.kv.kv_quant import resolve_kv_format
+from pagedllm.kv.kv_quant import KV_CACHE_DTYPES, resolve_kv_format
 
 _DTYPES = {
     "auto": torch.float32,
@@ -79,62 +81,90 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def knob(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    """A config field with its command-line help (and allowed values): the one place a
+    knob is described; the flags of every command are generated from these."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
-    """Engine settings. Units: tokens unless a name says blocks or bytes.
+    """Engine settings. Units: tokens unless a name says blocks or bytes; each field's
+    ``help`` says what it does (``pagedllm serve --help`` prints them all)."""
 
-    - ``load_format``: ``"auto"`` reads the checkpoint ``model`` names; ``"dummy"`` builds
-      seeded random weights of the shape ``model`` names (a preset such as
-      ``"llama-3-8b"``, a config.json or a folder holding one), with no tokenizer.
-    - ``device``: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"``, ``"cuda[:N]"``;
-      resolved to a ``torch.device``. ``dtype`` ``"auto"`` is float32 on the CPU and
-      bfloat16 on CUDA.
-    - ``kv_cache_memory``: bytes for the whole KV pool (all layers, K and V). ``None``:
-      2 GiB on the CPU; on CUDA, what ``gpu_memory_utilization`` (a fraction of the
-      device's memory) leaves after the weights and the peak activation memory of a
-      profiling step, measured at start-up.
-    - ``enforce_eager``: on CUDA, run every step eagerly instead of replaying the CUDA
-      graphs captured at start-up for decode batches.
-    - ``kv_cache_dtype``: the KV cache's element format, ``"auto"`` (the model's dtype),
-      ``"bfloat16"``, ``"float16"``, or 8-bit ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int8"``
-      with a scale per token and KV head (:mod:`pagedllm.kv.kv_quant`); the pool holds
-      as many blocks as fit ``kv_cache_memory`` in that format, scales included.
-    - ``max_model_len``: longest sequence (prompt + output) a request may reach;
-      ``None`` takes the model's own limit, capped by what the pool holds.
-    - ``max_num_batched_tokens``: tokens one step may run (decodes + prefill chunks).
-    - ``max_n``: most samples (``n``) one request may ask for; each is a sequence with
-      its own KV blocks and logits row, so this bounds what one request can claim.
-    - ``reserved_fraction``: share of blocks only high-priority requests (priority < 0)
-      may take, seed 000's two-level allocation.
-    - ``kv_allocation``: ``"paged"`` allocates blocks as sequences grow; ``"contiguous"``
-      reserves ``max_model_len`` slots per request up front (the baseline).
-    - ``preemption_mode``: ``"recompute"`` drops a preempted sequence's K/V; ``"swap"``
-      parks them in a second tier of ``swap_space`` bytes (host memory, or a
-      memory-mapped file at ``swap_path``); ``"auto"`` swaps sequences with at least one
-      full block computed and recomputes shorter ones.
-    """
-
-    model: str | None = None
-    load_format: str = "auto"
-    device: str | torch.device = "auto"
-    dtype: str | torch.dtype = "auto"
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    max_n: int = 128
-    reserved_fraction: float = 0.05
-    kv_allocation: str = "paged"
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: int | str = 0
-    swap_path: str | None = None
-    seed: int = 0
-    log_stats_interval: float = 5.0
+    model: str | None = knob(
+        None,
+        "a .gguf file or a Hugging Face folder (config.json + safetensors); default: the "
+        "embedded SmolLM2-135M-Instruct; with load_format dummy, a preset such as llama-3-8b",
+    )
+    load_format: str = knob(
+        "auto",
+        "auto reads the checkpoint; dummy makes seeded random weights of the model's shape "
+        "(no tokenizer: prompts are token ids)",
+        LOAD_FORMATS,
+    )
+    device: str | torch.device = knob(
+        "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
+    )
+    dtype: str | torch.dtype = knob(
+        "auto",
+        "weights and activations; auto is float32 on the CPU and bfloat16 on CUDA",
+        tuple(_DTYPES),
+    )
+    kv_cache_dtype: str = knob(
+        "auto",
+        "KV cache format: auto (the model's dtype), bfloat16, float16, or 8-bit fp8_e4m3, "
+        "fp8_e5m2, int8 with a scale per token and KV head",
+        KV_CACHE_DTYPES,
+    )
+    block_size: int = knob(16, "tokens per KV block (a power of two)")
+    kv_cache_memory: int | str | None = knob(
+        None,
+        "bytes for the whole KV pool, e.g. 2GiB; default 2GiB on the CPU, and on CUDA what "
+        "gpu_memory_utilization leaves after the weights and a profiling step's activations",
+    )
+    gpu_memory_utilization: float = knob(
+        0.9, "share of the GPU's memory the engine may use, KV pool included (CUDA)"
+    )
+    enforce_eager: bool = knob(
+        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
+    max_model_len: int | None = knob(
+        None,
+        "longest sequence (prompt + output) a request may reach; default: the model's limit "
+        "capped by what the pool holds",
+    )
+    max_num_seqs: int = knob(128, "sequences one step may run")
+    max_num_batched_tokens: int = knob(
+        1024, "tokens one step may run (decodes + prefill chunks); longer prompts are chunked"
+    )
+    max_n: int = knob(
+        128, "most samples (n) one request may ask for; each holds its own KV blocks"
+    )
+    reserved_fraction: float = knob(
+        0.05, "share of the KV blocks only high-priority requests (priority < 0) may take"
+    )
+    kv_allocation: str = knob(
+        "paged",
+        "paged allocates blocks as sequences grow; contiguous holds max_model_len slots per "
+        "request from its start (the pre-PagedAttention baseline)",
+        ("paged", "contiguous"),
+    )
+    enable_prefix_caching: bool = knob(
+        True, "reuse the K/V of cached full blocks of earlier prompts (automatic prefix caching)"
+    )
+    preemption_mode: str = knob(
+        "recompute",
+        "when blocks run out: recompute drops a preempted sequence's K/V; swap parks them in "
+        "swap_space; auto swaps sequences with a full block computed, recomputes the rest",
+        ("recompute", "swap", "auto"),
+    )
+    swap_space: int | str = knob(0, "bytes of the second KV tier for swap, e.g. 1GiB")
+    swap_path: str | None = knob(None, "memory-map the second KV tier to this file")
+    seed: int = knob(0, "seed of the global random generator (unseeded requests draw from it)")
+    log_stats_interval: float = knob(
+        5.0, "seconds between throughput and pool log lines (0: never)"
+    )
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)

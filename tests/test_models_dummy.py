@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from pagedllm import LLM, EngineConfig, SamplingParams
 from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
-from pagedllm.cli import build_parser, engine_config, main
+from pagedllm.cli import build_parser, main
+from pagedllm.config_flags import config_from_flags
 from pagedllm.models import ModelLoadError, load_model
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.dummy import MATRIX_STD, dummy_weight_source, parameter_shapes
@@ -213,11 +214,10 @@ def test_cli_flag_reaches_the_engine_config():
     args = build_parser().parse_args(
         ["generate", "--prompt", "x", "--model", "llama-3-8b", "--load-format", "dummy"]
     )
-    config = engine_config(args)
+    config = config_from_flags(args)
     assert (config.model, config.load_format) == ("llama-3-8b", "dummy")
-    assert engine_config(build_parser().parse_args(["generate", "--prompt", "x"])).load_format == (
-        "auto"
-    )
+    default_args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert config_from_flags(default_args).load_format == "auto"
 
 
 def test_plan_takes_the_new_presets_by_option_or_position(capsys):

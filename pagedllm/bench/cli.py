@@ -19,15 +19,15 @@ from pagedllm.bench.throughput import (
     run_transformers,
 )
 from pagedllm.bench.workload import length_range, synthetic_workload
-from pagedllm.config import EngineConfig
+from pagedllm.config import resolve_device
+from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload")
     parser.add_argument(
         "--prompt-len", type=length_range, default=(32, 512), help="MIN,MAX prompt tokens"
     )
@@ -35,10 +35,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--output-len", type=length_range, default=(16, 256), help="MIN,MAX output tokens"
     )
     parser.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
-    parser.add_argument("--kv-cache-memory", default="2GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--baseline", action="store_true", help="also run transformers' static batching of 16"
     )
@@ -56,6 +52,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="comma list for the paged run under the --contiguous budget: recompute,swap,auto "
         "(swap and auto get a second tier as large as the KV budget)",
     )
+    add_config_flags(parser, exclude=("dtype",))
 
 
 def emit(record: dict[str, object]) -> None:
@@ -63,22 +60,17 @@ def emit(record: dict[str, object]) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    requests = synthetic_workload(args.num_requests, args.seed, args.prompt_len, args.output_len)
+    requests = synthetic_workload(
+        args.num_requests, args.workload_seed, args.prompt_len, args.output_len
+    )
     results: dict[str, dict[str, object]] = {}
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        loaded = load_model(args.model, dtype)
+        device = resolve_device(args.device)
+        loaded = load_model(args.model, dtype, device=device, load_format=args.load_format)
         peak = matmul_peak_gflops(dtype)
         emit({"measure": "matmul_peak", "dtype": dtype_name, "gflops": peak})
-        config = EngineConfig(
-            model=args.model,
-            dtype=dtype,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            log_stats_interval=0,
-        )
+        config = config_from_flags(args, dtype=dtype, log_stats_interval=0)
         from pagedllm.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, loaded)
@@ -118,15 +110,12 @@ def _paged_vs_contiguous(
     runs = [("paged", mode) for mode in args.preemption_modes.split(",")]
     out = {}
     for allocation, preemption in [*runs, ("contiguous", "recompute")]:
-        config = EngineConfig(
-            model=args.model,
+        config = config_from_flags(
+            args,
             dtype=dtype_name,
-            block_size=args.block_size,
             kv_cache_memory=budget,
             max_model_len=2048,
             reserved_fraction=0.0,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
             kv_allocation=allocation,
             preemption_mode=preemption,
             swap_space=0 if preemption == "recompute" else budget,

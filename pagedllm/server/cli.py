@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import signal
 import sys
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ EXIT_ENGINE_DIED = 70
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``serve`` with its HTTP options and the shared engine options."""
-    from pagedllm.cli import add_engine_args
+    from pagedllm.config_flags import add_config_flags
 
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local)")
@@ -39,12 +38,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["v1", "all"],
         help="what --api-key guards: the /v1/ routes (default), or every path but /health "
         "(/metrics, /docs and /openapi.json too)",
-    )
-    serve.add_argument(
-        "--max-n",
-        type=int,
-        default=None,
-        help="most samples (n) one request may ask for (default: the engine's max_n, 128)",
     )
     serve.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: from path)"
@@ -71,7 +64,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="record the KV block pool after every engine step and draw it to PNG at shutdown "
         "(costs 4 bytes per block per step)",
     )
-    add_engine_args(serve)
+    add_config_flags(serve)
     serve.set_defaults(func=run_server)
 
 
@@ -79,7 +72,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedllm.bench.pool_trace import PoolTracer, draw_trace
-    from pagedllm.cli import engine_config
+    from pagedllm.config_flags import config_from_flags
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import ServerSettings, build_app, served_model_name
 
@@ -92,10 +85,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         api_key_scope=args.api_key_scope,
     )
-    engine_settings = engine_config(args)
-    if args.max_n is not None:
-        engine_settings = dataclasses.replace(engine_settings, max_n=args.max_n)
-    engine = LLMEngine(engine_settings)
+    engine = LLMEngine(config_from_flags(args))
     tracer = PoolTracer(engine).attach() if args.trace_pool else None
     app = build_app(engine, settings)
     config = uvicorn.Config(
