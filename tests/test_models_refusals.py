@@ -47,7 +47,7 @@ def edit_config(folder, **changes):
 # Checkpoints transformers writes whose math we do not compute: (model_type, config
 # overrides, words the error must contain).
 REFUSED_CHECKPOINTS = {
-    "llama-gelu": ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    "llama-relu": ("llama", dict(hidden_act="relu"), "hidden_act"),
     "rope-partial": (
         "llama",
         dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,

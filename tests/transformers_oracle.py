@@ -19,6 +19,9 @@ TINY_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
     initializer_range=0.2,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
 )
 PROMPTS = [[5, 17, 200, 3, 64, 9], [42, 7, 99, 250, 1, 13, 77, 31, 8, 120, 64],
            list(range(30, 47))]  # fmt: skip

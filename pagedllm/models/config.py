@@ -1,4 +1,4 @@
-"""ModelConfig: the shape of a Llama-family decoder, normalised from any source.
+"""ModelConfig: the shape of a decoder, normalised from any source.
 
 Hugging Face ``config.json`` files and GGUF metadata name the same facts
 differently; both are turned into one :class:`ModelConfig` here so the decoder
@@ -11,24 +11,54 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.models.architectures import (
+    ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ArchitectureSpec,
+)
 from pagedllm.models.errors import ModelLoadError
 
-# Hugging Face ``model_type`` values the Llama decoder runs unchanged.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# MLP gate activations the decoder computes, by their transformers names.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# Rope types the rotary tables compute (see pagedllm.models.rope).
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
+
+# Config keys of some architectures that change the math, with their neutral value; an
+# architecture that does not read one of them refuses any other value.
+MATH_KEYS = {
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "num_local_experts": None,
+    "num_experts": None,
+    "use_qk_norm": False,
+    "use_bidirectional_attention": False,
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and constants of a Llama-family decoder.
+    """Sizes and constants of a decoder of one of :data:`SUPPORTED_ARCHITECTURES`.
 
     Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` is even;
-    ``rope_scaling`` is ``None`` or a dict with a ``"rope_type"`` key
-    (``"linear"``, ``"llama3"`` or ``"freq_factors"``) and that type's parameters.
+    ``rope_scaling`` is ``None`` or a dict with a ``"rope_type"`` key (one of
+    :data:`ROPE_TYPES`) and that type's parameters.
     ``attention_bias``: q/k/v projections have biases; ``output_bias``: the output
     projection too; ``mlp_bias``: gate/up/down projections have biases.
     ``sliding_windows``: per layer, ``None`` (full causal attention) or ``W``: a query at
     position ``p`` sees keys at positions ``p - W + 1 .. p`` (transformers' rule
     ``kv > q - W``); empty when no layer slides.
+    ``attention_scale``: multiplies ``q . k`` (``None``: ``head_dim ** -0.5``).
+    ``attn_logit_softcap`` / ``final_logit_softcap``: ``c`` turns attention scores / final
+    logits ``s`` into ``c * tanh(s / c)``. ``embedding_multiplier``,
+    ``residual_multiplier`` (on each branch before its residual add) and
+    ``logits_divisor`` (Granite's ``logits_scaling``) are plain factors.
+    ``local_rope_theta`` / ``local_rope_scaling``: the rope of sliding-window layers when
+    it differs from the global one (Gemma 3), else ``None``.
     """
 
     architecture: str
@@ -48,6 +78,15 @@ class ModelConfig:
     output_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    attention_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -63,6 +102,18 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(
+                f"hidden_act={self.hidden_act!r} is not implemented ({', '.join(ACTIVATIONS)})"
+            )
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
+                raise ModelLoadError(f"unsupported rope scaling type {scaling['rope_type']!r}")
+
+    @property
+    def spec(self) -> ArchitectureSpec:
+        """The architecture's fixed parts."""
+        return ARCHITECTURES[self.architecture]
 
     @property
     def q_size(self) -> int:
@@ -84,12 +135,28 @@ class ModelConfig:
                 f"unsupported architecture {found!r} (model_type={architecture!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        refuse_unimplemented_keys(raw)
+        spec = ARCHITECTURES[architecture]
+        refuse_unimplemented_keys(raw, spec)
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        local_theta, local_scaling = None, None
+        if "full_attention" in rope_params:  # per layer type (Gemma 3)
+            local = dict(rope_params.get("sliding_attention") or {})
+            rope_params = rope_params["full_attention"]
+            local_theta, local_scaling = _rope(local, raw, raw.get("rope_local_base_freq"))
+        elif "rope_local_base_freq" in raw:
+            local_theta = float(raw["rope_local_base_freq"])
+        rope_theta, rope_scaling = _rope(dict(rope_params), raw, raw.get("rope_theta"))
+        query_scalar = raw.get("query_pre_attn_scalar")
+        attention_scale = query_scalar**-0.5 if query_scalar else None
+        if "attention_multiplier" in spec.math_keys:  # Granite: the scale itself, default 1
+            attention_scale = float(raw.get("attention_multiplier", 1.0))
+        bias = bool(raw.get("attention_bias", False))
+        act = raw.get(spec.activation_key) or spec.default_activation
+        if act == "gelu" and spec.gelu_means_tanh:
+            act = "gelu_pytorch_tanh"
         eos = raw.get("eos_token_id")
         return cls(
             architecture=architecture,
@@ -97,74 +164,86 @@ class ModelConfig:
             hidden_size=raw["hidden_size"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
             intermediate_size=raw["intermediate_size"],
             vocab_size=raw["vocab_size"],
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
-            attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
-            output_bias=architecture != "qwen2" and bool(raw.get("attention_bias", False)),
+            attention_bias=spec.qkv_bias_always or bias,
+            output_bias=not spec.qkv_bias_always and bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_windows=_sliding_windows(raw, architecture, num_layers),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            sliding_windows=_sliding_windows(raw, spec, num_layers),
+            rope_scaling=rope_scaling,
+            hidden_act=act,
+            attention_scale=attention_scale,
+            attn_logit_softcap=raw.get("attn_logit_softcapping"),
+            final_logit_softcap=raw.get("final_logit_softcapping"),
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+            logits_divisor=float(raw.get("logits_scaling", 1.0)),
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(eos),
         )
 
 
-# Config keys of other architectures that change the math; a Llama-family config that
-# sets one of them to anything but its neutral value is refused rather than ignored.
-FOREIGN_MATH_KEYS = {
-    "attn_logit_softcapping": None,
-    "final_logit_softcapping": None,
-    "query_pre_attn_scalar": None,
-    "embedding_multiplier": 1.0,
-    "residual_multiplier": 1.0,
-    "attention_multiplier": None,
-    "logits_scaling": 1.0,
-    "num_local_experts": None,
-    "num_experts": None,
-    "use_qk_norm": False,
-}
-
-
-def refuse_unimplemented_keys(raw: Mapping[str, Any]) -> None:
+def refuse_unimplemented_keys(raw: Mapping[str, Any], spec: ArchitectureSpec) -> None:
     """Raise :class:`ModelLoadError` naming a config key whose value changes the math in a
     way no part of the decoder implements."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"hidden_act={act!r} is not implemented (only 'silu')")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ModelLoadError(f"partial_rotary_factor={partial} is not implemented (only 1.0)")
-    for key, neutral in FOREIGN_MATH_KEYS.items():
-        if raw.get(key, neutral) != neutral:
+    for params in rope.values() if "full_attention" in rope else [rope]:
+        partial = (params or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ModelLoadError(f"partial_rotary_factor={partial} is not implemented (only 1.0)")
+    for key, neutral in MATH_KEYS.items():
+        if key not in spec.math_keys and raw.get(key, neutral) not in (neutral, None):
             raise ModelLoadError(f"config key {key}={raw[key]!r} is not implemented")
 
 
+def _rope(
+    params: dict[str, Any], raw: Mapping[str, Any], theta: float | None
+) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from one rope parameter dict (``theta``: the value
+    outside it, if any)."""
+    rope_theta = float(params.pop("rope_theta", theta if theta is not None else 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return rope_theta, None
+    if "original_max_position_embeddings" in raw:  # Phi-3 keeps it at the top level
+        params.setdefault(
+            "original_max_position_embeddings", raw["original_max_position_embeddings"]
+        )
+    return rope_theta, {**params, "rope_type": rope_type}
+
+
 def _sliding_windows(
-    raw: Mapping[str, Any], architecture: str, num_layers: int
+    raw: Mapping[str, Any], spec: ArchitectureSpec, num_layers: int
 ) -> tuple[int | None, ...]:
-    """Each layer's window as transformers reads the config: Mistral slides every layer
-    (4096 when the key is absent); Qwen2 only with ``use_sliding_window``, on the layers
-    ``layer_types`` marks, else those from ``max_window_layers`` (default 28) on."""
-    if architecture == "mistral":
-        window = raw.get("sliding_window", 4096)
-        return () if window is None else (window,) * num_layers
-    if architecture == "qwen2" and raw.get("use_sliding_window", False):
-        window = raw.get("sliding_window", 4096)
-        if window is None:
+    """Each layer's window as transformers reads the config (see
+    :attr:`ArchitectureSpec.window_rule`); empty when no layer slides."""
+    window = raw.get("sliding_window", spec.default_window)
+    if spec.window_rule is None or window is None:
+        return ()
+    if spec.window_rule == "all":
+        return (window,) * num_layers
+    if spec.window_rule == "qwen":
+        if not raw.get("use_sliding_window", False):
             return ()
         layer_types = raw.get("layer_types") or [
             "sliding_attention" if i >= raw.get("max_window_layers", 28) else "full_attention"
             for i in range(num_layers)
         ]
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return ()
+    else:
+        pattern = raw.get("sliding_window_pattern", spec.window_pattern)
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _as_id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:

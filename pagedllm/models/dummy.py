@@ -7,7 +7,7 @@ whatever order they are read in (on one device type; CPU and CUDA generators dif
 and loading holds no more than the model plus a few tensors of one layer. The scales
 keep activations finite and logits spread out in bfloat16 or float16 through dozens of
 layers: matrices and embeddings normal with standard deviation ``MATRIX_STD``, biases
-``BIAS_STD``, norm weights one.
+``BIAS_STD``, norms multiplying by one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
 from pagedllm.models.errors import ModelLoadError
@@ -65,19 +66,24 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        shapes.update(
-            {
-                prefix + "input_layernorm.weight": (hidden,),
-                prefix + "post_attention_layernorm.weight": (hidden,),
-                attn + "q_proj.weight": (q_size, hidden),
-                attn + "k_proj.weight": (kv_size, hidden),
-                attn + "v_proj.weight": (kv_size, hidden),
-                attn + "o_proj.weight": (hidden, q_size),
-                mlp + "gate_proj.weight": (config.intermediate_size, hidden),
-                mlp + "up_proj.weight": (config.intermediate_size, hidden),
-                mlp + "down_proj.weight": (hidden, config.intermediate_size),
-            }
-        )
+        spec = config.spec
+        norms = NORM_NAMES[spec.norm_layout]
+        shapes.update({f"{prefix}{norm}.weight": (hidden,) for norm in norms})
+        if spec.qk_norm:
+            per_head = spec.qk_norm == "head"
+            shapes[attn + "q_norm.weight"] = (config.head_dim if per_head else q_size,)
+            shapes[attn + "k_norm.weight"] = (config.head_dim if per_head else kv_size,)
+        if spec.fused_projections:
+            shapes[attn + "qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
+            shapes[mlp + "gate_up_proj.weight"] = (2 * config.intermediate_size, hidden)
+        else:
+            shapes[attn + "q_proj.weight"] = (q_size, hidden)
+            shapes[attn + "k_proj.weight"] = (kv_size, hidden)
+            shapes[attn + "v_proj.weight"] = (kv_size, hidden)
+            shapes[mlp + "gate_proj.weight"] = (config.intermediate_size, hidden)
+            shapes[mlp + "up_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[attn + "o_proj.weight"] = (hidden, q_size)
+        shapes[mlp + "down_proj.weight"] = (hidden, config.intermediate_size)
         if config.attention_bias:
             shapes[attn + "q_proj.bias"] = (q_size,)
             shapes[attn + "k_proj.bias"] = (kv_size,)
@@ -107,8 +113,9 @@ def dummy_weight_source(
     def get(name: str) -> torch.Tensor:
         if name not in shapes:
             raise ModelLoadError(f"no parameter {name!r} in a {config.architecture} model")
-        if name.endswith("norm.weight"):
-            return torch.ones(shapes[name], dtype=dtype, device=device)
+        if name.endswith("norm.weight"):  # a norm multiplying by one
+            one = 1.0 - config.spec.norm_offset
+            return torch.full(shapes[name], one, dtype=dtype, device=device)
         tensor = torch.empty(shapes[name], dtype=dtype, device=device)
         if device.type == "meta":
             return tensor

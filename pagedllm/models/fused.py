@@ -1,6 +1,6 @@
-"""RMSNorm and the SwiGLU activation: one C++ pass per row where the AVX-512 kernels
-run (``pagedllm/cpu/elementwise.cpp``), torch's operators elsewhere. Both paths round like
-transformers' modules."""
+"""RMSNorm and the gated MLP activations: RMSNorm and SwiGLU in one C++ pass per row
+where the AVX-512 kernels run (``pagedllm/cpu/elementwise.cpp``), torch's operators
+elsewhere and for GeGLU. Every path rounds like transformers' modules."""
 
 from __future__ import annotations
 
@@ -25,5 +25,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_kernel(gate_up)
     width = gate_up.shape[-1] // 2
     gate = F.silu(gate_up[:, :width])
+    gate *= gate_up[:, width:]
+    return gate
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` ``[rows, width]`` for ``gate_up`` ``[rows, 2 * width]``, gate
+    first; ``activation`` is ``"silu"``, ``"gelu_pytorch_tanh"`` or ``"gelu"`` (exact)."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    width = gate_up.shape[-1] // 2
+    approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
+    gate = F.gelu(gate_up[:, :width], approximate=approximate)
     gate *= gate_up[:, width:]
     return gate

@@ -1,14 +1,19 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened batch.
+"""The one decoder of every supported architecture, over a flattened batch.
 
-Tokens of many sequences arrive concatenated as one ``[num_tokens]`` batch with
-their positions; attention is delegated to an :class:`AttentionBackend`, so the
-decoder itself holds no KV state. Weights are fused at load time (q/k/v into one
-matrix, gate/up into another) so a layer runs three matrix products plus the
-output projection.
+Llama 2/3, Mistral, Qwen2/3, SmolLM2, Gemma 1/2/3, OLMo 2, Granite and Phi-3 are one
+pre-RMSNorm transformer with rotary attention and a gated MLP; what an architecture
+changes (norm layout, q/k norms, norm offset, activation, scalings, soft-caps, windows,
+fused tensors) is read from its :class:`~pagedllm.models.architectures.ArchitectureSpec`
+and the :class:`~pagedllm.models.config.ModelConfig` numbers, never from a copy of the
+model. Tokens of many sequences arrive concatenated as one ``[num_tokens]`` batch with
+their positions; attention is delegated to an :class:`AttentionBackend`, so the decoder
+itself holds no KV state. Weights are fused at load time (q/k/v into one matrix, gate/up
+into another) so a layer runs three matrix products plus the output projection.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -17,10 +22,11 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.fused import rms_norm, silu_and_mul
+from pagedllm.models.fused import gated_activation, rms_norm
 from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
-from pagedllm.models.rope import RotaryTable
+from pagedllm.models.rope import RotaryTable, apply_rope
 
 # Returns the tensor stored under a Hugging Face parameter name, e.g.
 # "model.layers.0.self_attn.q_proj.weight"; raises ModelLoadError when absent.
@@ -28,49 +34,92 @@ WeightSource = Callable[[str], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block: RMSNorm, attention, residual; RMSNorm, SwiGLU MLP, residual.
+    """One block: attention and a gated MLP, each added to the residual stream, with the
+    RMSNorms where the architecture's ``norm_layout`` puts them.
 
     Weights (plain or packed, see :func:`~pagedllm.models.linear.prepare_weight`):
     ``qkv_weight`` ``[q_size + 2 * kv_size, hidden]`` (rows q, then k, then v),
     ``o_weight`` ``[hidden, q_size]``, ``gate_up_weight`` ``[2 * intermediate, hidden]``
     (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``. Buffers: biases of
     the same projections (``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias``) or
-    ``None``, norms ``[hidden]``. ``attention``: this layer's scale and sliding window.
+    ``None``; the layout's norms under their Hugging Face names, ``q_norm`` / ``k_norm``
+    or ``None``, all holding ``offset + weight``. ``attention``: this layer's scale,
+    sliding window and soft-cap; ``local_rope``: whether it rotates with the local rope.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, get: WeightSource) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, get: WeightSource, get_norm: WeightSource
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
+        spec = config.spec
         windows = config.sliding_windows
+        window = windows[layer_idx] if windows else None
         self.attention = AttentionOptions(
-            scale=config.head_dim**-0.5, sliding_window=windows[layer_idx] if windows else None
+            scale=config.attention_scale or config.head_dim**-0.5,
+            sliding_window=window,
+            logit_softcap=config.attn_logit_softcap,
         )
+        self.local_rope = window is not None and config.local_rope_theta is not None
         prefix = f"model.layers.{layer_idx}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        self.norm_names = NORM_NAMES[spec.norm_layout]
+        for name in self.norm_names:
+            self.register_buffer(name, get_norm(f"{prefix}{name}.weight"))
+        q_norm = get_norm(attn + "q_norm.weight") if spec.qk_norm else None
+        self.register_buffer("q_norm", q_norm)
+        self.register_buffer("k_norm", get_norm(attn + "k_norm.weight") if spec.qk_norm else None)
+
         projections = ("q_proj", "k_proj", "v_proj")
-        self.register_buffer("input_norm", get(prefix + "input_layernorm.weight"))
-        self.qkv_weight: Weight = prepare_weight(
-            torch.cat([get(f"{attn}{p}.weight") for p in projections])
-        )
+        gate_up = ("gate_proj", "up_proj")
+        if spec.fused_projections:
+            qkv = get(attn + "qkv_proj.weight")
+            gate_up_weight = get(mlp + "gate_up_proj.weight")
+        else:
+            qkv = torch.cat([get(f"{attn}{p}.weight") for p in projections])
+            gate_up_weight = torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
+        self.qkv_weight: Weight = prepare_weight(qkv)
+        self.gate_up_weight: Weight = prepare_weight(gate_up_weight)
+        self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
+        self.down_weight: Weight = prepare_weight(get(mlp + "down_proj.weight"))
         qkv_bias = (
             torch.cat([get(f"{attn}{p}.bias") for p in projections])
             if config.attention_bias
             else None
         )
         self.register_buffer("qkv_bias", qkv_bias)
-        self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
         self.register_buffer("o_bias", get(attn + "o_proj.bias") if config.output_bias else None)
-        self.register_buffer("post_norm", get(prefix + "post_attention_layernorm.weight"))
-        gate_up = ("gate_proj", "up_proj")
-        self.gate_up_weight: Weight = prepare_weight(
-            torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
-        )
-        self.down_weight: Weight = prepare_weight(get(mlp + "down_proj.weight"))
         mlp_bias = config.mlp_bias
         gate_up_bias = torch.cat([get(f"{mlp}{p}.bias") for p in gate_up]) if mlp_bias else None
         self.register_buffer("gate_up_bias", gate_up_bias)
         self.register_buffer("down_bias", get(mlp + "down_proj.bias") if mlp_bias else None)
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, getattr(self, name), self.config.rms_norm_eps)
+
+    def _add(self, hidden: torch.Tensor, branch: torch.Tensor) -> None:
+        multiplier = self.config.residual_multiplier
+        hidden += branch if multiplier == 1.0 else branch * multiplier
+
+    def _rotated_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: q and k normed (if the architecture
+        norms them) and rotated."""
+        c = self.config
+        if self.q_norm is None:
+            return rotary.split_qkv(qkv, positions, c.num_heads, c.num_kv_heads)
+        tokens, dim = qkv.shape[0], c.head_dim
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=1)
+        if c.spec.qk_norm == "head":
+            q, k = q.reshape(-1, dim), k.reshape(-1, dim)
+        q = self._norm("q_norm", q.contiguous())
+        k = self._norm("k_norm", k.contiguous())
+        cos, sin = rotary.lookup(positions)
+        q = apply_rope(q.view(tokens, c.num_heads, dim), cos, sin)
+        k = apply_rope(k.view(tokens, c.num_kv_heads, dim), cos, sin)
+        return q, k, v.reshape(tokens, c.num_kv_heads, dim)
 
     def forward(
         self,
@@ -85,26 +134,40 @@ class DecoderLayer(nn.Module):
         with ``output_rows``, return only those rows, whose output projection and MLP
         alone are computed (attention still writes every token's K/V)."""
         c = self.config
-        normed = rms_norm(hidden, self.input_norm, c.rms_norm_eps)
+        layout = c.spec.norm_layout
+        normed = hidden if layout == "post" else self._norm("input_layernorm", hidden)
         qkv = linear(normed, self.qkv_weight, self.qkv_bias)
-        q, k, v = rotary.split_qkv(qkv, positions, c.num_heads, c.num_kv_heads)
+        q, k, v = self._rotated_qkv(qkv, positions, rotary)
         attended = attn.forward(self.layer_idx, q, k, v, metadata, self.attention)
         if output_rows is not None:
             hidden, attended = hidden[output_rows], attended[output_rows]
-        hidden += linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight, self.o_bias)
+        out = linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight, self.o_bias)
+        if layout != "pre":
+            out = self._norm("post_attention_layernorm", out)
+        self._add(hidden, out)
 
-        normed = rms_norm(hidden, self.post_norm, c.rms_norm_eps)
-        activated = silu_and_mul(linear(normed, self.gate_up_weight, self.gate_up_bias))
-        hidden += linear(activated, self.down_weight, self.down_bias)
+        if layout == "pre":
+            normed = self._norm("post_attention_layernorm", hidden)
+        elif layout == "sandwich":
+            normed = self._norm("pre_feedforward_layernorm", hidden)
+        else:
+            normed = hidden
+        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)
+        out = linear(gated_activation(gate_up, c.hidden_act), self.down_weight, self.down_bias)
+        if layout != "pre":
+            out = self._norm("post_feedforward_layernorm", out)
+        self._add(hidden, out)
         return hidden
 
 
 class LlamaDecoder(nn.Module):
-    """Embedding, ``num_layers`` decoder layers, final RMSNorm and the LM head.
+    """Embedding, ``num_layers`` decoder layers, final RMSNorm and the LM head, for every
+    architecture of :data:`~pagedllm.models.architectures.ARCHITECTURES`.
 
     All weights share one dtype (float32, bfloat16, or float16 on CUDA) and one device,
     where the rotary tables live too; each source tensor is moved and converted as it is
-    read, so no second copy of the whole model is ever built. The LM head is the embedding
+    read, so no second copy of the whole model is ever built. Norm weights are stored as
+    ``offset + weight`` (computed in float32, then converted). The LM head is the embedding
     matrix when the config ties them; then one copy is kept, in the LM head's form, and
     embedding lookups read its rows.
     """
@@ -120,22 +183,36 @@ class LlamaDecoder(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        spec = config.spec
 
         def get_as_dtype(name: str) -> torch.Tensor:
             return get(name).to(device=self.device, dtype=dtype).contiguous()
 
+        def get_norm(name: str) -> torch.Tensor:
+            weight = get(name).to(device=self.device, dtype=torch.float32) + spec.norm_offset
+            return weight.to(dtype).contiguous()
+
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, get_as_dtype) for i in range(config.num_layers)
+            DecoderLayer(config, i, get_as_dtype, get_norm) for i in range(config.num_layers)
         )
-        self.register_buffer("final_norm", get_as_dtype("model.norm.weight"))
+        self.register_buffer("final_norm", get_norm("model.norm.weight"))
         if config.tie_word_embeddings:
             self.lm_head = prepare_weight(embed)
             self.embed_tokens: Weight = self.lm_head
         else:
             self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"))
             self.embed_tokens = embed
+        scale = config.hidden_size**0.5 if spec.embedding_scaled else config.embedding_multiplier
+        # As transformers: a float32 scalar rounded to the model dtype, times each row.
+        self.embedding_scale = None if scale == 1.0 else torch.tensor(scale).to(dtype).item()
         self.rotary = RotaryTable(config, dtype, self.device)
+        self.local_rotary = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_scaling=config.local_rope_scaling
+            )
+            self.local_rotary = RotaryTable(local, dtype, self.device)
 
     def weights(self) -> list[torch.Tensor]:
         """Every learned tensor the forward pass reads, each once (a tied embedding once,
@@ -147,10 +224,13 @@ class LlamaDecoder(nn.Module):
         return list({id(t): t for t in (*tensors, *self.buffers())}.values())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``."""
+        """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``, scaled as the
+        architecture scales them."""
         if isinstance(self.embed_tokens, PackedWeight):
-            return self.embed_tokens.rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+            rows = self.embed_tokens.rows(input_ids)
+        else:
+            rows = F.embedding(input_ids, self.embed_tokens)
+        return rows if self.embedding_scale is None else rows * self.embedding_scale
 
     @torch.inference_mode()
     def forward(
@@ -170,10 +250,18 @@ class LlamaDecoder(nn.Module):
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rows = output_rows if index == last else None
-            hidden = layer(hidden, positions, self.rotary, attn, metadata, rows)
+            rotary = self.local_rotary if layer.local_rope else self.rotary
+            hidden = layer(hidden, positions, rotary, attn, metadata, rows)
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab_size]`` for the ``N`` hidden rows to be sampled."""
-        return linear(hidden, self.lm_head).float()
+        """Float32 logits ``[N, vocab_size]`` for the ``N`` hidden rows to be sampled,
+        divided by ``logits_divisor`` and soft-capped as the config says."""
+        logits = linear(hidden, self.lm_head).float()
+        c = self.config
+        if c.logits_divisor != 1.0:
+            logits = logits / c.logits_divisor
+        if c.final_logit_softcap:
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        return logits

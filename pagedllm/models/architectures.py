@@ -1,0 +1,120 @@
+"""What each supported architecture changes in the one decoder (:mod:`pagedllm.models.llama`).
+
+Every architecture here is a pre-RMSNorm transformer with rotary attention and a gated
+MLP; they differ in a few parts, named by :class:`ArchitectureSpec`. Numbers that vary
+per checkpoint (soft-caps, multipliers, windows) live in
+:class:`~pagedllm.models.config.ModelConfig`; the spec holds what is fixed per
+architecture and which config keys carry those numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Where a layer's RMSNorms sit:
+# "pre": norm -> attention -> residual add; norm -> MLP -> residual add (Llama).
+# "sandwich": norm -> attention -> norm -> residual add; same around the MLP (Gemma 2/3).
+# "post": attention -> norm -> residual add; MLP -> norm -> residual add (OLMo 2).
+NORM_LAYOUTS = ("pre", "sandwich", "post")
+# Per-layer tensor names of the norms, in the order the layout uses them.
+NORM_NAMES = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """The fixed parts of one Hugging Face ``model_type``.
+
+    - ``norm_layout``: one of :data:`NORM_LAYOUTS`.
+    - ``qk_norm``: ``None``; ``"head"`` (an RMSNorm over each head of q and of k, weights
+      ``[head_dim]``, Qwen3 and Gemma 3); ``"projection"`` (over the whole q and k
+      projections, weights ``[q_size]`` and ``[kv_size]``, OLMo 2). Before RoPE.
+    - ``norm_offset``: RMSNorms multiply by ``offset + weight`` (Gemma: 1).
+    - ``embedding_scaled``: embeddings are multiplied by ``sqrt(hidden_size)`` rounded
+      to the model dtype (Gemma).
+    - ``fused_projections``: q/k/v are stored as one ``qkv_proj`` and gate/up as one
+      ``gate_up_proj`` (Phi-3).
+    - ``qkv_bias_always``: q/k/v biases whatever the config says (Qwen2); otherwise
+      ``attention_bias`` gives q/k/v *and* o biases.
+    - ``activation_key``: the config key naming the MLP's gate activation, and
+      ``default_activation`` its value when absent; ``gelu_means_tanh``: a legacy
+      ``"gelu"`` there means the tanh approximation (Gemma).
+    - ``window_rule``: how layers get a sliding window: ``None`` (never), ``"all"``
+      (``sliding_window`` on every layer), ``"qwen"`` (``use_sliding_window``, then
+      ``layer_types`` or the layers from ``max_window_layers`` on), ``"layer_types"``
+      (``layer_types``, else every ``window_pattern``-th layer global).
+    - ``math_keys``: config keys carrying numbers this architecture's decoder reads
+      (soft-caps, multipliers, ``query_pre_attn_scalar``).
+    """
+
+    norm_layout: str = "pre"
+    qk_norm: str | None = None
+    norm_offset: float = 0.0
+    embedding_scaled: bool = False
+    fused_projections: bool = False
+    qkv_bias_always: bool = False
+    activation_key: str = "hidden_act"
+    default_activation: str = "silu"
+    gelu_means_tanh: bool = False
+    window_rule: str | None = None
+    window_pattern: int = 0
+    default_window: int | None = None
+    math_keys: tuple[str, ...] = ()
+
+
+GEMMA_KEYS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "llama": ArchitectureSpec(),
+    "mistral": ArchitectureSpec(window_rule="all", default_window=4096),
+    "qwen2": ArchitectureSpec(qkv_bias_always=True, window_rule="qwen", default_window=4096),
+    "qwen3": ArchitectureSpec(qk_norm="head", window_rule="qwen", default_window=4096),
+    "gemma": ArchitectureSpec(
+        norm_offset=1.0,
+        embedding_scaled=True,
+        default_activation="gelu_pytorch_tanh",
+        gelu_means_tanh=True,
+    ),
+    "gemma2": ArchitectureSpec(
+        norm_layout="sandwich",
+        norm_offset=1.0,
+        embedding_scaled=True,
+        activation_key="hidden_activation",
+        default_activation="gelu_pytorch_tanh",
+        window_rule="layer_types",
+        window_pattern=2,
+        default_window=4096,
+        math_keys=GEMMA_KEYS,
+    ),
+    "gemma3_text": ArchitectureSpec(
+        norm_layout="sandwich",
+        qk_norm="head",
+        norm_offset=1.0,
+        embedding_scaled=True,
+        activation_key="hidden_activation",
+        default_activation="gelu_pytorch_tanh",
+        window_rule="layer_types",
+        window_pattern=6,
+        default_window=4096,
+        math_keys=GEMMA_KEYS,
+    ),
+    "olmo2": ArchitectureSpec(norm_layout="post", qk_norm="projection"),
+    "granite": ArchitectureSpec(
+        math_keys=(
+            "embedding_multiplier",
+            "residual_multiplier",
+            "attention_multiplier",
+            "logits_scaling",
+        )
+    ),
+    "phi3": ArchitectureSpec(fused_projections=True, window_rule="all"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

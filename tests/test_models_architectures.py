@@ -1,0 +1,70 @@
+"""Architectures beyond the Llama family, each exact against transformers (float32,
+eager): logits within ``LOGITS_TOLERANCE`` (see ``transformers_oracle``) and greedy tokens
+equal for 3 prompts x 32 tokens, on tiny random checkpoints transformers writes here.
+
+Each configuration turns on what makes the architecture differ, at values where a
+mistake shows: soft-caps small enough that tanh bends the scores, windows shorter than
+the sequences, multipliers away from 1, a local rope base that differs from the global
+one."""
+
+from __future__ import annotations
+
+import pytest
+from transformers_oracle import assert_exact, write_random_checkpoint
+
+from pagedllm.models import load_model
+
+SHORT = [1.0 + i / 8 for i in range(8)]  # longrope factors for head_dim 16
+ARCHITECTURES = {
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "gemma": ("gemma", dict(head_dim=16)),
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
+    "gemma3-text": ("gemma3_text", dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "olmo2": ("olmo2", dict()),
+    "granite": ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                attention_multiplier=0.1, logits_scaling=2.0)),
+    "phi3-longrope-window": ("phi3", dict(
+        sliding_window=12, original_max_position_embeddings=256,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": SHORT,
+                         "long_factor": [4.0] * 8, "original_max_position_embeddings": 256})),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_architecture_is_exact(tmp_path, name):
+    model_type, overrides = ARCHITECTURES[name]
+    reference = write_random_checkpoint(tmp_path, model_type, **overrides)
+    assert_exact(tmp_path, reference)
+
+
+def test_gemma3_layers_alternate_windows_and_ropes(tmp_path):
+    model_type, overrides = ARCHITECTURES["gemma3-text"]
+    write_random_checkpoint(tmp_path, model_type, **overrides)
+    model = load_model(tmp_path).model
+    assert [layer.attention.sliding_window for layer in model.layers] == [8, None]
+    assert [layer.local_rope for layer in model.layers] == [True, False]
+    assert model.config.local_rope_theta == 1e4 and model.config.rope_theta == 1e6
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_dummy_shapes_are_the_checkpoint_shapes(tmp_path, name):
+    """``load_format="dummy"`` makes exactly the tensors, and shapes, transformers saves."""
+    import json
+
+    from safetensors import safe_open
+
+    from pagedllm.models import ModelConfig
+    from pagedllm.models.dummy import parameter_shapes
+
+    model_type, overrides = ARCHITECTURES[name]
+    write_random_checkpoint(tmp_path, model_type, **overrides)
+    config = ModelConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    assert parameter_shapes(config) == saved
