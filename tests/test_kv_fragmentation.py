@@ -1,4 +1,4 @@
-"""Fragmentation accounting against seed 004's worked example."""
+"""Fragmentation accounting against a worked example (lengths 10 and 7, block size 4)."""
 
 import pytest
 

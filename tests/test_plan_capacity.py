@@ -31,7 +31,7 @@ FP16 = KV_DTYPES["float16"]
     ("length", "exact", "shown"),
     [(2048, 8_589_934_592, "8.59 GB"), (8192, 34_359_738_368, "34.36 GB")],
 )
-def test_seed003_batch_of_8_in_fp16(length, exact, shown):
+def test_textbook_formula_batch_of_8_in_fp16(length, exact, shown):
     """32 layers, hidden 4096, no GQA: 8 x 2,048 tokens ~ 8.6 GB, 8 x 8,192 ~ 34 GB."""
     config = resolve_model("llama-2-7b").config
     assert (config.num_layers, config.hidden_size) == (32, 4096)
@@ -42,7 +42,7 @@ def test_seed003_batch_of_8_in_fp16(length, exact, shown):
     assert decimal_bytes(row.batch_kv_bytes) == shown
 
 
-def test_seed000_block_of_16_tokens_32_heads_128_dims():
+def test_block_of_16_tokens_32_heads_128_dims():
     """131,072 elements per layer, 256 KiB at fp16."""
     config = resolve_model("llama-2-7b").config
     assert block_elements_per_layer(config, 16) == 131_072
@@ -121,7 +121,7 @@ def test_memory_budget_takes_weights_and_activation_reserve_first():
         memory_budget(params, "bfloat16", 0.2)
 
 
-def test_paged_layout_counts_like_seed004():
+def test_paged_layout_counts_like_the_worked_example():
     """Lengths 10 and 7, block size 4, a 4-token shared prefix: 4 blocks, 13 live tokens."""
     layout = paged_layout([10, 7], 4, prefix_len=4)
     assert [use.owner for use in layout] == [SHARED_OWNER, 0, 1, 0]

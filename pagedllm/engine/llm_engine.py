@@ -128,10 +128,6 @@ class LLMEngine:
         self.step_times = StepTimes()
         self._stats_logger = StatsLogger(config.log_stats_interval)
 
-    @classmethod
-    def from_kwargs(cls, **kwargs: object) -> LLMEngine:
-        return cls(EngineConfig(**kwargs))
-
     def _make_cache(self, num_blocks: int) -> KVCache:
         mc, config = self.model_config, self.config
         return KVCache(
@@ -397,10 +393,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
 
     # ---- one step --------------------------------------------------------------------
 

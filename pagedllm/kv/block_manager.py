@@ -286,7 +286,7 @@ class BlockManager:
         return self._seqs[seq_id].table.num_tokens
 
     def fragmentation(self) -> FragmentationStats:
-        """Seed 004's figures for the live tables, as :func:`fragmentation_stats` counts them.
+        """Fragmentation figures of the live tables, as :func:`fragmentation_stats` counts them.
 
         O(number of sequences) plus reserved blocks: it relies on the tables' invariants
         (every referenced block belongs to a table; blocks before a table's write position

@@ -7,8 +7,8 @@ A pool of ``num_blocks`` blocks (ids ``0 .. num_blocks - 1``), each holding the 
   never both;
 - allocation is all-or-nothing: a request that cannot be met raises
   :class:`OutOfBlocksError` and changes nothing;
-- the last ``num_reserved`` free blocks (seed 000's two-level allocation) go only to
-  high-priority requests.
+- the last ``num_reserved`` free blocks go only to high-priority requests (a two-level
+  allocation that keeps room for urgent requests).
 
 Prefix caching: a full block may carry a :class:`~pagedllm.kv.prefix_hash.BlockKey`
 (its content identity). Such a block stays findable by its key while referenced and, once

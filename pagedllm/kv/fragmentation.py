@@ -1,8 +1,8 @@
-"""Fragmentation accounting, counted the way seed 004's worked example counts it.
+"""Fragmentation accounting, counted per physical block.
 
 Units are token slots. A physical block provides ``block_size`` slots however many
 tables hold it, so a shared block is counted once; its live tokens are the most any
-holder has filled it with. In seed 004 (lengths 10 and 7, block size 4, tables
+holder has filled it with. For example (lengths 10 and 7, block size 4, tables
 ``[5, 1, 6]`` and ``[5, 3]`` sharing block 5) that gives 4 unique blocks, 16 slots,
 4 + 6 + 3 = 13 live tokens, 3 slots of internal fragmentation, and 20 - 16 = 4 slots
 saved by sharing (without sharing each sequence holds ``ceil(len / block_size)`` blocks).

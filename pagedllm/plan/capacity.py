@@ -8,7 +8,7 @@ so an unquantized plan holds exactly the blocks the engine allocates for that bu
 Quantized caches (fp8, int8) are assumed to carry one float32 scale per layer, K/V,
 block and KV head: ``4 / (block_size x head_dim)`` bytes per element, 0.2 % at block
 size 16 and head_dim 128. Weights take ``parameters x bytes per weight``; the
-activation reserve is a fraction of the weight bytes (seed 003 suggests 10-20 %).
+activation reserve is a fraction of the weight bytes (10-20 % is the usual rule of thumb).
 """
 
 from __future__ import annotations
@@ -68,13 +68,14 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: KVDtype) -> int:
 
 
 def hidden_size_estimate(config: ModelConfig, num_tokens: int, element_bytes: int) -> int:
-    """Seed 003's formula ``2 x layers x tokens x hidden x bytes``: exact without GQA, an
+    """The textbook formula ``2 x layers x tokens x hidden x bytes``: exact without GQA, an
     overestimate by ``num_heads / num_kv_heads`` with it."""
     return 2 * config.num_layers * num_tokens * config.hidden_size * element_bytes
 
 
 def block_elements_per_layer(config: ModelConfig, block_size: int) -> int:
-    """K and V elements of one block in one layer (seed 000's 16 x 32 x 128 x 2)."""
+    """K and V elements of one block in one layer (Llama-2-7B, 16 tokens: 16 x 32 heads x
+    128 dims x 2)."""
     return 2 * block_size * config.num_kv_heads * config.head_dim
 
 

@@ -37,7 +37,8 @@ def binary_bytes(num_bytes: float) -> str:
 
 
 def gqa_explanation(plan: CapacityPlan) -> str:
-    """Why the KV width is ``kv_heads x head_dim`` and what seed 003's formula gets wrong."""
+    """Why the KV width is ``kv_heads x head_dim``, and what the textbook formula (with the
+    hidden size as the width) gets wrong."""
     config = plan.model.config
     kv_width = config.num_kv_heads * config.head_dim
     ratio = f"{config.num_kv_heads}/{config.num_heads}"
