@@ -8,11 +8,13 @@ templates behave exactly as transformers' do; streaming decode uses the Rust
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedllm.engine.structured_output import GrammarCompiler
 
 # Token texts that end a turn in common chat formats; one found among a
 # tokenizer's special tokens is a stop token even if the checkpoint names
@@ -76,6 +78,7 @@ class Tokenizer:
         if self.eos_token_id is not None:
             stop.add(self.eos_token_id)
         self.stop_token_ids: set[int] = stop
+        self._grammar_compilers: dict[int, GrammarCompiler] = {}
 
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
@@ -115,6 +118,15 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
 
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
+        """The structured-output compiler for a model of ``vocab_size`` logits (made
+        once; it caches what it compiles). Its grammars end with ``stop_token_ids``."""
+        compiler = self._grammar_compilers.get(vocab_size)
+        if compiler is None:
+            compiler = GrammarCompiler(self._hf, vocab_size, self.stop_token_ids)
+            self._grammar_compilers[vocab_size] = compiler
+        return compiler
+
     def save(self, folder: Path) -> None:
         """Write a Hugging Face tokenizer folder: ``tokenizer.json`` and
         ``tokenizer_config.json`` holding the special tokens and the chat template, as a
@@ -138,10 +150,3 @@ class Tokenizer:
         """A streaming decoder for one sequence; ``prompt_ids`` give it context."""
         return IncrementalDecoder(self._backend, prompt_ids)
 
-
-def word_encoder(tokenizer: Tokenizer | None) -> Callable[[str], list[int]] | None:
-    """Text -> token ids without special tokens (BOS), as ``bad_words`` are encoded;
-    None for a model without a tokenizer."""
-    if tokenizer is None:
-        return None
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -134,19 +134,27 @@ def test_derived_seeds_are_seed_plus_sample_index():
 ENCODINGS = {"cat": [5, 6], " cat": [9, 6], "dog": [7], " dog": [7, 8], "big": [11], " big": [12]}
 
 
+class WordTokenizer:
+    """Encodes the words of ``ENCODINGS``, without special tokens as bad words need."""
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens
+        return ENCODINGS[text]
+
+
 def test_check_for_model_resolves_bad_words_and_checks_the_vocabulary():
     params = SamplingParams(
         bad_words=["cat", " dog", "big"], logit_bias={3: -2}, allowed_token_ids=[1]
     )
-    params.check_for_model(20, ENCODINGS.__getitem__)
+    params.check_for_model(20, WordTokenizer())
     # the spaced form counts when it starts with another token and is as long
     assert params.bad_words_token_ids == [[5, 6], [9, 6], [7], [11], [12]]
     assert params.logit_bias == {3: -2.0}
     for field, value in [("logit_bias", {20: 1.0}), ("allowed_token_ids", [0, 25])]:
         with pytest.raises(InvalidRequestError, match=r"\[0, 20\)") as info:
-            SamplingParams(**{field: value}).check_for_model(20, ENCODINGS.__getitem__)
+            SamplingParams(**{field: value}).check_for_model(20, WordTokenizer())
         assert info.value.param == field
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         SamplingParams(bad_words=["cat"]).check_for_model(20, None)
     with pytest.raises(InvalidRequestError, match="bad_words"):
-        SamplingParams(bad_words=["cat"]).check_for_model(6, ENCODINGS.__getitem__)
+        SamplingParams(bad_words=["cat"]).check_for_model(6, WordTokenizer())

@@ -94,7 +94,9 @@ def test_sdk_and_framework_extras_are_ignored_and_named(client, model_name):
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+        ({"guided_regex": "(a"}, "structured_outputs", "does not compile"),
+        ({"guided_regex": "a", "ignore_eos": True}, "structured_outputs", "ignore_eos"),
         ({"tool_choice": "required"}, "tool_choice", "tool calling"),
         ({"echo": True}, "echo", "echo"),
         ({"suffix": " mat."}, "suffix", "fill-in-the-middle tokens"),
@@ -203,3 +205,33 @@ def test_fuzz_style_new_fields_never_fail_the_server(http):
         )
         assert response.status_code in (200, 400), (body, response.text)
     assert http.get("/health").status_code == 200
+
+
+def test_structured_outputs_through_the_sdk(client, model_name):
+    schema = {
+        "type": "object",
+        "properties": {"pet": {"enum": ["cat", "dog"]}, "n": {"enum": [1, 2, 3]}},
+        "required": ["pet", "n"],
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+    reply = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=5, n=3,
+        response_format=response_format,
+    )  # fmt: skip
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", repr(choice.message.content)
+        value = json.loads(choice.message.content)
+        assert set(value) == {"pet", "n"} and value["pet"] in ("cat", "dog")
+        assert value["n"] in (1, 2, 3)
+    choices = ["alpha", "beta gamma"]
+    picked = complete(
+        client, model_name, max_tokens=20, temperature=1.0, n=4, seed=2,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )  # fmt: skip
+    assert all(c.text in choices and c.finish_reason == "stop" for c in picked.choices)
+    stream = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=20, stream=True,
+        extra_body={"guided_regex": "[0-9]{4}"},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert len(text) == 4 and text.isdigit()

@@ -37,7 +37,8 @@ ROUTES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
-GET_ROUTES = ["/health", "/v1/models", "/metrics", "/openapi.json"]
+GET_ROUTES = ["/health", "/v1/models", "/v1/models/x/y", "/metrics", "/openapi.json", "/version"]
+TOKEN_ROUTES = ["/tokenize", "/detokenize"]
 
 HOSTILE_INTS = st.sampled_from([0, -1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**40])
 HOSTILE_STRINGS = st.sampled_from(["", "\ud800", "x\udc00y", "<|im_end|>", "\x00", "é" * 50])
@@ -134,14 +135,33 @@ def generation_request(draw) -> tuple[str, str, dict[str, str], bytes]:
     return "POST", path, {"Content-Type": content_type} if content_type else {}, data
 
 
+TOKEN_BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.one_of(TEXT, ANY_JSON),
+        "messages": st.lists(MESSAGE, min_size=1, max_size=2),
+        "tokens": st.one_of(TOKEN_IDS, ANY_JSON),
+        "add_special_tokens": st.booleans(),
+        "return_token_strs": st.booleans(),
+        "model": st.one_of(st.none(), ANY_JSON),
+    },
+)
+TOKEN_REQUEST = st.tuples(
+    st.just("POST"),
+    st.sampled_from(TOKEN_ROUTES),
+    st.just({"Content-Type": "application/json"}),
+    TOKEN_BODY.map(lambda body: json.dumps(body, allow_nan=True).encode()),
+)
+
 ANY_REQUEST = st.one_of(
+    TOKEN_REQUEST,
     generation_request(),
     generation_request(),
     generation_request(),
     st.tuples(st.just("GET"), st.sampled_from(GET_ROUTES), st.just({}), st.just(b"")),
     st.tuples(
         st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
-        st.one_of(st.sampled_from([*ROUTES, *GET_ROUTES]), URL_PATH),
+        st.one_of(st.sampled_from([*ROUTES, *GET_ROUTES, *TOKEN_ROUTES]), URL_PATH),
         st.just({}),
         st.binary(max_size=32),
     ),

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from pagedllm.engine.request_errors import InvalidRequestError
+from pagedllm.engine.structured_output import StructuredOutputsParams
 from pagedllm.server.app import served_model_name
 from pagedllm.server.errors import APIError, error_body, validation_error
 from pagedllm.server.field_policy import (
@@ -145,13 +146,12 @@ def test_unknown_fields_are_ignored_and_named():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"response_format": {"type": "json_object"}},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"tool_choice": "auto"},
         {"echo": True},
         {"best_of": 2},
         {"suffix": "tail"},
-        {"guided_json": {}},
+        {"guided_whitespace_pattern": " "},
         {"skip_special_tokens": False},
         {"add_generation_prompt": False},
     ],
@@ -190,3 +190,28 @@ def test_best_of_samples_more_and_ranks_by_logprob():
         with pytest.raises(InvalidRequestError) as caught:
             completion(**fields).sampling_params()
         assert caught.value.param == "best_of"
+
+
+def test_structured_output_fields_map_to_one_constraint():
+    schema = {"type": "object"}
+    named = {"name": "s", "schema": schema}
+    formats = [
+        ({"response_format": {"type": "json_schema", "json_schema": named}},
+         StructuredOutputsParams(json=schema)),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+        ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+        ({"guided_grammar": "root ::= \"a\""}, StructuredOutputsParams(grammar='root ::= "a"')),
+        ({"response_format": {"type": "text"}}, None),
+    ]  # fmt: skip
+    for fields, expected in formats:
+        assert chat(**fields).sampling_params().structured_outputs == expected
+    for fields, param in [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+    ]:
+        with pytest.raises(InvalidRequestError) as caught:
+            chat(**fields).sampling_params()
+        assert caught.value.param == param

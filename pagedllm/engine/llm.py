@@ -12,7 +12,7 @@ from pagedllm.engine.beam_search_runner import BeamSearchRunner
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.tokenizer import Tokenizer, word_encoder
+from pagedllm.tokenizer import Tokenizer
 
 Message = Mapping[str, str]
 
@@ -134,7 +134,7 @@ class LLM:
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
             try:
-                p.check_for_model(engine.model_config.vocab_size, word_encoder(engine.tokenizer))
+                p.check_for_model(engine.model_config.vocab_size, engine.tokenizer)
                 engine.add_request(request_id, prompt, p, priority=priority)
             except ValueError:
                 for queued in order:

@@ -3,7 +3,9 @@
 The engine builds a :class:`SamplingBatch` each step from the scheduled sequences
 (their params, token history and random generators), then calls :class:`Sampler`.
 
-Order of operations per row (vLLM's): ``-inf`` outside ``allowed_token_ids``; ``-inf``
+Order of operations per row (vLLM's): ``-inf`` where the row's grammar forbids a token
+(``structured_outputs``, one bitmask for the batch) and outside ``allowed_token_ids``;
+``-inf``
 on banned ids: the last token of each ``bad_words`` sequence whose other tokens end
 the output, and the stop ids (the engine's stop set unless ``ignore_eos``, and the
 request's ``stop_token_ids``: the same set the output check stops on) while the output
@@ -34,6 +36,7 @@ from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
 from pagedllm.engine.penalties import apply_penalties, token_counts
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.structured_output import allocate_bitmask, apply_bitmask
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -105,6 +108,16 @@ class TokenEdits:
 
 
 @dataclass
+class GrammarRows:
+    """Rows under ``structured_outputs``: ``rows`` ``[num_constrained]`` int64 on the
+    device, and their allowed tokens, ``bitmask`` (see ``allocate_bitmask``), on the host.
+    """
+
+    rows: torch.Tensor
+    bitmask: torch.Tensor
+
+
+@dataclass
 class SamplingBatch:
     """Everything the sampler needs about the rows of one step, in logits row order.
 
@@ -113,6 +126,7 @@ class SamplingBatch:
     - ``banned_rows``, ``banned_ids`` ``[num_banned]`` int64: (row, token) pairs set to
       ``-inf`` (stop ids before ``min_tokens``, bad words).
     - ``edits``: None when no row has ``logit_bias`` or ``allowed_token_ids``.
+    - ``grammar``: None when no row has ``structured_outputs``.
     - ``penalties``: None when no row has a penalty.
     - ``random``: None when every row is greedy.
     """
@@ -121,6 +135,7 @@ class SamplingBatch:
     banned_rows: torch.Tensor
     banned_ids: torch.Tensor
     edits: TokenEdits | None
+    grammar: GrammarRows | None
     penalties: PenaltyInputs | None
     random: RandomRows | None
 
@@ -148,6 +163,7 @@ class SamplingBatch:
             banned_rows=torch.tensor(banned_rows, dtype=torch.int64, device=device),
             banned_ids=torch.tensor(banned_ids, dtype=torch.int64, device=device),
             edits=_token_edits(params, device),
+            grammar=_grammar_rows(params, output_token_ids, device),
             penalties=_penalty_inputs(params, prompt_token_ids, output_token_ids, device),
             random=_random_rows(params, generators, device),
         )
@@ -197,6 +213,27 @@ def _add_bad_word_bans(
             if len(prefix) <= len(output) and list(output[len(output) - len(prefix) :]) == prefix:
                 rows.append(row)
                 ids.append(word[-1])
+
+
+def _grammar_rows(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> GrammarRows | None:
+    rows = [row for row, p in enumerate(params) if p.structured_outputs is not None]
+    if not rows:
+        return None
+    matchers = [params[row].grammar_matchers for row in rows]
+    if any(m is None for m in matchers):
+        raise InvalidRequestError(
+            "structured_outputs must be compiled for the model first "
+            "(SamplingParams.check_for_model)",
+            "structured_outputs",
+        )
+    bitmask = allocate_bitmask(len(rows), matchers[0].vocab_size)
+    for index, (row, matcher) in enumerate(zip(rows, matchers, strict=True)):
+        matcher.fill_mask(output_token_ids[row], bitmask, index)
+    return GrammarRows(torch.tensor(rows, dtype=torch.int64, device=device), bitmask)
 
 
 def _token_edits(params: Sequence[SamplingParams], device: torch.device | str) -> TokenEdits | None:
@@ -335,6 +372,10 @@ class Sampler:
 def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Constrained, biased and penalised logits; never modifies the input."""
     vocab_size = logits.shape[-1]
+    if batch.grammar is not None:
+        constrained = logits[batch.grammar.rows]
+        apply_bitmask(constrained, batch.grammar.bitmask)
+        logits = logits.index_put((batch.grammar.rows,), constrained)
     edits = batch.edits
     if edits is not None:
         if edits.max_id >= vocab_size:
@@ -355,6 +396,8 @@ def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         logits = logits.index_put(
             (edits.bias_rows, edits.bias_ids), edits.bias_values, accumulate=True
         )
+    if batch.grammar is not None or (edits is not None and edits.allowed_rows.numel() > 0):
+        _check_some_token_allowed(logits)
     if batch.penalties is not None:
         inputs = batch.penalties
         logits = apply_penalties(
@@ -366,6 +409,15 @@ def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
             inputs.frequency,
         )
     return logits
+
+
+def _check_some_token_allowed(logits: torch.Tensor) -> None:
+    """InvalidRequestError when a row's constraints together allow no token at all."""
+    if bool(torch.isneginf(logits).all(dim=-1).any()):
+        raise InvalidRequestError(
+            "the request's constraints (structured output, allowed_token_ids, bad_words, "
+            "logit_bias) leave no token that may come next"
+        )
 
 
 def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:

@@ -23,6 +23,10 @@ Conventions:
   always banned). The engine or server resolves the words with the model's tokenizer
   (:meth:`SamplingParams.check_for_model`), which also checks every id against the
   vocabulary.
+- ``structured_outputs`` (vLLM's): the output follows a JSON schema, any JSON object, a
+  regex, a choice or a grammar (see :mod:`pagedllm.engine.structured_output`);
+  :meth:`SamplingParams.check_for_model` compiles it. Not with ``ignore_eos`` or
+  ``min_tokens``: the grammar decides where the output ends.
 - Sample ``i`` of a request with ``n > 1`` and seed ``s`` uses seed ``s + i``
   (see :meth:`SamplingParams.derived_seed`), so ``n=4, seed=s`` samples exactly what
   four ``n=1`` requests with seeds ``s, s+1, s+2, s+3`` sample.
@@ -31,10 +35,15 @@ Conventions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.request_errors import InvalidRequestError
+from pagedllm.engine.structured_output import GrammarMatchers, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.tokenizer import Tokenizer
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -75,8 +84,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     """``bad_words`` as token sequences, set by :meth:`check_for_model`."""
+    grammar_matchers: GrammarMatchers | None = field(default=None, init=False, repr=False)
+    """The compiled ``structured_outputs``, set by :meth:`check_for_model`."""
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -165,11 +177,25 @@ class SamplingParams:
             ):
                 _reject("bad_words", words, "must be a list of words that are not blank")
             self.bad_words = list(words)
+        structured = self.structured_outputs
+        if structured is not None:
+            if not isinstance(structured, StructuredOutputsParams):
+                _reject("structured_outputs", structured, "must be a StructuredOutputsParams")
+            if self.ignore_eos or self.min_tokens > 0:
+                _reject(
+                    "structured_outputs",
+                    structured,
+                    "cannot be combined with ignore_eos or min_tokens (the grammar ends it)",
+                )
 
-    def check_for_model(self, vocab_size: int, encode: Callable[[str], list[int]] | None) -> None:
-        """Check token ids against ``vocab_size`` and resolve ``bad_words`` with
-        ``encode`` (text -> ids without special tokens; None when the model has no
-        tokenizer). Raises ``InvalidRequestError`` naming the field."""
+    def check_for_model(self, vocab_size: int, tokenizer: Tokenizer | None) -> None:
+        """Check token ids against ``vocab_size``, resolve ``bad_words`` and compile
+        ``structured_outputs`` with the model's tokenizer (None when it has none).
+        Raises ``InvalidRequestError`` naming the field."""
+        if self.structured_outputs is not None:
+            if tokenizer is None:
+                _reject("structured_outputs", self.structured_outputs, "needs a tokenizer")
+            self.grammar_matchers = tokenizer.grammar_compiler(vocab_size)(self.structured_outputs)
         for name in ("logit_bias", "allowed_token_ids"):
             ids = getattr(self, name) or ()
             outside = [t for t in ids if t >= vocab_size]
@@ -177,8 +203,12 @@ class SamplingParams:
                 _reject(name, outside[0], f"must hold token ids in [0, {vocab_size})")
         if not self.bad_words:
             return
-        if encode is None:
+        if tokenizer is None:
             _reject("bad_words", self.bad_words, "needs a model with a tokenizer")
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
         sequences: list[list[int]] = []
         for word in self.bad_words:
             plain = encode(word.lstrip())

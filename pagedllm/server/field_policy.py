@@ -41,18 +41,10 @@ class Unsupported:
 
 
 _TOOLS = "tool calling is not supported yet"
-_STRUCTURED = "structured outputs are not supported yet"
 _PROMPT_LOGPROBS = "prompt logprobs and echo are not supported yet"
 
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
-    "response_format": Unsupported(_STRUCTURED, ({"type": "text"},)),
-    "structured_outputs": Unsupported(_STRUCTURED),
-    "guided_json": Unsupported(_STRUCTURED),
-    "guided_regex": Unsupported(_STRUCTURED),
-    "guided_choice": Unsupported(_STRUCTURED),
-    "guided_grammar": Unsupported(_STRUCTURED),
-    "guided_decoding_backend": Unsupported(_STRUCTURED),
-    "guided_whitespace_pattern": Unsupported(_STRUCTURED),
+    "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported"),
     "tools": Unsupported(_TOOLS, ([],)),
     "tool_choice": Unsupported(_TOOLS, ("none",)),
     "functions": Unsupported(_TOOLS, ([],)),

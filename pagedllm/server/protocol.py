@@ -8,7 +8,8 @@ ignored, as vLLM does; :mod:`pagedllm.server.field_policy` names them in a respo
 header and refuses the known ones whose effect is not implemented.
 Besides OpenAI's fields, vLLM's common sampling extras are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, allowed_token_ids,
-bad_words, include_stop_str_in_output). ``logit_bias`` keys are
+bad_words, include_stop_str_in_output), and structured outputs
+(:mod:`pagedllm.server.structured_fields`). ``logit_bias`` keys are
 token ids written as JSON strings, as OpenAI's.
 """
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.server.structured_fields import StructuredFields
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a client may ask for (OpenAI's chat limit)."""
@@ -37,7 +39,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredFields):
     """Decoding fields both endpoints share, with OpenAI's defaults."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -111,6 +113,7 @@ class SamplingFields(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured(),
         )
 
 

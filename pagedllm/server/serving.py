@@ -12,6 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_errors import InvalidRequestError
@@ -22,7 +23,7 @@ from pagedllm.server.field_policy import check_fields, ignored_fields_headers
 from pagedllm.server.protocol import SamplingFields
 from pagedllm.server.request_body import read_body
 from pagedllm.server.responses import TokenTexts, usage
-from pagedllm.tokenizer import Tokenizer, word_encoder
+from pagedllm.tokenizer import Tokenizer
 
 Fields = TypeVar("Fields", bound=SamplingFields)
 Result = TypeVar("Result")
@@ -67,8 +68,14 @@ async def parse_request(raw: Request, ctx: ServingContext, model: type[Fields]) 
     check_model(ctx, body)
     headers = ignored_fields_headers(check_fields(body))
     params = invalid_as_400(body.sampling_params)
-    encode = word_encoder(ctx.tokenizer)
-    invalid_as_400(lambda: params.check_for_model(ctx.vocab_size, encode))
+
+    def check() -> None:
+        params.check_for_model(ctx.vocab_size, ctx.tokenizer)
+
+    if params.structured_outputs is None:
+        invalid_as_400(check)
+    else:  # compiling a grammar can take a while: off the event loop
+        await run_in_threadpool(invalid_as_400, check)
     return ParsedRequest(body, params, headers)
 
 

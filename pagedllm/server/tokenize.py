@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
@@ -62,7 +63,10 @@ async def tokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
     tokenizer = _tokenizer(ctx)
     if body.messages is not None:
         messages = [message.as_template_input() for message in body.messages]
-        ids = await run_in_threadpool(tokenizer.apply_chat_template, messages)
+        try:
+            ids = await run_in_threadpool(tokenizer.apply_chat_template, messages)
+        except (ValueError, TemplateError) as error:
+            raise APIError(400, str(error), param="messages", code="invalid_value") from None
     else:
         special = body.add_special_tokens is not False
         ids = await run_in_threadpool(tokenizer.encode, body.prompt, special)
