@@ -33,6 +33,13 @@ ARCHITECTURES = {
         sliding_window=12, original_max_position_embeddings=256,
         rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": SHORT,
                          "long_factor": [4.0] * 8, "original_max_position_embeddings": 256})),
+    "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                       sliding_window=12)),
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True)),
 }  # fmt: skip
 
 

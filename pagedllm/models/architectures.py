@@ -49,10 +49,17 @@ class ArchitectureSpec:
       ``"gelu"`` there means the tanh approximation (Gemma).
     - ``window_rule``: how layers get a sliding window: ``None`` (never), ``"all"``
       (``sliding_window`` on every layer), ``"qwen"`` (``use_sliding_window``, then
-      ``layer_types`` or the layers from ``max_window_layers`` on), ``"layer_types"``
+      ``layer_types`` or the layers from ``max_window_layers`` on), ``"qwen2_moe"``
+      (the same, but odd-numbered layers below ``max_window_layers``), ``"layer_types"``
       (``layer_types``, else every ``window_pattern``-th layer global).
     - ``math_keys``: config keys carrying numbers this architecture's decoder reads
-      (soft-caps, multipliers, ``query_pre_attn_scalar``).
+      (soft-caps, multipliers, ``query_pre_attn_scalar``, expert counts).
+    - ``qkv_bias_key``: the config key (default true) giving q/k/v biases and no o bias
+      (Qwen2-MoE's ``qkv_bias``).
+    - ``moe``: ``None``, ``"mixtral"`` (every MLP sparse, ``block_sparse_moe.experts.E.w1/
+      w3/w2``, router probabilities renormalised over the top k) or ``"qwen"`` (sparse
+      MLPs by ``decoder_sparse_step`` and ``mlp_only_layers``, ``mlp.experts.E.gate_proj/
+      up_proj/down_proj``, ``norm_topk_prob``); ``shared_expert``: Qwen2-MoE's gated one.
     """
 
     norm_layout: str = "pre"
@@ -68,6 +75,9 @@ class ArchitectureSpec:
     window_pattern: int = 0
     default_window: int | None = None
     math_keys: tuple[str, ...] = ()
+    qkv_bias_key: str | None = None
+    moe: str | None = None
+    shared_expert: bool = False
 
 
 GEMMA_KEYS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
@@ -116,5 +126,20 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         )
     ),
     "phi3": ArchitectureSpec(fused_projections=True, window_rule="all"),
+    "mixtral": ArchitectureSpec(
+        window_rule="all", moe="mixtral", math_keys=("num_local_experts",)
+    ),
+    "qwen2_moe": ArchitectureSpec(
+        qkv_bias_key="qkv_bias",
+        window_rule="qwen2_moe",
+        default_window=4096,
+        moe="qwen",
+        shared_expert=True,
+        math_keys=("num_experts",),
+    ),
+    "qwen3_moe": ArchitectureSpec(
+        qk_norm="head", window_rule="qwen", default_window=4096, moe="qwen",
+        math_keys=("num_experts", "num_local_experts"),
+    ),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

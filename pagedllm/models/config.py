@@ -59,6 +59,11 @@ class ModelConfig:
     ``logits_divisor`` (Granite's ``logits_scaling``) are plain factors.
     ``local_rope_theta`` / ``local_rope_scaling``: the rope of sliding-window layers when
     it differs from the global one (Gemma 3), else ``None``.
+    ``sparse_layers``: per layer, whether its MLP is a mixture of ``num_experts`` experts
+    of width ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token,
+    weighted by router probabilities renormalised over them when ``moe_renormalize``;
+    plus a shared expert of width ``shared_expert_intermediate_size`` when it is not 0.
+    Empty for dense models.
     """
 
     architecture: str
@@ -87,6 +92,12 @@ class ModelConfig:
     logits_divisor: float = 1.0
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
+    sparse_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True
+    shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -154,6 +165,9 @@ class ModelConfig:
         if "attention_multiplier" in spec.math_keys:  # Granite: the scale itself, default 1
             attention_scale = float(raw.get("attention_multiplier", 1.0))
         bias = bool(raw.get("attention_bias", False))
+        qkv_bias = spec.qkv_bias_always or bias
+        if spec.qkv_bias_key:
+            qkv_bias, bias = bool(raw.get(spec.qkv_bias_key, True)), False
         act = raw.get(spec.activation_key) or spec.default_activation
         if act == "gelu" and spec.gelu_means_tanh:
             act = "gelu_pytorch_tanh"
@@ -171,7 +185,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=spec.qkv_bias_always or bias,
+            attention_bias=qkv_bias,
             output_bias=not spec.qkv_bias_always and bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(raw, spec, num_layers),
@@ -185,6 +199,7 @@ class ModelConfig:
             logits_divisor=float(raw.get("logits_scaling", 1.0)),
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
+            **_experts(raw, spec, num_layers),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(eos),
         )
@@ -219,6 +234,37 @@ def _rope(
     return rope_theta, {**params, "rope_type": rope_type}
 
 
+def _experts(raw: Mapping[str, Any], spec: ArchitectureSpec, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelConfig` (none for dense models)."""
+    if spec.moe is None:
+        return {}
+    if spec.moe == "mixtral":
+        return dict(
+            sparse_layers=(True,) * num_layers,
+            num_experts=raw["num_local_experts"],
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            moe_intermediate_size=raw["intermediate_size"],
+        )
+    # Qwen3-MoE saves the count as num_local_experts, an alias of num_experts.
+    counts = {raw[key] for key in ("num_experts", "num_local_experts") if key in raw}
+    if len(counts) != 1:
+        raise ModelLoadError(f"num_experts / num_local_experts missing or differing: {counts}")
+    experts, step = counts.pop(), raw.get("decoder_sparse_step", 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    return dict(
+        sparse_layers=tuple(
+            i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        ),
+        num_experts=experts,
+        num_experts_per_tok=raw["num_experts_per_tok"],
+        moe_intermediate_size=raw["moe_intermediate_size"],
+        moe_renormalize=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            raw.get("shared_expert_intermediate_size", 0) if spec.shared_expert else 0
+        ),
+    )
+
+
 def _sliding_windows(
     raw: Mapping[str, Any], spec: ArchitectureSpec, num_layers: int
 ) -> tuple[int | None, ...]:
@@ -234,6 +280,15 @@ def _sliding_windows(
             return ()
         layer_types = raw.get("layer_types") or [
             "sliding_attention" if i >= raw.get("max_window_layers", 28) else "full_attention"
+            for i in range(num_layers)
+        ]
+    elif spec.window_rule == "qwen2_moe":
+        if not raw.get("use_sliding_window", False):
+            return ()
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention"
+            if (i + 1) % 2 and i < raw.get("max_window_layers", 28)
+            else "full_attention"
             for i in range(num_layers)
         ]
     else:

@@ -75,15 +75,21 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[attn + "k_norm.weight"] = (config.head_dim if per_head else kv_size,)
         if spec.fused_projections:
             shapes[attn + "qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
-            shapes[mlp + "gate_up_proj.weight"] = (2 * config.intermediate_size, hidden)
         else:
             shapes[attn + "q_proj.weight"] = (q_size, hidden)
             shapes[attn + "k_proj.weight"] = (kv_size, hidden)
             shapes[attn + "v_proj.weight"] = (kv_size, hidden)
-            shapes[mlp + "gate_proj.weight"] = (config.intermediate_size, hidden)
-            shapes[mlp + "up_proj.weight"] = (config.intermediate_size, hidden)
         shapes[attn + "o_proj.weight"] = (hidden, q_size)
-        shapes[mlp + "down_proj.weight"] = (hidden, config.intermediate_size)
+        if config.sparse_layers and config.sparse_layers[layer]:
+            shapes.update(_expert_shapes(config, prefix))
+        else:
+            width = config.intermediate_size
+            if spec.fused_projections:
+                shapes[mlp + "gate_up_proj.weight"] = (2 * width, hidden)
+            else:
+                shapes[mlp + "gate_proj.weight"] = (width, hidden)
+                shapes[mlp + "up_proj.weight"] = (width, hidden)
+            shapes[mlp + "down_proj.weight"] = (hidden, width)
         if config.attention_bias:
             shapes[attn + "q_proj.bias"] = (q_size,)
             shapes[attn + "k_proj.bias"] = (kv_size,)
@@ -94,6 +100,28 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[mlp + "gate_proj.bias"] = (config.intermediate_size,)
             shapes[mlp + "up_proj.bias"] = (config.intermediate_size,)
             shapes[mlp + "down_proj.bias"] = (hidden,)
+    return shapes
+
+
+def _expert_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Router, experts and shared expert of one sparse layer, under their checkpoint names."""
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    if config.spec.moe == "mixtral":
+        block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    shapes: dict[str, tuple[int, ...]] = {block + "gate.weight": (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        expert = f"{block}experts.{e}."
+        shapes[f"{expert}{names[0]}.weight"] = (width, hidden)
+        shapes[f"{expert}{names[1]}.weight"] = (width, hidden)
+        shapes[f"{expert}{names[2]}.weight"] = (hidden, width)
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes[block + "shared_expert.gate_proj.weight"] = (shared, hidden)
+        shapes[block + "shared_expert.up_proj.weight"] = (shared, hidden)
+        shapes[block + "shared_expert.down_proj.weight"] = (hidden, shared)
+        shapes[block + "shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

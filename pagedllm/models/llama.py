@@ -26,11 +26,45 @@ from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import gated_activation, rms_norm
 from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
+from pagedllm.models.moe import SparseMoE
 from pagedllm.models.rope import RotaryTable, apply_rope
 
 # Returns the tensor stored under a Hugging Face parameter name, e.g.
 # "model.layers.0.self_attn.q_proj.weight"; raises ModelLoadError when absent.
 WeightSource = Callable[[str], torch.Tensor]
+
+
+def sparse_moe(config: ModelConfig, prefix: str, get: WeightSource) -> SparseMoE:
+    """The mixture-of-experts MLP of the layer whose names start with ``prefix``, from
+    Mixtral's or Qwen's per-expert tensors."""
+    if config.spec.moe == "mixtral":
+        block = prefix + "block_sparse_moe."
+        names = ("w1", "w3", "w2")  # gate, up, down
+    else:
+        block = prefix + "mlp."
+        names = ("gate_proj", "up_proj", "down_proj")
+    experts = [f"{block}experts.{e}." for e in range(config.num_experts)]
+    gate_up = torch.stack(
+        [torch.cat([get(f"{e}{names[0]}.weight"), get(f"{e}{names[1]}.weight")]) for e in experts]
+    )
+    down = torch.stack([get(f"{e}{names[2]}.weight") for e in experts])
+    shared = None
+    if config.shared_expert_intermediate_size:
+        expert = block + "shared_expert."
+        shared = (
+            torch.cat([get(expert + "gate_proj.weight"), get(expert + "up_proj.weight")]),
+            get(expert + "down_proj.weight"),
+            get(block + "shared_expert_gate.weight"),
+        )
+    return SparseMoE(
+        get(block + "gate.weight"),
+        gate_up,
+        down,
+        config.num_experts_per_tok,
+        config.moe_renormalize,
+        config.hidden_act,
+        shared,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -40,11 +74,13 @@ class DecoderLayer(nn.Module):
     Weights (plain or packed, see :func:`~pagedllm.models.linear.prepare_weight`):
     ``qkv_weight`` ``[q_size + 2 * kv_size, hidden]`` (rows q, then k, then v),
     ``o_weight`` ``[hidden, q_size]``, ``gate_up_weight`` ``[2 * intermediate, hidden]``
-    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``. Buffers: biases of
-    the same projections (``qkv_bias``, ``o_bias``, ``gate_up_bias``, ``down_bias``) or
-    ``None``; the layout's norms under their Hugging Face names, ``q_norm`` / ``k_norm``
-    or ``None``, all holding ``offset + weight``. ``attention``: this layer's scale,
-    sliding window and soft-cap; ``local_rope``: whether it rotates with the local rope.
+    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``; a sparse layer has
+    ``moe`` (:class:`~pagedllm.models.moe.SparseMoE`) instead of the last two. Buffers:
+    biases of the same projections (``qkv_bias``, ``o_bias``, ``gate_up_bias``,
+    ``down_bias``) or ``None``; the layout's norms under their Hugging Face names,
+    ``q_norm`` / ``k_norm`` or ``None``, all holding ``offset + weight``. ``attention``:
+    this layer's scale, sliding window and soft-cap; ``local_rope``: whether it rotates
+    with the local rope.
     """
 
     def __init__(
@@ -75,14 +111,21 @@ class DecoderLayer(nn.Module):
         gate_up = ("gate_proj", "up_proj")
         if spec.fused_projections:
             qkv = get(attn + "qkv_proj.weight")
-            gate_up_weight = get(mlp + "gate_up_proj.weight")
         else:
             qkv = torch.cat([get(f"{attn}{p}.weight") for p in projections])
-            gate_up_weight = torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
         self.qkv_weight: Weight = prepare_weight(qkv)
-        self.gate_up_weight: Weight = prepare_weight(gate_up_weight)
         self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
-        self.down_weight: Weight = prepare_weight(get(mlp + "down_proj.weight"))
+        sparse = config.sparse_layers[layer_idx] if config.sparse_layers else False
+        self.moe = sparse_moe(config, prefix, get) if sparse else None
+        self.gate_up_weight: Weight | None = None
+        self.down_weight: Weight | None = None
+        if not sparse:
+            if spec.fused_projections:
+                gate_up_weight = get(mlp + "gate_up_proj.weight")
+            else:
+                gate_up_weight = torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
+            self.gate_up_weight = prepare_weight(gate_up_weight)
+            self.down_weight = prepare_weight(get(mlp + "down_proj.weight"))
         qkv_bias = (
             torch.cat([get(f"{attn}{p}.bias") for p in projections])
             if config.attention_bias
@@ -152,8 +195,12 @@ class DecoderLayer(nn.Module):
             normed = self._norm("pre_feedforward_layernorm", hidden)
         else:
             normed = hidden
-        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)
-        out = linear(gated_activation(gate_up, c.hidden_act), self.down_weight, self.down_bias)
+        if self.moe is not None:
+            out = self.moe(normed)
+        else:
+            gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)
+            activated = gated_activation(gate_up, c.hidden_act)
+            out = linear(activated, self.down_weight, self.down_bias)
         if layout != "pre":
             out = self._norm("post_feedforward_layernorm", out)
         self._add(hidden, out)
@@ -220,7 +267,10 @@ class LlamaDecoder(nn.Module):
         matrices = [self.embed_tokens, self.lm_head]
         for layer in self.layers:
             matrices += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight]
-        tensors = [w.panels if isinstance(w, PackedWeight) else w for w in matrices]
+            if layer.moe is not None:
+                matrices += [layer.moe.shared_gate_up, layer.moe.shared_down]
+        present = [w for w in matrices if w is not None]
+        tensors = [w.panels if isinstance(w, PackedWeight) else w for w in present]
         return list({id(t): t for t in (*tensors, *self.buffers())}.values())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
