@@ -9,6 +9,7 @@ from test_engine_swap import workload
 from tiny_checkpoints import tiny_engine
 
 from pagedllm.engine.block_table_rows import BlockTableRows
+from pagedllm.engine.sampling_params import SamplingParams
 
 
 def test_block_table_rows_follow_deltas_and_reuse_rows():
@@ -84,3 +85,13 @@ def test_token_counters_follow_vllms_definitions(tiny_model):
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
     assert stats.prompt_tokens_total == sum(len(p["prompt_token_ids"]) for p in prompts)
     assert stats.generation_tokens_total == generated
+
+
+def test_running_and_waiting_count_requests_not_sequences(tiny_model):
+    engine = tiny_engine(tiny_model, 64, max_model_len=100)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("fan", {"prompt_token_ids": list(range(10, 30))}, params)
+    engine.add_request("solo", {"prompt_token_ids": list(range(40, 50))}, SamplingParams())
+    engine.step()  # both prefilled; "fan" forks into three sequences
+    assert len(engine.scheduler.running) == 4
+    assert engine.get_stats().num_running == 2

@@ -26,7 +26,7 @@ def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[Sequence, 
     plan = scheduler.schedule()
     ran = []
     for item in plan.scheduled:
-        samples = item.samples
+        samples = item.will_sample
         item.seq.num_computed_tokens += item.num_tokens
         if samples:
             item.seq.append_token(next_token)

@@ -35,7 +35,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
-_RELEASED = SequenceStatus.FINISHED_STOPPED
+_RELEASED = SequenceStatus.FINISHED_PRUNED
 """How a beam leaves the scheduler, pruned or at the end of its search."""
 
 

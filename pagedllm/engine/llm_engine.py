@@ -27,7 +27,7 @@ from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
-from pagedllm.engine.output_state import SequenceOutput
+from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.request_state import RequestState
@@ -260,7 +260,7 @@ class LLMEngine:
                 generator=make_generator(params.derived_seed(index)),
             )
             decoder = self.tokenizer.incremental_decoder(token_ids) if self.tokenizer else None
-            sequences.append(SequenceOutput(seq, decoder, self.stop_token_ids, max_tokens))
+            sequences.append(SequenceDetokenizer(seq, decoder, self.stop_token_ids, max_tokens))
         self._requests[request_id] = RequestState(
             request_id,
             text,
@@ -581,8 +581,9 @@ class LLMEngine:
         bm = self.block_manager.stats()
         pool = bm.pool
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # requests, as vLLM counts them (an n > 1 request runs several sequences)
+            num_running=len({seq.request_id for seq in self.scheduler.running}),
+            num_waiting=len({seq.request_id for seq in self.scheduler.waiting}),
             num_preempted_waiting=self.scheduler.num_preempted_waiting,
             num_preemptions_total=self.scheduler.num_preemptions,
             num_blocks_total=pool.num_blocks,

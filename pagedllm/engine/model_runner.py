@@ -89,7 +89,7 @@ class ModelRunner:
         sample_rows = [
             int(query_start_loc[row + 1]) - 1
             for row, item in enumerate(plan.scheduled)
-            if item.samples
+            if item.will_sample
         ]
         return (
             self._to_device(torch.tensor(token_ids, dtype=torch.int64)),

@@ -13,7 +13,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 
-class SequenceOutput:
+class SequenceDetokenizer:
     """Turns a sequence's sampled tokens into text and decides when it is done."""
 
     def __init__(self, seq: Sequence, decoder, eos_token_ids: set[int], max_tokens: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.engine.output_state import SequenceOutput
+from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 
 
@@ -20,9 +20,9 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sequences: list[SequenceOutput]
+    sequences: list[SequenceDetokenizer]
     metrics: RequestMetrics
-    unforked: list[SequenceOutput] = field(default_factory=list)
+    unforked: list[SequenceDetokenizer] = field(default_factory=list)
     error: str | None = None
 
     @property

@@ -33,7 +33,7 @@ from pagedllm.kv.swap_space import SwapSpace
 @dataclass
 class ScheduledSequence:
     """``num_tokens`` tokens of ``seq``, from ``seq.num_computed_tokens`` on, written at
-    ``slots``; ``samples`` is True when they reach the end of the sequence, so the step
+    ``slots``; ``will_sample`` is True when they reach the end of the sequence, so the step
     yields its next token.
 
     Block-table delta for the model runner: logical blocks ``table_start ..`` of the
@@ -48,7 +48,7 @@ class ScheduledSequence:
     new_block_ids: list[int] = field(default_factory=list)
 
     @property
-    def samples(self) -> bool:
+    def will_sample(self) -> bool:
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
@@ -150,7 +150,7 @@ class Scheduler:
         ending = []
         for item in plan.scheduled:
             seq = item.seq
-            if item.samples:
+            if item.will_sample:
                 ending.append(seq)
             start = seq.num_computed_tokens
             self.block_manager.commit_tokens(

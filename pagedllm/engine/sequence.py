@@ -33,6 +33,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_PRUNED = "pruned"  # a beam that fell out of the search: no output of its own
 
     @property
     def is_finished(self) -> bool:
@@ -40,14 +41,18 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI/vLLM finish reason: ``"stop"``, ``"length"``, ``"abort"`` or None."""
-        return self.value if self.is_finished else None
+        """OpenAI/vLLM finish reason: ``"stop"``, ``"length"``, ``"abort"`` or None (also
+        for a pruned beam, which is never reported)."""
+        if self is SequenceStatus.FINISHED_PRUNED or not self.is_finished:
+            return None
+        return self.value
 
 
 _FINISHED = {
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_PRUNED,
 }
 
 
