@@ -8,7 +8,7 @@ from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
-from pagedllm.cpu.extension import ops
+from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import decode_rows
 
@@ -27,9 +27,9 @@ class PagedAttentionBackend:
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
-        self.uses_fast_kernel = kv_cache.head_dim % 16 == 0 and kv_cache.head_dim <= 256
-        if self.uses_fast_kernel:
-            ops()
+        self.uses_fast_kernel = (
+            kv_cache.head_dim % 16 == 0 and kv_cache.head_dim <= 256 and kernels_built()
+        )
         self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
         self._prepared: tuple[torch.Tensor, ...] = ()
 
@@ -73,7 +73,9 @@ class PagedAttentionBackend:
                 q, decode_rows(keys, fmt), decode_rows(values, fmt), metadata,
                 options.scale, options.sliding_window, options.logit_softcap,
             )  # fmt: skip
-        query = q if q.dtype in (torch.float32, keys.dtype) else q.float()
+        # The kernel takes a float32 query, or a bfloat16 one over a bfloat16 cache.
+        same_bf16 = q.dtype == keys.dtype == torch.bfloat16
+        query = q if q.dtype == torch.float32 or same_bf16 else q.float()
         query = query.contiguous()
         out = torch.empty_like(query)
         paged_attention(

@@ -5,13 +5,23 @@ The first call compiles the kernels and their torch bindings (``bindings.cpp``) 
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
 the kernels), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); later processes load the cached library in a fraction
-of a second unless a source changed. The kernels run on torch's own OpenMP thread pool
-with ``torch.get_num_threads()`` threads, so they never compete with torch's threads.
+of a second unless a source changed. The library is built for this CPU
+(``-march=native``), so its cache name carries a tag of the CPU's instruction sets: a
+home directory shared by different CPUs never loads another CPU's build. The kernels run
+on torch's own OpenMP thread pool with ``torch.get_num_threads()`` threads, so they never
+compete with torch's threads.
+
+Building needs a C++ compiler with OpenMP (g++). Without one the engine still runs, on
+torch's operators (much slower), after one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import logging
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +39,45 @@ SOURCES = [
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
+logger = logging.getLogger("pagedllm")
+
+
+def instruction_set_tag() -> str:
+    """Ten hex digits naming this CPU's instruction-set flags (from ``/proc/cpuinfo``,
+    else the platform's processor string)."""
+    flags = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line for line in cpuinfo if line.startswith("flags")), flags)
+    return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:10]
+
 
 @functools.cache
-def ops() -> Any:
-    """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed."""
-    cpp_extension.load(
-        name="pagedllm_cpu",
-        sources=SOURCES,
-        extra_cflags=FLAGS,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
+def ops() -> Any | None:
+    """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed; None,
+    after one warning, when it cannot be built."""
+    try:
+        cpp_extension.load(
+            name=f"pagedllm_cpu_{instruction_set_tag()}",
+            sources=SOURCES,
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # no compiler, no OpenMP, a failed build: run without
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        logger.warning(
+            "The C++ CPU kernels could not be built (%s); running torch's operators "
+            "instead, several times slower. Install a C++ compiler with OpenMP (g++) to "
+            "build them.",
+            reason,
+        )
+        return None
     return torch.ops.pagedllm_cpu
+
+
+def kernels_built() -> bool:
+    """Whether the C++ kernels are available (building them on first use)."""
+    return ops() is not None
 
 
 def paged_attention(
@@ -84,15 +121,26 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, Hkv, D]`` at flat slot
-    ``slot_mapping[i]`` (int64, ``block * block_size + offset``); slot ``-1`` is skipped."""
-    ops().write_kv(k_cache, v_cache, k, v, slot_mapping)
+    ``slot_mapping[i]`` (int64, ``block * block_size + offset``); slot ``-1`` is skipped.
+    Caches are ``[num_blocks, Hkv, block_size, row]``; without the C++ kernels, torch's
+    indexing writes the same rows."""
+    kernels = ops()
+    if kernels is not None:
+        kernels.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // k_cache.shape[2], slots % k_cache.shape[2]
+    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
 
 
 @functools.cache
 def avx512_kernels_available() -> bool:
     """Whether the build has :func:`packed_linear`, :func:`rms_norm`, :func:`silu_and_mul`
     and :func:`rotary` (they need a CPU with AVX-512)."""
-    return bool(ops().avx512_kernels_available())
+    kernels = ops()
+    return kernels is not None and bool(kernels.avx512_kernels_available())
 
 
 def fits_avx512_kernels(*tensors: torch.Tensor) -> bool:
