@@ -73,7 +73,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
-                f"dtype {dtype} is not supported; use float32, bfloat16 or float16 (CUDA only)"
+                f"dtype {dtype} is not supported; use float32, bfloat16 or float16"
             )
         return dtype
     if dtype not in _DTYPES:

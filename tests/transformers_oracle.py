@@ -83,8 +83,8 @@ def engine_greedy(folder, prompts=PROMPTS, new_tokens: int = NEW_TOKENS, **optio
     """Greedy tokens of every prompt from the engine (paged KV cache, C++ kernels)."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory="16MiB",
-              log_stats_interval=0, **options)  # fmt: skip
+    settings = dict(dtype="float32", kv_cache_memory="16MiB", log_stats_interval=0)
+    llm = LLM(model=str(folder), **{**settings, **options})
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]

@@ -17,8 +17,7 @@ from pagedllm.models.loader_gguf import load_gguf_model, open_gguf
 from pagedllm.models.loader_safetensors import generation_eos_ids, load_safetensors_model
 from pagedllm.tokenizer import Tokenizer
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-CUDA_ONLY_DTYPES = (torch.float16,)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -48,10 +47,11 @@ def load_model(
     ``load_format="dummy"``: seeded random weights of the shape ``model`` names (a preset
     name, a ``config.json`` or a folder holding one, a ``.gguf`` file), with no tokenizer
     (prompts are token ids); see :mod:`pagedllm.models.dummy`.
-    ``dtype``: float32 or bfloat16; float16 on CUDA devices only.
+    ``dtype``: float32, bfloat16 or float16 (on the CPU, float16 runs torch's operators
+    and the attention kernel widens it to float32; the AVX-512 kernels take the others).
     """
     device = torch.device(device)
-    _check_dtype(dtype, device)
+    _check_dtype(dtype)
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(
             f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
@@ -79,16 +79,10 @@ def load_model(
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)
 
 
-def _check_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    if dtype in CUDA_ONLY_DTYPES and device.type != "cuda":
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(
-            f"dtype {dtype} runs on CUDA devices only, not on {device}; "
-            "use torch.float32 or torch.bfloat16"
-        )
-    if dtype not in SUPPORTED_DTYPES + CUDA_ONLY_DTYPES:
-        raise ModelLoadError(
-            f"unsupported dtype {dtype}; use torch.float32 or torch.bfloat16 "
-            "(or torch.float16 on CUDA)"
+            f"unsupported dtype {dtype}; use torch.float32, torch.bfloat16 or torch.float16"
         )
 
 
