@@ -9,6 +9,8 @@ one."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from transformers_oracle import assert_exact, write_random_checkpoint
 
@@ -75,3 +77,17 @@ def test_dummy_shapes_are_the_checkpoint_shapes(tmp_path, name):
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
         saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
     assert parameter_shapes(config) == saved
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2", "qwen2-moe-shared-expert"])
+def test_planner_counts_every_checkpoint_parameter(tmp_path, name):
+    """Experts, q/k norms and extra norms are all weights the planner must hold."""
+    from safetensors import safe_open
+
+    from pagedllm.plan.model_shape import resolve_model
+
+    model_type, overrides = ARCHITECTURES[name]
+    write_random_checkpoint(tmp_path, model_type, **overrides)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        shapes = [handle.get_slice(key).get_shape() for key in handle.keys()]  # noqa: SIM118
+    assert resolve_model(str(tmp_path)).num_parameters == sum(math.prod(s) for s in shapes)

@@ -7,11 +7,13 @@ only, no tensor data), so the planner sees the shape the engine would load.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
+from pagedllm.models.dummy import parameter_shapes
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.models.loader_safetensors import read_hf_config
@@ -40,17 +42,11 @@ class ModelShape:
 
 
 def count_parameters(config: ModelConfig) -> int:
-    """Parameters of a Llama-family decoder: embeddings, attention (with biases when
-    present), SwiGLU MLP, RMSNorm weights, and the output head unless tied."""
-    hidden, q_size, kv_size = config.hidden_size, config.q_size, config.kv_size
-    attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
-    if config.attention_bias:
-        attention += q_size + 2 * kv_size
-    mlp = 3 * hidden * config.intermediate_size
-    per_layer = attention + mlp + 2 * hidden
-    embedding = config.vocab_size * hidden
-    head = 0 if config.tie_word_embeddings else embedding
-    return embedding + config.num_layers * per_layer + hidden + head
+    """Parameters of the decoder: every tensor its checkpoint holds (see
+    :func:`~pagedllm.models.dummy.parameter_shapes`: embeddings, attention and its
+    biases and norms, the MLP or every expert of a mixture, norms, and the output head
+    unless tied)."""
+    return sum(math.prod(shape) for shape in parameter_shapes(config).values())
 
 
 def resolve_model(model: str | None) -> ModelShape:
