@@ -7,12 +7,12 @@ import pytest
 
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager
 
 
-def make_seq(prompt_len: int, arrival: float, priority: int = 0) -> Sequence:
-    return Sequence(
+def make_seq(prompt_len: int, arrival: float, priority: int = 0) -> TokenSequence:
+    return TokenSequence(
         request_id=f"r{arrival}",
         prompt_token_ids=list(range(prompt_len)),
         params=SamplingParams(max_tokens=8),
@@ -21,7 +21,7 @@ def make_seq(prompt_len: int, arrival: float, priority: int = 0) -> Sequence:
     )
 
 
-def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[Sequence, int]]:
+def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[TokenSequence, int]]:
     """One step as the engine does it: compute, then sample where a sequence ends."""
     plan = scheduler.schedule()
     ran = []

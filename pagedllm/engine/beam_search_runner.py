@@ -1,6 +1,6 @@
 """Beam searches driven over the engine's scheduler and paged KV cache.
 
-Every beam is a :class:`~pagedllm.engine.sequence.Sequence` in the scheduler. A search
+Every beam is a :class:`~pagedllm.engine.sequence.TokenSequence` in the scheduler. A search
 starts as one sequence, the prompt, prefilled once (in chunks if long, reusing cached
 prefix blocks). Each step every live beam computes one token; :class:`BeamSelector`
 picks the next beams from their log-probabilities; then, per parent beam:
@@ -33,7 +33,7 @@ from pagedllm.engine.beam_search import (
 )
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 
 _RELEASED = SequenceStatus.FINISHED_PRUNED
 """How a beam leaves the scheduler, pruned or at the end of its search."""
@@ -60,7 +60,7 @@ class _Search:
     params: BeamSearchParams
     selector: BeamSelector
     worst_case_blocks: int
-    beams: list[Sequence] = field(default_factory=list)
+    beams: list[TokenSequence] = field(default_factory=list)
 
 
 class BeamSearchRunner:
@@ -80,7 +80,7 @@ class BeamSearchRunner:
         return bool(self._pending or self._active)
 
     @property
-    def live_beams(self) -> list[Sequence]:
+    def live_beams(self) -> list[TokenSequence]:
         """The sequences of every admitted search's beams, for inspection."""
         return [seq for search in self._active for seq in search.beams]
 
@@ -142,7 +142,7 @@ class BeamSearchRunner:
             self._pending.popleft()
             blocks += search.worst_case_blocks
             beams += search.params.beam_width
-            root = Sequence(
+            root = TokenSequence(
                 request_id=f"beam-{search.key}",
                 prompt_token_ids=search.prompt_token_ids,
                 params=SamplingParams(temperature=0.0, max_tokens=search.params.max_tokens),
@@ -193,7 +193,7 @@ class BeamSearchRunner:
         for index, seq in enumerate(parents):
             if index not in continued:
                 scheduler.finish(seq, _RELEASED)
-        beams: list[Sequence] = []
+        beams: list[TokenSequence] = []
         extended: set[int] = set()
         for c in continuations:
             parent = parents[c.parent]
@@ -207,12 +207,12 @@ class BeamSearchRunner:
                 seq.append_token(c.token_id)
         search.beams = beams
 
-    def _fork(self, parent: Sequence, token_id: int) -> Sequence:
+    def _fork(self, parent: TokenSequence, token_id: int) -> TokenSequence:
         """A new running beam sharing every block of ``parent``, extended by ``token_id``.
 
         Called before ``parent`` itself is extended, so the child copies its tokens so far.
         """
-        child = Sequence(
+        child = TokenSequence(
             request_id=parent.request_id,
             prompt_token_ids=parent.prompt_token_ids,
             params=parent.params,

@@ -34,8 +34,7 @@ from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
-from pagedllm.engine.sequence import Sequence as Seq
-from pagedllm.engine.sequence import SequenceStatus
+from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
@@ -249,7 +248,7 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         sequences = []
         for index in range(params.n):
-            seq = Seq(
+            seq = TokenSequence(
                 request_id=request_id,
                 prompt_token_ids=token_ids,
                 params=params,
@@ -426,7 +425,7 @@ class LLMEngine:
             self._stats_logger.log(self.get_stats())
         return outputs
 
-    def execute_plan(self, plan: SchedulerOutput) -> tuple[list[Seq], torch.Tensor]:
+    def execute_plan(self, plan: SchedulerOutput) -> tuple[list[TokenSequence], torch.Tensor]:
         """Run a scheduler plan through the model: apply its block copies, write and attend
         K/V, then hand the result back to the scheduler.
 
@@ -454,8 +453,8 @@ class LLMEngine:
             self.kv_cache.copy_blocks(plan.block_copies)
 
     def _fork_parallel_samples(
-        self, sampling: list[Seq], logits: torch.Tensor
-    ) -> tuple[list[Seq], torch.Tensor]:
+        self, sampling: list[TokenSequence], logits: torch.Tensor
+    ) -> tuple[list[TokenSequence], torch.Tensor]:
         """Start the other n - 1 samples of requests whose prompt was just prefilled.
 
         Each fork shares every block of the first sequence (nothing is copied now; the
@@ -478,7 +477,7 @@ class LLMEngine:
             return sampling, logits
         return forked, logits[torch.tensor(rows)]
 
-    def _sample(self, sampling: list[Seq], logits: torch.Tensor):
+    def _sample(self, sampling: list[TokenSequence], logits: torch.Tensor):
         if not sampling:
             return None
         batch = SamplingBatch.from_requests(
@@ -492,7 +491,7 @@ class LLMEngine:
         return self.sampler(logits, batch)
 
     def _sample_isolated(
-        self, sampling: list[Seq], logits: torch.Tensor
+        self, sampling: list[TokenSequence], logits: torch.Tensor
     ) -> tuple[SamplerOutput | None, dict[str, Exception]]:
         """The batch's tokens and the requests whose sampling failed.
 
@@ -524,7 +523,10 @@ class LLMEngine:
         return SamplerOutput(token_ids, logprobs), failures
 
     def _process(
-        self, sampling: list[Seq], sampled: SamplerOutput | None, failures: dict[str, Exception]
+        self,
+        sampling: list[TokenSequence],
+        sampled: SamplerOutput | None,
+        failures: dict[str, Exception],
     ) -> list[RequestOutput]:
         """Record each row's token; a request whose row raises (or whose sampling failed,
         ``failures``) is failed alone. Returns the outputs of every request touched."""

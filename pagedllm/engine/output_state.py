@@ -10,13 +10,13 @@ from __future__ import annotations
 from pagedllm.engine.outputs import CompletionOutput
 from pagedllm.engine.sampler import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 
 
 class SequenceDetokenizer:
     """Turns a sequence's sampled tokens into text and decides when it is done."""
 
-    def __init__(self, seq: Sequence, decoder, eos_token_ids: set[int], max_tokens: int):
+    def __init__(self, seq: TokenSequence, decoder, eos_token_ids: set[int], max_tokens: int):
         """``eos_token_ids``: the model's end-of-generation ids (ignored with
         ``ignore_eos``); ``decoder``: an incremental decoder, or None for no text;
         ``max_tokens``: output tokens after which the sequence stops with "length"."""

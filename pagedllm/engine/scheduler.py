@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.swap_space import SwapSpace
 
@@ -41,7 +41,7 @@ class ScheduledSequence:
     by copy-on-write, or the whole table when the sequence starts on a new one).
     """
 
-    seq: Sequence
+    seq: TokenSequence
     num_tokens: int
     slots: list[int]
     table_start: int = 0
@@ -67,7 +67,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[TokenSequence] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
     @property
@@ -100,11 +100,11 @@ class Scheduler:
         self.cache_key = cache_key
         self.swap_space = swap_space
         self.preemption_mode = preemption_mode
-        self.swapped: list[Sequence] = []
+        self.swapped: list[TokenSequence] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[TokenSequence] = []
+        self.running: list[TokenSequence] = []
         self.num_preemptions = 0
         self._released: list[int] = []
 
@@ -117,10 +117,10 @@ class Scheduler:
         """Waiting sequences that were preempted and wait to be recomputed."""
         return sum(seq.status is SequenceStatus.PREEMPTED for seq in self.waiting)
 
-    def add(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+    def add(self, seq: TokenSequence) -> None:
+        bisect.insort(self.waiting, seq, key=TokenSequence.sort_key)
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: TokenSequence, status: SequenceStatus) -> None:
         """End ``seq`` with a finished ``status`` and return its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -133,7 +133,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: TokenSequence, child: TokenSequence) -> None:
         """Start ``child`` running as a copy of ``parent``'s computed state, sharing all
         its blocks (the partly filled last block is copied on its first write). The one
         way parallel samples (n > 1) and beam search branch a sequence."""
@@ -143,7 +143,7 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
 
-    def update_from_output(self, plan: SchedulerOutput) -> list[Sequence]:
+    def update_from_output(self, plan: SchedulerOutput) -> list[TokenSequence]:
         """Record that the plan's forward pass wrote K/V of its tokens: commit them to the
         prefix cache and advance each sequence. Returns the sequences whose known tokens
         are now all computed, in plan order (they sample this step)."""
@@ -163,7 +163,7 @@ class Scheduler:
         out = SchedulerOutput(released=self._released)
         self._released = []
         budget = self.max_num_batched_tokens
-        queue = sorted(self.running, key=Sequence.sort_key)
+        queue = sorted(self.running, key=TokenSequence.sort_key)
         while queue and budget > 0:
             seq = queue.pop(0)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
@@ -180,7 +180,7 @@ class Scheduler:
                 self._admit_waiting(budget, out)
         return out
 
-    def _free(self, seq: Sequence) -> None:
+    def _free(self, seq: TokenSequence) -> None:
         """Return ``seq``'s blocks to the pool; the runner drops its table next plan."""
         self.block_manager.free(seq.seq_id)
         seq.num_table_blocks_sent = 0
@@ -228,14 +228,14 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             budget -= num_tokens
 
-    def _extra_keys(self, seq: Sequence) -> tuple[str, ...]:
+    def _extra_keys(self, seq: TokenSequence) -> tuple[str, ...]:
         if seq.cache_salt is None:
             return (self.cache_key,)
         return (self.cache_key, seq.cache_salt)
 
     def _append(
         self,
-        seq: Sequence,
+        seq: TokenSequence,
         num_tokens: int,
         out: SchedulerOutput,
         prefix: CachedPrefix | None = None,
@@ -263,7 +263,7 @@ class Scheduler:
         out.scheduled.append(ScheduledSequence(seq, num_tokens, slots, start, new_block_ids))
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: TokenSequence, out: SchedulerOutput) -> None:
         """Take ``seq``'s blocks back: park them in the swap space, or drop them and
         queue ``seq`` again for recompute."""
         self.running.remove(seq)
@@ -278,13 +278,13 @@ class Scheduler:
             self._free(seq)
             seq.status = SequenceStatus.SWAPPED
             seq.num_preemptions += 1
-            bisect.insort(self.swapped, seq, key=Sequence.sort_key)
+            bisect.insort(self.swapped, seq, key=TokenSequence.sort_key)
             return
         self._free(seq)
         seq.reset_for_recompute()
         self.add(seq)
 
-    def _swaps(self, seq: Sequence, num_blocks: int) -> bool:
+    def _swaps(self, seq: TokenSequence, num_blocks: int) -> bool:
         """The preemption rule. "recompute" never swaps. "swap" swaps whenever the second
         tier has room. "auto" also needs at least one full block of computed tokens:
         copying a token's K/V costs microseconds where recomputing it costs milliseconds

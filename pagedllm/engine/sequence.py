@@ -57,7 +57,7 @@ _FINISHED = {
 
 
 @dataclass(eq=False)
-class Sequence:
+class TokenSequence:
     """Token ids of one sequence and how far the KV cache has computed them.
 
     Invariant: ``0 <= num_computed_tokens <= num_tokens``; the tokens
