@@ -21,7 +21,11 @@ from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
 # GGUF architecture -> (our architecture, whether Q/K rows are interleaved).
-GGUF_ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+}
 
 # Per-layer tensor names: Hugging Face suffix -> GGUF suffix.
 LAYER_TENSOR_NAMES = {
@@ -32,6 +36,8 @@ LAYER_TENSOR_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
