@@ -12,7 +12,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from transformers_oracle import assert_exact, write_random_checkpoint
+from transformers_oracle import (
+    PROMPTS,
+    assert_exact,
+    engine_greedy,
+    reference_greedy,
+    write_random_checkpoint,
+)
 
 from pagedllm.models import load_model
 
@@ -91,3 +97,25 @@ def test_planner_counts_every_checkpoint_parameter(tmp_path, name):
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
         shapes = [handle.get_slice(key).get_shape() for key in handle.keys()]  # noqa: SIM118
     assert resolve_model(str(tmp_path)).num_parameters == sum(math.prod(s) for s in shapes)
+
+
+@pytest.mark.triton
+def test_gemma2_over_the_triton_backend_is_exact(tmp_path, monkeypatch):
+    """Sliding windows and attention soft-caps in the Triton kernels, through the engine
+    (under Triton's interpreter without CUDA): greedy tokens equal transformers'."""
+    pytest.importorskip("triton")
+    import pagedllm.engine.llm_engine as llm_engine
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    model_type, overrides = ARCHITECTURES["gemma2"]
+    reference = write_random_checkpoint(tmp_path, model_type, **overrides)
+    built = []
+
+    def triton_backend(kv_cache):
+        built.append(TritonAttentionBackend(kv_cache))
+        return built[-1]
+
+    monkeypatch.setattr(llm_engine, "attention_backend_for", triton_backend)
+    expected = [reference_greedy(reference, p, 12) for p in PROMPTS]
+    assert engine_greedy(tmp_path, new_tokens=12, block_size=4) == expected
+    assert built
