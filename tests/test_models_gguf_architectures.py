@@ -9,10 +9,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_models_gguf import TOKENS, logits_of, write_gguf
+from safetensors.torch import load_file
+from test_models_gguf import TOKENS, interleave_rope_rows, logits_of, write_gguf
 from transformers_oracle import LOGITS_TOLERANCE, write_random_checkpoint
 
 from pagedllm.models import ModelLoadError, load_model
+from pagedllm.models.loader_gguf import EXPERT_TENSOR_NAMES, gguf_name
 
 
 def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
@@ -35,3 +37,53 @@ def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
     writer.close()
     with pytest.raises(ModelLoadError, match=f"unsupported GGUF architecture '{arch}'"):
         load_model(tmp_path / "x.gguf")
+
+
+def write_mixtral_gguf(path, folder, config):
+    """llama.cpp's Mixtral: a "llama" GGUF with Q/K rows interleaved, and each layer's
+    experts stacked per kind into ``ffn_{gate,up,down}_exps`` ``[experts, rows, cols]``."""
+    weights = load_file(folder / "model.safetensors")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for name, tensor in weights.items():
+        if ".experts." in name:
+            continue
+        data = tensor.numpy()
+        if name.split(".")[-2] in heads:
+            data = interleave_rope_rows(data, heads[name.split(".")[-2]])
+        writer.add_tensor(gguf_name(name), data.astype(np.float32))
+    for layer in range(config.num_hidden_layers):
+        for kind, stored in EXPERT_TENSOR_NAMES.items():
+            stack = np.stack([
+                weights[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{kind}.weight"].numpy()
+                for e in range(config.num_local_experts)
+            ])  # fmt: skip
+            writer.add_tensor(f"blk.{layer}.{stored}.weight", stack.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_mixtral_gguf_with_stacked_experts_matches_transformers(tmp_path):
+    hf_model = write_random_checkpoint(
+        tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2
+    )
+    gguf_path = write_mixtral_gguf(tmp_path / "m.gguf", tmp_path / "hf", hf_model.config)
+    loaded = load_model(gguf_path)
+    assert loaded.config.architecture == "mixtral" and loaded.config.num_experts == 4
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)

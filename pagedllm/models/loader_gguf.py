@@ -47,7 +47,11 @@ LAYER_TENSOR_NAMES = {
     "mlp.gate_proj.bias": "ffn_gate.bias",
     "mlp.up_proj.bias": "ffn_up.bias",
     "mlp.down_proj.bias": "ffn_down.bias",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# Mixtral's per-expert tensors: llama.cpp stacks each kind over experts into one
+# [num_experts, rows, cols] tensor per layer.
+EXPERT_TENSOR_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 GLOBAL_TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -64,11 +68,21 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name of a Hugging Face parameter name."""
+    """The GGUF tensor name of a Hugging Face parameter name (for one of Mixtral's
+    experts, the name of the stack holding it: see :func:`expert_index`)."""
     if hf_name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[hf_name]
     _, _, layer, suffix = hf_name.split(".", 3)
+    if suffix.startswith("block_sparse_moe.experts."):
+        kind = suffix.split(".")[3]
+        return f"blk.{layer}.{EXPERT_TENSOR_NAMES[kind]}.weight"
     return f"blk.{layer}.{LAYER_TENSOR_NAMES[suffix]}"
+
+
+def expert_index(hf_name: str) -> int | None:
+    """The expert a Mixtral expert tensor name refers to, else ``None``."""
+    parts = hf_name.split(".")
+    return int(parts[5]) if parts[3:5] == ["block_sparse_moe", "experts"] else None
 
 
 def metadata_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -97,11 +111,23 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     hidden_size = arch_value("embedding_length")
     head_dim = arch_value("attention.key_length", hidden_size // num_heads)
     _refuse_unimplemented_metadata(reader, gguf_arch, head_dim, path)
+    num_layers = arch_value("block_count")
+    experts = metadata_value(reader, f"{gguf_arch}.expert_count", 0)
+    architecture = GGUF_ARCHITECTURES[gguf_arch][0]
+    moe = {}
+    if experts:  # llama.cpp writes Mixtral as a llama with experts
+        architecture = "mixtral"
+        moe = dict(
+            sparse_layers=(True,) * num_layers,
+            num_experts=experts,
+            num_experts_per_tok=arch_value("expert_used_count"),
+            moe_intermediate_size=arch_value("feed_forward_length"),
+        )
     vocab = metadata_value(reader, "tokenizer.ggml.tokens")
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[gguf_arch][0],
-        num_layers=arch_value("block_count"),
+        architecture=architecture,
+        num_layers=num_layers,
         hidden_size=hidden_size,
         num_heads=num_heads,
         num_kv_heads=arch_value("attention.head_count_kv", num_heads),
@@ -116,6 +142,7 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         output_bias="blk.0.attn_output.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, gguf_arch, path),
+        **moe,
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(
             v for v in (metadata_value(reader, k) for k in eos_keys) if v is not None
@@ -129,7 +156,6 @@ UNIMPLEMENTED_METADATA = {
     "attention.sliding_window": None,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
-    "expert_count": 0,
 }
 
 
@@ -149,6 +175,9 @@ def _refuse_unimplemented_metadata(
             f"GGUF metadata {arch}.rope.dimension_count={rotated} (partial rotary) differs "
             f"from head_dim {head_dim}: not implemented ({path})"
         )
+    experts = metadata_value(reader, f"{arch}.expert_count", 0)
+    if experts and arch != "llama":
+        raise ModelLoadError(f"GGUF experts of architecture {arch!r} are not implemented ({path})")
     if values != head_dim:
         raise ModelLoadError(
             f"GGUF metadata {arch}.attention.value_length={values} differs from head_dim "
@@ -208,10 +237,20 @@ def load_gguf_model(
     interleaved = GGUF_ARCHITECTURES[metadata_value(reader, "general.architecture")][1]
     heads_of = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
 
+    stacks: dict[str, torch.Tensor] = {}  # one layer's expert stacks, dequantized once
+
     def get(name: str) -> torch.Tensor:
         stored = gguf_name(name)
         if stored not in tensors:
             raise ModelLoadError(f"missing tensor {stored!r} (for {name}) in {path}")
+        expert = expert_index(name)
+        if expert is not None:
+            if stored not in stacks:
+                layer = stored.split(".")[1]
+                for old in [n for n in stacks if n.split(".")[1] != layer]:
+                    del stacks[old]
+                stacks[stored] = dequantized(tensors[stored])
+            return stacks[stored][expert]
         weight = dequantized(tensors[stored])
         projection = name.split(".")[-2]
         if interleaved and projection in heads_of:
