@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_models_gguf import TOKENS, interleave_rope_rows, logits_of, write_gguf
-from transformers_oracle import LOGITS_TOLERANCE, write_random_checkpoint
+from transformers_oracle import LOGITS_TOLERANCE, our_logits, write_random_checkpoint
 
 from pagedllm.models import ModelLoadError, load_model
 from pagedllm.models.loader_gguf import EXPERT_TENSOR_NAMES, gguf_name
@@ -26,7 +26,7 @@ def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma2", "granite", "olmo2"])
 def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
     writer = gguf.GGUFWriter(tmp_path / "x.gguf", arch)
     writer.add_block_count(1)
@@ -87,3 +87,31 @@ def test_mixtral_gguf_with_stacked_experts_matches_transformers(tmp_path):
     with torch.no_grad():
         expected = hf_model(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
+
+
+def test_phi3_gguf_with_fused_tensors_and_a_window_matches_transformers(tmp_path, monkeypatch):
+    """llama.cpp's Phi-3: attn_qkv and ffn_up (gate and up rows) as stored, the window
+    in the metadata, on every layer."""
+    hf_model = write_random_checkpoint(tmp_path / "hf", "phi3", sliding_window=12)
+    original = gguf.GGUFWriter.add_vocab_size
+
+    def with_window(writer, size):
+        original(writer, size)
+        writer.add_sliding_window(12)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_vocab_size", with_window)
+    loaded = load_model(write_gguf(tmp_path / "p.gguf", hf_model, arch="phi3"))
+    assert loaded.config.sliding_windows == (12, 12)
+    tokens = TOKENS + TOKENS  # 66 positions, far past the window
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(
+        our_logits(loaded.model, tokens), expected, atol=LOGITS_TOLERANCE, rtol=0
+    )
+
+
+def test_phi3_gguf_longrope_factors_are_refused_by_name(tmp_path):
+    hf_model = write_random_checkpoint(tmp_path / "hf", "phi3")
+    extra = {"rope_factors_long.weight": np.ones(8), "rope_factors_short.weight": np.ones(8)}
+    with pytest.raises(ModelLoadError, match="rope_factors_long.weight"):
+        load_model(write_gguf(tmp_path / "p.gguf", hf_model, arch="phi3", extra=extra))

@@ -25,7 +25,10 @@ GGUF_ARCHITECTURES = {
     "llama": ("llama", True),
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
+    "phi3": ("phi3", False),
 }
+# GGUF architectures whose sliding window, when the metadata holds one, covers every layer.
+WINDOWED_EVERYWHERE = ("phi3",)
 
 # Per-layer tensor names: Hugging Face suffix -> GGUF suffix.
 LAYER_TENSOR_NAMES = {
@@ -38,12 +41,14 @@ LAYER_TENSOR_NAMES = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate and up rows in one tensor
     "mlp.gate_proj.bias": "ffn_gate.bias",
     "mlp.up_proj.bias": "ffn_up.bias",
     "mlp.down_proj.bias": "ffn_down.bias",
@@ -114,6 +119,7 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     num_layers = arch_value("block_count")
     experts = metadata_value(reader, f"{gguf_arch}.expert_count", 0)
     architecture = GGUF_ARCHITECTURES[gguf_arch][0]
+    window = metadata_value(reader, f"{gguf_arch}.attention.sliding_window")
     moe = {}
     if experts:  # llama.cpp writes Mixtral as a llama with experts
         architecture = "mixtral"
@@ -142,6 +148,7 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         output_bias="blk.0.attn_output.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, gguf_arch, path),
+        sliding_windows=(window,) * num_layers if window else (),
         **moe,
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(
@@ -163,6 +170,8 @@ def _refuse_unimplemented_metadata(
     reader: gguf.GGUFReader, arch: str, head_dim: int, path: Path
 ) -> None:
     for key, neutral in UNIMPLEMENTED_METADATA.items():
+        if key == "attention.sliding_window" and arch in WINDOWED_EVERYWHERE:
+            continue
         value = metadata_value(reader, f"{arch}.{key}")
         if value is not None and value != neutral:
             raise ModelLoadError(
