@@ -51,7 +51,7 @@ def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", sk
             continue
         data = tensor.numpy()
         projection = name.split(".")[-2]
-        if arch == "llama" and projection in heads:  # llama.cpp keeps Qwen2's order
+        if arch in ("llama", "granite") and projection in heads:  # not Qwen's or Phi-3's
             data = interleave_rope_rows(data, heads[projection])
         if qtype == QType.I32:  # a type no loader can read as weights
             writer.add_tensor(stored, data.astype(np.int32))

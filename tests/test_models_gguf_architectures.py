@@ -26,7 +26,7 @@ def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2", "qwen2moe"])
 def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
     writer = gguf.GGUFWriter(tmp_path / "x.gguf", arch)
     writer.add_block_count(1)
@@ -115,3 +115,26 @@ def test_phi3_gguf_longrope_factors_are_refused_by_name(tmp_path):
     extra = {"rope_factors_long.weight": np.ones(8), "rope_factors_short.weight": np.ones(8)}
     with pytest.raises(ModelLoadError, match="rope_factors_long.weight"):
         load_model(write_gguf(tmp_path / "p.gguf", hf_model, arch="phi3", extra=extra))
+
+
+def test_granite_gguf_with_its_scales_matches_transformers(tmp_path, monkeypatch):
+    """llama.cpp's Granite: Llama's interleaved Q/K rows, the four multipliers as
+    embedding_scale, residual_scale, attention.scale and logit_scale."""
+    scales = dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                  attention_multiplier=0.1, logits_scaling=2.0)  # fmt: skip
+    hf_model = write_random_checkpoint(tmp_path / "hf", "granite", **scales)
+    original = gguf.GGUFWriter.add_vocab_size
+
+    def with_scales(writer, size):
+        original(writer, size)
+        writer.add_embedding_scale(3.0)
+        writer.add_residual_scale(0.5)
+        writer.add_attention_scale(0.1)
+        writer.add_logit_scale(2.0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_vocab_size", with_scales)
+    loaded = load_model(write_gguf(tmp_path / "g.gguf", hf_model, arch="granite"))
+    assert loaded.config.architecture == "granite" and loaded.config.logits_divisor == 2.0
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)

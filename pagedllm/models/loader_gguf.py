@@ -26,6 +26,14 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
     "phi3": ("phi3", False),
+    "granite": ("granite", True),
+}
+# Granite's multipliers: GGUF metadata key (after "<arch>.") -> ModelConfig field.
+GRANITE_SCALES = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_scale",
+    "logit_scale": "logits_divisor",
 }
 # GGUF architectures whose sliding window, when the metadata holds one, covers every layer.
 WINDOWED_EVERYWHERE = ("phi3",)
@@ -120,6 +128,11 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     experts = metadata_value(reader, f"{gguf_arch}.expert_count", 0)
     architecture = GGUF_ARCHITECTURES[gguf_arch][0]
     window = metadata_value(reader, f"{gguf_arch}.attention.sliding_window")
+    scales = {}
+    if gguf_arch == "granite":
+        scales = {
+            field: float(arch_value(key)) for key, field in GRANITE_SCALES.items()
+        }
     moe = {}
     if experts:  # llama.cpp writes Mixtral as a llama with experts
         architecture = "mixtral"
@@ -149,6 +162,7 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, gguf_arch, path),
         sliding_windows=(window,) * num_layers if window else (),
+        **scales,
         **moe,
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(
