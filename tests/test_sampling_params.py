@@ -4,6 +4,7 @@ import pytest
 
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.structured_output import StructuredOutputsParams
 
 
 def test_defaults_match_vllm():
@@ -158,3 +159,34 @@ def test_check_for_model_resolves_bad_words_and_checks_the_vocabulary():
         SamplingParams(bad_words=["cat"]).check_for_model(20, None)
     with pytest.raises(InvalidRequestError, match="bad_words"):
         SamplingParams(bad_words=["cat"]).check_for_model(6, WordTokenizer())
+
+
+class StopTokenizer(WordTokenizer):
+    stop_token_ids = {0, 2}
+
+
+def test_allowed_token_ids_must_keep_a_token_the_bans_leave():
+    tokenizer = StopTokenizer()
+    SamplingParams(allowed_token_ids=[0, 2]).check_for_model(20, tokenizer)
+    SamplingParams(allowed_token_ids=[0, 7], min_tokens=1, bad_words=["cat"]).check_for_model(
+        20, tokenizer
+    )
+    for fields in (
+        {"allowed_token_ids": [0, 2], "min_tokens": 1},
+        {"allowed_token_ids": [0, 7], "min_tokens": 1, "bad_words": ["dog"]},
+        {"allowed_token_ids": [11, 12], "bad_words": ["big"]},
+    ):
+        with pytest.raises(InvalidRequestError, match="must keep a token") as info:
+            SamplingParams(**fields).check_for_model(20, tokenizer)
+        assert info.value.param == "allowed_token_ids"
+
+
+def test_structured_outputs_leave_the_token_choice_to_the_grammar():
+    regex = StructuredOutputsParams(regex="a+")
+    for fields in ({"ignore_eos": True}, {"min_tokens": 2}, {"allowed_token_ids": [1]},
+                   {"bad_words": ["x"]}):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match="cannot be combined") as info:
+            SamplingParams(structured_outputs=regex, **fields)
+        assert info.value.param == "structured_outputs"
+    with pytest.raises(InvalidRequestError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a+"})

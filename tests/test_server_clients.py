@@ -196,6 +196,8 @@ def test_fuzz_style_new_fields_never_fail_the_server(http):
         {"prompt": "x", "bad_words": [""]},
         {"prompt": "x", "bad_words": ["\u00e9\u00e9"], "max_tokens": 3},
         {"prompt": "x", "best_of": 0},
+        {"prompt": "0", "allowed_token_ids": [0], "guided_regex": ""},
+        {"prompt": "0", "allowed_token_ids": [256, 258], "min_tokens": 2},
         {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
     ]
     for body in bodies:
@@ -204,6 +206,8 @@ def test_fuzz_style_new_fields_never_fail_the_server(http):
             "/v1/completions", content=data, headers={"Content-Type": "application/json"}
         )
         assert response.status_code in (200, 400), (body, response.text)
+        if body.get("allowed_token_ids"):
+            assert response.status_code == 400 and "allowed_token_ids" in response.text
     assert http.get("/health").status_code == 200
 
 

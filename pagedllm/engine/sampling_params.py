@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.structured_output import GrammarMatchers, StructuredOutputsParams
@@ -56,7 +56,7 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures strictly below this decode greedily (vLLM uses the same cut-off)."""
 
 
-def _reject(field: str, value: object, rule: str) -> None:
+def _reject(field: str, value: object, rule: str) -> NoReturn:
     raise InvalidRequestError(f"{field} {rule}, got {value!r}", param=field)
 
 
@@ -187,6 +187,13 @@ class SamplingParams:
                     structured,
                     "cannot be combined with ignore_eos or min_tokens (the grammar ends it)",
                 )
+            if self.allowed_token_ids is not None or self.bad_words is not None:
+                _reject(
+                    "structured_outputs",
+                    structured,
+                    "cannot be combined with allowed_token_ids or bad_words (the grammar "
+                    "decides which tokens may come)",
+                )
 
     def check_for_model(self, vocab_size: int, tokenizer: Tokenizer | None) -> None:
         """Check token ids against ``vocab_size``, resolve ``bad_words`` and compile
@@ -201,8 +208,28 @@ class SamplingParams:
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 _reject(name, outside[0], f"must hold token ids in [0, {vocab_size})")
-        if not self.bad_words:
+        if self.bad_words:
+            self._resolve_bad_words(vocab_size, tokenizer)
+        self._check_some_token_allowed(tokenizer)
+
+    def _check_some_token_allowed(self, tokenizer: Tokenizer | None) -> None:
+        """``allowed_token_ids`` must keep a token that no one-token bad word bans, and
+        before ``min_tokens`` one that is not a stop id."""
+        if self.allowed_token_ids is None:
             return
+        banned = {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}
+        if self.min_tokens > 0:
+            banned.update(self.stop_token_ids)
+            if tokenizer is not None and not self.ignore_eos:
+                banned.update(tokenizer.stop_token_ids)
+        if set(self.allowed_token_ids) <= banned:
+            _reject(
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "must keep a token that bad_words and min_tokens do not ban",
+            )
+
+    def _resolve_bad_words(self, vocab_size: int, tokenizer: Tokenizer | None) -> None:
         if tokenizer is None:
             _reject("bad_words", self.bad_words, "needs a model with a tokenizer")
 
