@@ -14,7 +14,7 @@ from test_models_gguf import TOKENS, interleave_rope_rows, logits_of, write_gguf
 from transformers_oracle import LOGITS_TOLERANCE, our_logits, write_random_checkpoint
 
 from pagedllm.models import ModelLoadError, load_model
-from pagedllm.models.loader_gguf import EXPERT_TENSOR_NAMES, gguf_name
+from pagedllm.models.loader_gguf import expert_index, gguf_name
 
 
 def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
@@ -26,7 +26,7 @@ def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "olmo2", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2", "gemma3"])
 def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
     writer = gguf.GGUFWriter(tmp_path / "x.gguf", arch)
     writer.add_block_count(1)
@@ -39,11 +39,13 @@ def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
         load_model(tmp_path / "x.gguf")
 
 
-def write_mixtral_gguf(path, folder, config):
-    """llama.cpp's Mixtral: a "llama" GGUF with Q/K rows interleaved, and each layer's
-    experts stacked per kind into ``ffn_{gate,up,down}_exps`` ``[experts, rows, cols]``."""
+def write_moe_gguf(path, folder, config, arch: str):
+    """A mixture of experts as llama.cpp writes it: each layer's experts stacked per kind
+    into ``ffn_{gate,up,down}_exps`` ``[experts, rows, cols]``; Mixtral as a ``llama``
+    (Q/K rows interleaved), the Qwen models in Hugging Face row order."""
     weights = load_file(folder / "model.safetensors")
-    writer = gguf.GGUFWriter(path, "llama")
+    mixtral = arch == "llama"
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -53,23 +55,26 @@ def write_mixtral_gguf(path, folder, config):
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_count(config.num_local_experts if mixtral else config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
+    if not mixtral:
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    stacks: dict[str, list[tuple[int, np.ndarray]]] = {}
     for name, tensor in weights.items():
-        if ".experts." in name:
-            continue
         data = tensor.numpy()
-        if name.split(".")[-2] in heads:
+        stored = gguf_name(name)
+        if expert_index(name) is not None:
+            stacks.setdefault(stored, []).append((expert_index(name), data))
+            continue
+        if mixtral and name.split(".")[-2] in heads:
             data = interleave_rope_rows(data, heads[name.split(".")[-2]])
-        writer.add_tensor(gguf_name(name), data.astype(np.float32))
-    for layer in range(config.num_hidden_layers):
-        for kind, stored in EXPERT_TENSOR_NAMES.items():
-            stack = np.stack([
-                weights[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{kind}.weight"].numpy()
-                for e in range(config.num_local_experts)
-            ])  # fmt: skip
-            writer.add_tensor(f"blk.{layer}.{stored}.weight", stack.astype(np.float32))
+        writer.add_tensor(stored, data.astype(np.float32))
+    for stored, experts in stacks.items():
+        stack = np.stack([data for _, data in sorted(experts, key=lambda e: e[0])])
+        writer.add_tensor(stored, stack.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -77,13 +82,24 @@ def write_mixtral_gguf(path, folder, config):
     return path
 
 
-def test_mixtral_gguf_with_stacked_experts_matches_transformers(tmp_path):
-    hf_model = write_random_checkpoint(
-        tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2
-    )
-    gguf_path = write_mixtral_gguf(tmp_path / "m.gguf", tmp_path / "hf", hf_model.config)
+MOE_CASES = {
+    "mixtral": ("mixtral", "llama", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("qwen2_moe", "qwen2moe", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48)),
+    "qwen3-moe": ("qwen3_moe", "qwen3moe", dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_moe_gguf_with_stacked_experts_matches_transformers(tmp_path, name):
+    model_type, arch, overrides = MOE_CASES[name]
+    hf_model = write_random_checkpoint(tmp_path / "hf", model_type, **overrides)
+    gguf_path = write_moe_gguf(tmp_path / "m.gguf", tmp_path / "hf", hf_model.config, arch)
     loaded = load_model(gguf_path)
-    assert loaded.config.architecture == "mixtral" and loaded.config.num_experts == 4
+    assert loaded.config.architecture == model_type and loaded.config.num_experts == 4
     with torch.no_grad():
         expected = hf_model(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)

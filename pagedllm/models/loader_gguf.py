@@ -27,7 +27,11 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("qwen3", False),
     "phi3": ("phi3", False),
     "granite": ("granite", True),
+    "qwen2moe": ("qwen2_moe", False),
+    "qwen3moe": ("qwen3_moe", False),
 }
+# GGUF architectures that may hold experts (a llama with experts is Mixtral).
+EXPERT_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Granite's multipliers: GGUF metadata key (after "<arch>.") -> ModelConfig field.
 GRANITE_SCALES = {
     "embedding_scale": "embedding_multiplier",
@@ -61,10 +65,22 @@ LAYER_TENSOR_NAMES = {
     "mlp.up_proj.bias": "ffn_up.bias",
     "mlp.down_proj.bias": "ffn_down.bias",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
-# Mixtral's per-expert tensors: llama.cpp stacks each kind over experts into one
-# [num_experts, rows, cols] tensor per layer.
-EXPERT_TENSOR_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+# Per-expert tensors (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj): llama.cpp stacks
+# each kind over experts into one [num_experts, rows, cols] tensor per layer.
+EXPERT_TENSOR_NAMES = {
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
 GLOBAL_TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -86,16 +102,17 @@ def gguf_name(hf_name: str) -> str:
     if hf_name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[hf_name]
     _, _, layer, suffix = hf_name.split(".", 3)
-    if suffix.startswith("block_sparse_moe.experts."):
+    if expert_index(hf_name) is not None:
         kind = suffix.split(".")[3]
         return f"blk.{layer}.{EXPERT_TENSOR_NAMES[kind]}.weight"
     return f"blk.{layer}.{LAYER_TENSOR_NAMES[suffix]}"
 
 
 def expert_index(hf_name: str) -> int | None:
-    """The expert a Mixtral expert tensor name refers to, else ``None``."""
+    """The expert a per-expert tensor name refers to, else ``None``."""
     parts = hf_name.split(".")
-    return int(parts[5]) if parts[3:5] == ["block_sparse_moe", "experts"] else None
+    is_expert = parts[3:5] in (["block_sparse_moe", "experts"], ["mlp", "experts"])
+    return int(parts[5]) if is_expert else None
 
 
 def metadata_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -135,12 +152,23 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         }
     moe = {}
     if experts:  # llama.cpp writes Mixtral as a llama with experts
-        architecture = "mixtral"
+        architecture = EXPERT_ARCHITECTURES[gguf_arch]
+        mixtral = gguf_arch == "llama"
+        # Renormalised top-k weights: Mixtral always, Qwen3-MoE by default, Qwen2-MoE not.
+        renormalize = metadata_value(
+            reader, f"{gguf_arch}.expert_weights_norm", gguf_arch != "qwen2moe"
+        )
         moe = dict(
             sparse_layers=(True,) * num_layers,
             num_experts=experts,
             num_experts_per_tok=arch_value("expert_used_count"),
-            moe_intermediate_size=arch_value("feed_forward_length"),
+            moe_intermediate_size=arch_value(
+                "feed_forward_length" if mixtral else "expert_feed_forward_length"
+            ),
+            moe_renormalize=mixtral or bool(renormalize),
+            shared_expert_intermediate_size=metadata_value(
+                reader, f"{gguf_arch}.expert_shared_feed_forward_length", 0
+            ),
         )
     vocab = metadata_value(reader, "tokenizer.ggml.tokens")
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -199,7 +227,7 @@ def _refuse_unimplemented_metadata(
             f"from head_dim {head_dim}: not implemented ({path})"
         )
     experts = metadata_value(reader, f"{arch}.expert_count", 0)
-    if experts and arch != "llama":
+    if experts and arch not in EXPERT_ARCHITECTURES:
         raise ModelLoadError(f"GGUF experts of architecture {arch!r} are not implemented ({path})")
     if values != head_dim:
         raise ModelLoadError(
