@@ -1,4 +1,5 @@
-"""Llama-family model definitions, their loaders and the embedded default model."""
+"""The decoder of every supported architecture (see ``architectures``), its loaders and the
+embedded default model."""
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
