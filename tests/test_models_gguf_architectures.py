@@ -26,7 +26,7 @@ def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "olmoe"])
 def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
     writer = gguf.GGUFWriter(tmp_path / "x.gguf", arch)
     writer.add_block_count(1)
@@ -151,6 +151,54 @@ def test_granite_gguf_with_its_scales_matches_transformers(tmp_path, monkeypatch
     monkeypatch.setattr(gguf.GGUFWriter, "add_vocab_size", with_scales)
     loaded = load_model(write_gguf(tmp_path / "g.gguf", hf_model, arch="granite"))
     assert loaded.config.architecture == "granite" and loaded.config.logits_divisor == 2.0
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
+
+
+def write_converted_gguf(path, folder, config, arch: gguf.MODEL_ARCH):
+    """A GGUF written as llama.cpp's converter writes ``arch``: names from the gguf
+    package's own name map, Hugging Face row order, Gemma's norms stored as ``1 + w``,
+    no LM head when tied."""
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if arch != gguf.MODEL_ARCH.GEMMA:  # Gemma's converter leaves llama.cpp's default
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    for hf_name, tensor in load_file(folder / "model.safetensors").items():
+        data = tensor.numpy()
+        if arch == gguf.MODEL_ARCH.GEMMA and hf_name.endswith("norm.weight"):
+            data = data + 1
+        stored = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(stored, data.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "model_type, arch",
+    [("gemma", gguf.MODEL_ARCH.GEMMA), ("olmo2", gguf.MODEL_ARCH.OLMO2)],
+)
+def test_converted_gguf_matches_transformers(tmp_path, model_type, arch):
+    """Gemma (1 + w norms, GeGLU, scaled embeddings) and OLMo 2 (post-norms, q/k norms
+    over the projections) from files named as the converter names them."""
+    hf_model = write_random_checkpoint(tmp_path / "hf", model_type, head_dim=16)
+    path = write_converted_gguf(tmp_path / "c.gguf", tmp_path / "hf", hf_model.config, arch)
+    loaded = load_model(path)
+    assert loaded.config.architecture == model_type
     with torch.no_grad():
         expected = hf_model(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import torch
 
+from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
@@ -29,7 +30,19 @@ GGUF_ARCHITECTURES = {
     "granite": ("granite", True),
     "qwen2moe": ("qwen2_moe", False),
     "qwen3moe": ("qwen3_moe", False),
+    "gemma": ("gemma", False),
+    "olmo2": ("olmo2", False),
 }
+# Where an architecture's GGUF names differ from LAYER_TENSOR_NAMES (OLMo 2's norms come
+# after attention and MLP).
+ARCH_LAYER_TENSOR_NAMES = {
+    "olmo2": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
+NORMS_STORED_PLUS_ONE = ("gemma",)
 # GGUF architectures that may hold experts (a llama with experts is Mixtral).
 EXPERT_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Granite's multipliers: GGUF metadata key (after "<arch>.") -> ModelConfig field.
@@ -96,16 +109,18 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         raise ModelLoadError(f"damaged or truncated GGUF file {path}: {err}") from err
 
 
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name of a Hugging Face parameter name (for one of Mixtral's
-    experts, the name of the stack holding it: see :func:`expert_index`)."""
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """The GGUF tensor name of a Hugging Face parameter name in a file of GGUF
+    architecture ``arch`` (for an expert, the name of the stack holding it: see
+    :func:`expert_index`)."""
     if hf_name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[hf_name]
     _, _, layer, suffix = hf_name.split(".", 3)
     if expert_index(hf_name) is not None:
         kind = suffix.split(".")[3]
         return f"blk.{layer}.{EXPERT_TENSOR_NAMES[kind]}.weight"
-    return f"blk.{layer}.{LAYER_TENSOR_NAMES[suffix]}"
+    names = {**LAYER_TENSOR_NAMES, **ARCH_LAYER_TENSOR_NAMES.get(arch, {})}
+    return f"blk.{layer}.{names[suffix]}"
 
 
 def expert_index(hf_name: str) -> int | None:
@@ -146,10 +161,13 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     architecture = GGUF_ARCHITECTURES[gguf_arch][0]
     window = metadata_value(reader, f"{gguf_arch}.attention.sliding_window")
     scales = {}
-    if gguf_arch == "granite":
+    if gguf_arch == "granite":  # the converter writes each scale only when set
         scales = {
-            field: float(arch_value(key)) for key, field in GRANITE_SCALES.items()
+            field: float(metadata_value(reader, f"{gguf_arch}.{key}", 1.0))
+            for key, field in GRANITE_SCALES.items()
         }
+        # Without attention.scale, llama.cpp scales scores by head_dim ** -0.5.
+        scales["attention_scale"] = metadata_value(reader, f"{gguf_arch}.attention.scale")
     moe = {}
     if experts:  # llama.cpp writes Mixtral as a llama with experts
         architecture = EXPERT_ARCHITECTURES[gguf_arch]
@@ -180,6 +198,8 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         num_kv_heads=arch_value("attention.head_count_kv", num_heads),
         head_dim=head_dim,
         intermediate_size=arch_value("feed_forward_length"),
+        # llama.cpp fixes the activation per architecture, as transformers' default does
+        hidden_act=ARCHITECTURES[architecture].default_activation,
         vocab_size=arch_value("vocab_size", len(vocab) if vocab else None),
         rms_norm_eps=float(arch_value("attention.layer_norm_rms_epsilon")),
         rope_theta=float(arch_value("rope.freq_base", 10000.0)),
@@ -285,13 +305,14 @@ def load_gguf_model(
     reader = reader or open_gguf(path)
     config = gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    interleaved = GGUF_ARCHITECTURES[metadata_value(reader, "general.architecture")][1]
+    gguf_arch = metadata_value(reader, "general.architecture")
+    interleaved = GGUF_ARCHITECTURES[gguf_arch][1]
     heads_of = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
 
     stacks: dict[str, torch.Tensor] = {}  # one layer's expert stacks, dequantized once
 
     def get(name: str) -> torch.Tensor:
-        stored = gguf_name(name)
+        stored = gguf_name(name, gguf_arch)
         if stored not in tensors:
             raise ModelLoadError(f"missing tensor {stored!r} (for {name}) in {path}")
         expert = expert_index(name)
@@ -303,6 +324,8 @@ def load_gguf_model(
                 stacks[stored] = dequantized(tensors[stored])
             return stacks[stored][expert]
         weight = dequantized(tensors[stored])
+        if gguf_arch in NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+            weight -= 1
         projection = name.split(".")[-2]
         if interleaved and projection in heads_of:
             weight = deinterleave_rope_rows(weight, heads_of[projection])
@@ -312,6 +335,9 @@ def load_gguf_model(
     decoder = LlamaDecoder(config, tracked, dtype, device)
     # rope_freqs.weight was read into the config's rope scaling.
     refuse_unread(
-        tensors, {gguf_name(n) for n in tracked.read}, {"rope_freqs.weight"}, f"the GGUF {path}"
+        tensors,
+        {gguf_name(n, gguf_arch) for n in tracked.read},
+        {"rope_freqs.weight"},
+        f"the GGUF {path}",
     )
     return config, decoder
