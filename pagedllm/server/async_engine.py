@@ -266,6 +266,7 @@ class AsyncEngine:
     def _serve(self) -> None:
         engine = self.engine
         last_metrics = 0.0
+        was_idle = True
         while True:
             if not self._apply_commands(block=not engine.has_unfinished_requests()):
                 return
@@ -283,11 +284,13 @@ class AsyncEngine:
                 self._dispatch(outputs)
             now = time.monotonic()
             idle = not engine.has_unfinished_requests()
-            if idle or now - last_metrics >= METRICS_INTERVAL_S:
-                # the snapshot walks every live table: build it when due, and at rest
-                # so that the counters are exact once the engine is idle
+            if idle or was_idle or now - last_metrics >= METRICS_INTERVAL_S:
+                # the snapshot walks every live table: build it when due, on the first
+                # step after a rest (so the gauges never show a busy engine as idle) and
+                # at rest (so the counters are exact once the engine is idle)
                 self.metrics.record_step(engine.get_stats())
                 last_metrics = now
+            was_idle = idle
 
     def _check_clean(self) -> None:
         """Raise EngineUnclean unless the engine is empty with every block free."""
