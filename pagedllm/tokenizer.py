@@ -41,8 +41,8 @@ PROMPT_CONTEXT_TOKENS = 8
 class IncrementalDecoder:
     """Turns generated token ids into text one token at a time.
 
-    Invariant: ``text`` is always valid UTF-8 text; a token that ends inside a
-    multi-byte character yields ``""`` until the character is complete.
+    Invariant: the pieces :meth:`add` returns are valid UTF-8 text; a token that ends
+    inside a multi-byte character yields ``""`` until the character is complete.
     Special tokens (EOS, chat markers) are skipped.
     """
 
@@ -50,15 +50,10 @@ class IncrementalDecoder:
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else None
         self._backend = backend
         self._stream = DecodeStream(ids=context, skip_special_tokens=True)
-        self.text = ""  # all complete text decoded so far
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; return the text it completes (maybe ``""``)."""
-        piece = self._stream.step(self._backend, token_id)
-        if not piece:
-            return ""
-        self.text += piece
-        return piece
+        return self._stream.step(self._backend, token_id) or ""
 
 
 class Tokenizer:
@@ -95,10 +90,6 @@ class Tokenizer:
         """True when the vocabulary holds a fill-in-the-middle prefix token."""
         vocab = self._hf.get_vocab()
         return any(text in vocab for text in FIM_PREFIX_TEXTS)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it."""
