@@ -13,6 +13,8 @@ import triton.language as tl
 
 from pagedllm.gpu.kv_codes import FLOAT, decode_codes, load_row_scales
 
+LOG2_E = 1.4426950408889634
+
 
 @triton.jit
 def tile_offsets(
@@ -88,3 +90,55 @@ def load_values(
         codes = load_keys(cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, tl.float32)
         scales = load_scales(cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)
         return (codes * scales[:, None]).to(DOT_DTYPE)
+
+
+@triton.jit
+def tile_scores(
+    q,
+    k_cache_ptr,
+    offsets,
+    valid,
+    scale_log2,
+    softcap,
+    HEAD_DIM: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """Scores of the query rows ``q`` against one tile of keys, in log2 units (scaled,
+    soft-capped when ``SOFTCAP``), before any mask."""
+    k = load_keys(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if KV_FORMAT != FLOAT:
+        scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
+    if SOFTCAP:
+        scores = soft_cap(scores * (scale_log2 / LOG2_E), softcap) * LOG2_E
+    else:
+        scores = scores * scale_log2
+    return scores
+
+
+@triton.jit
+def online_softmax_step(
+    scores,
+    row_max,
+    row_sum,
+    acc,
+    v_cache_ptr,
+    offsets,
+    valid,
+    HEAD_DIM: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Fold one tile of masked log2 ``scores`` and its values into the running
+    ``(row_max, row_sum, acc)``; returns the new triple."""
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    rescale = tl.exp2(row_max - new_max)
+    probs = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+    v = load_values(v_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=PRECISION)
+    return new_max, row_sum, acc

@@ -23,11 +23,10 @@ import triton
 import triton.language as tl
 
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
-from pagedllm.gpu.kv_codes import FLOAT, kernel_format
-from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, soft_cap, tile_offsets
+from pagedllm.gpu.kv_codes import kernel_format
+from pagedllm.gpu.paged_tiles import LOG2_E, online_softmax_step, tile_offsets, tile_scores
 from pagedllm.kv.kv_quant import KVFormat
 
-LOG2_E = 1.4426950408889634
 # The window passed to the kernels when a layer has none: longer than any sequence.
 NO_WINDOW = 2**30
 
@@ -93,22 +92,15 @@ def _decode_split_kernel(
             table, first, end, kv_head, stride_blk, stride_head, stride_tok, TILE_N, BLOCK_SIZE,
             lowest,
         )  # fmt: skip
-        k = load_keys(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if KV_FORMAT != FLOAT:
-            scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
-        if SOFTCAP:
-            scores = soft_cap(scores * (scale_log2 / LOG2_E), softcap) * LOG2_E
-        else:
-            scores = scores * scale_log2
+        scores = tile_scores(
+            q, k_cache_ptr, offsets, valid, scale_log2, softcap,
+            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION, SOFTCAP,
+        )  # fmt: skip
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        v = load_values(v_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=PRECISION)
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_step(
+            scores, row_max, row_sum, acc, v_cache_ptr, offsets, valid,
+            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
 
     part = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split
     tl.store(part_max_ptr + part, row_max, mask=head_ok)

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
-from pagedllm.gpu.kv_codes import FLOAT, kernel_format
-from pagedllm.gpu.paged_tiles import load_keys, load_scales, load_values, soft_cap, tile_offsets
-from pagedllm.gpu.triton_decode import LOG2_E, NO_WINDOW
+from pagedllm.gpu.kv_codes import kernel_format
+from pagedllm.gpu.paged_tiles import LOG2_E, online_softmax_step, tile_offsets, tile_scores
+from pagedllm.gpu.triton_decode import NO_WINDOW
 from pagedllm.kv.kv_quant import KVFormat
 
 
@@ -87,25 +87,18 @@ def _prefill_kernel(
             table, first, end, kv_head, stride_blk, stride_head, stride_tok, BLOCK_N, BLOCK_SIZE,
             lowest,
         )  # fmt: skip
-        k = load_keys(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if KV_FORMAT != FLOAT:
-            scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
-        if SOFTCAP:
-            scores = soft_cap(scores * (scale_log2 / LOG2_E), softcap) * LOG2_E
-        else:
-            scores = scores * scale_log2
+        scores = tile_scores(
+            q, k_cache_ptr, offsets, valid, scale_log2, softcap,
+            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION, SOFTCAP,
+        )  # fmt: skip
         key_position = first + tl.arange(0, BLOCK_N)
         visible = (key_position[None, :] <= position[:, None]) & valid[None, :]
         visible = visible & (key_position[None, :] > position[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        v = load_values(v_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT, DOT_DTYPE)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=PRECISION)
-        row_max = new_max
+        row_max, row_sum, acc = online_softmax_step(
+            scores, row_max, row_sum, acc, v_cache_ptr, offsets, valid,
+            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
 
     out = acc / row_sum[:, None]
     out_rows = out_ptr + (q_start + token).to(tl.int64) * stride_o_tok + heads * stride_o_head
