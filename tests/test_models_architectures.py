@@ -119,3 +119,12 @@ def test_gemma2_over_the_triton_backend_is_exact(tmp_path, monkeypatch):
     expected = [reference_greedy(reference, p, 12) for p in PROMPTS]
     assert engine_greedy(tmp_path, new_tokens=12, block_size=4) == expected
     assert built
+
+
+@pytest.mark.parametrize(("name", "capturable"), [("qwen3", True), ("qwen3-moe", False)])
+def test_only_models_without_host_reads_are_captured_in_cuda_graphs(tmp_path, name, capturable):
+    """Mixture-of-experts routing reads each expert's token count on the host, which a
+    CUDA graph cannot replay: such models decode eagerly on CUDA."""
+    model_type, overrides = ARCHITECTURES[name]
+    write_random_checkpoint(tmp_path, model_type, **overrides)
+    assert load_model(str(tmp_path)).model.supports_cuda_graphs is capturable

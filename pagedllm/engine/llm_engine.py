@@ -100,14 +100,17 @@ class LLMEngine:
             self.loaded.model, attn, config.block_size, self.max_model_len, self.device
         )
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.graphs = DecodeGraphs(
-                self.loaded.model,
-                attn,
-                self.max_model_len,
-                config.block_size,
-                capture_sizes(config.max_num_seqs),
-                self.device,
-            )
+            if self.loaded.model.supports_cuda_graphs:
+                self.runner.graphs = DecodeGraphs(
+                    self.loaded.model,
+                    attn,
+                    self.max_model_len,
+                    config.block_size,
+                    capture_sizes(config.max_num_seqs),
+                    self.device,
+                )
+            else:
+                logger.info("Decode steps run eagerly: this model's layers cannot be captured")
         self.swap_space = self._make_swap_space()
         self.scheduler = Scheduler(
             self.block_manager,

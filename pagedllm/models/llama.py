@@ -273,6 +273,13 @@ class LlamaDecoder(nn.Module):
         tensors = [w.panels if isinstance(w, PackedWeight) else w for w in present]
         return list({id(t): t for t in (*tensors, *self.buffers())}.values())
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a forward pass can be captured in a CUDA graph: not when a layer reads
+        a device value on the host (mixture-of-experts routing counts each expert's
+        tokens to batch them)."""
+        return all(layer.moe is None for layer in self.layers)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``, scaled as the
         architecture scales them."""

@@ -55,7 +55,7 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, top_k]
         if self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights = weights.to(x.dtype).flatten()  # [T * top_k], pair order
         out = torch.zeros_like(x)
         order = torch.argsort(experts.flatten(), stable=True)
         counts = torch.bincount(experts.flatten(), minlength=self.router.shape[0]).tolist()
@@ -68,7 +68,7 @@ class SparseMoE(nn.Module):
             tokens = pairs // self.top_k
             gate_up = F.linear(x[tokens], self.gate_up[expert])
             routed = F.linear(gated_activation(gate_up, self.activation), self.down[expert])
-            routed *= weights.flatten()[pairs, None]
+            routed *= weights[pairs, None]
             out.index_add_(0, tokens, routed)
         if self.shared_gate is not None:
             shared = gated_activation(linear(x, self.shared_gate_up), self.activation)
