@@ -5,8 +5,7 @@ The engine builds a :class:`SamplingBatch` each step from the scheduled sequence
 
 Order of operations per row (vLLM's): ``-inf`` where the row's grammar forbids a token
 (``structured_outputs``, one bitmask for the batch) and outside ``allowed_token_ids``;
-``-inf``
-on banned ids: the last token of each ``bad_words`` sequence whose other tokens end
+``-inf`` on banned ids: the last token of each ``bad_words`` sequence whose other tokens end
 the output, and the stop ids (the engine's stop set unless ``ignore_eos``, and the
 request's ``stop_token_ids``: the same set the output check stops on) while the output
 is shorter than ``min_tokens``; ``logit_bias`` added; repetition, presence and
