@@ -21,9 +21,15 @@ def test_repeated_large_allocations_reuse_their_pages():
     assert keep_freed_memory()
     for _ in range(3):  # the heap grows to hold it
         torch.empty(TENSOR_BYTES // 4).fill_(1.0)
+    # the fault counter is the whole process's: the quietest of three trials keeps
+    # another thread's faults (torch's pools, a test's leftovers) out of the count
+    faults = min(_faults_of_ten_allocations() for _ in range(3))
+    # fresh pages every time would fault in about 10 x 4,096 pages
+    assert faults < 2 * TENSOR_BYTES // PAGE_BYTES
+
+
+def _faults_of_ten_allocations() -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):
         torch.empty(TENSOR_BYTES // 4).fill_(1.0)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    # fresh pages every time would fault in about 10 x 4,096 pages
-    assert faults < 2 * TENSOR_BYTES // PAGE_BYTES
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
