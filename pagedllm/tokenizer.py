@@ -109,6 +109,20 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
 
+    def info(self) -> dict[str, object]:
+        """The tokenizer's class, special tokens and chat template (None where it has
+        none): what a client needs to tokenize like the server (``/tokenizer_info``)."""
+        hf = self._hf
+        return {
+            "tokenizer_class": type(hf).__name__,
+            "bos_token": hf.bos_token,
+            "eos_token": hf.eos_token,
+            "pad_token": hf.pad_token,
+            "unk_token": hf.unk_token,
+            "add_bos_token": getattr(hf, "add_bos_token", None),
+            "chat_template": hf.chat_template,
+        }
+
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
         """The structured-output compiler for a model of ``vocab_size`` logits (made
         once; it caches what it compiles). Its grammars end with ``stop_token_ids``."""

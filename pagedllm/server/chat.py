@@ -7,7 +7,7 @@ from fastapi import Request, Response
 from pagedllm.engine.outputs import CompletionOutput
 from pagedllm.server.async_engine import ChatPrompt
 from pagedllm.server.protocol import ChatCompletionRequest
-from pagedllm.server.responses import chat_logprobs
+from pagedllm.server.responses import chat_logprobs, prompt_logprobs_json
 from pagedllm.server.serving import (
     ServingContext,
     admit,
@@ -28,7 +28,11 @@ async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
     if outputs is None:
         return Response(status_code=499)
     choices = [_choice(ctx, body, completion) for completion in outputs[0].outputs]
-    return response_json(ctx, admitted, "chat.completion", choices, outputs)
+    extra = None
+    if body.prompt_logprobs is not None:
+        entries = outputs[0].prompt_logprobs or []
+        extra = {"prompt_logprobs": prompt_logprobs_json(entries, ctx.texts, body.prompt_logprobs)}
+    return response_json(ctx, admitted, "chat.completion", choices, outputs, extra)
 
 
 def _choice(

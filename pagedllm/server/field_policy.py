@@ -41,7 +41,6 @@ class Unsupported:
 
 
 _TOOLS = "tool calling is not supported yet"
-_PROMPT_LOGPROBS = "prompt logprobs and echo are not supported yet"
 
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported"),
@@ -49,8 +48,7 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "tool_choice": Unsupported(_TOOLS, ("none",)),
     "functions": Unsupported(_TOOLS, ([],)),
     "function_call": Unsupported(_TOOLS, ("none",)),
-    "echo": Unsupported(_PROMPT_LOGPROBS, (False,)),
-    "prompt_logprobs": Unsupported(_PROMPT_LOGPROBS),
+    "echo": Unsupported("echo is offered by /v1/completions only", (False,)),
     "best_of": Unsupported("best_of is offered by /v1/completions only", (1,)),
     "suffix": Unsupported("suffix (fill-in-the-middle) is offered by /v1/completions only"),
     "use_beam_search": Unsupported("beam search is not offered by the server", (False,)),

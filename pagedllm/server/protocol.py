@@ -66,6 +66,7 @@ class SamplingFields(StructuredFields):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def include_usage(self) -> bool:
@@ -89,10 +90,20 @@ class SamplingFields(StructuredFields):
         return bias
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, n: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        n: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range; ``n``
-        replaces the body's."""
+        """Raises ValueError naming the field when a value is out of range; ``n`` and
+        ``prompt_logprobs``, when given, replace the body's."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs cannot be streamed", param="prompt_logprobs"
+            )
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
         return SamplingParams(
             n=self.n if n is None else n,
             temperature=self.temperature,
@@ -109,6 +120,7 @@ class SamplingFields(StructuredFields):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
@@ -173,13 +185,25 @@ PromptIds = list[int]
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: text, token ids, or a batch of either; 16 tokens by
-    default, as OpenAI's API."""
+    default, as OpenAI's API.
+
+    ``echo`` puts the prompt before each choice's text, and with ``logprobs`` the
+    prompt tokens' logprobs before the generated ones' (the first prompt token's is
+    null). ``max_tokens=0`` asks for the prompt alone and needs ``echo``; the engine
+    then generates one token that the response leaves out (as vLLM does).
+    """
 
     prompt: str | list[str] | PromptIds | list[PromptIds]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt, echoed, is the whole answer (``echo`` with ``max_tokens=0``)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def num_samples(self) -> int:
@@ -189,15 +213,28 @@ class CompletionRequest(SamplingFields):
     def sampling_params(self) -> SamplingParams:
         """With ``best_of``, ``best_of`` samples with their logprobs (to rank them);
         raises InvalidRequestError when ``best_of`` is below ``n`` or streamed."""
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError(
+                "max_tokens=0 returns nothing without echo; set echo or max_tokens >= 1",
+                param="max_tokens",
+            )
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         if self.best_of is None or self.best_of == self.n:
-            return self._sampling_params(self.max_tokens, self.logprobs)
+            return self._sampling_params(
+                max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs
+            )
         if self.best_of < self.n:
             raise InvalidRequestError(
                 f"best_of must be >= n={self.n}, got {self.best_of}", param="best_of"
             )
         if self.stream:
             raise InvalidRequestError("best_of above n cannot be streamed", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs or 0, n=self.best_of)
+        return self._sampling_params(
+            max_tokens, self.logprobs or 0, n=self.best_of, prompt_logprobs=prompt_logprobs
+        )
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """One engine prompt per batch entry; raises ValueError for an empty batch."""

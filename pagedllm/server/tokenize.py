@@ -5,7 +5,9 @@
 template with the assistant header, as ``/v1/chat/completions`` renders them) and
 answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` only
 with ``return_token_strs``). ``/detokenize`` turns ``tokens`` back into
-``{"prompt": text}`` (special tokens kept). Unknown fields are ignored, as on the
+``{"prompt": text}`` (special tokens kept). ``GET /tokenizer_info`` gives the
+tokenizer's class, special tokens and chat template (vLLM's route, which evaluation
+harnesses use to tokenize through the server). Unknown fields are ignored, as on the
 generation routes. Work on long texts runs in a worker thread, off the event loop.
 """
 
@@ -77,6 +79,11 @@ async def tokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
         "token_strs": [ctx.texts.text(i) for i in ids] if body.return_token_strs else None,
     }
     return JSONResponse(answer, headers=headers)
+
+
+async def tokenizer_info(ctx: ServingContext) -> JSONResponse:
+    info = _tokenizer(ctx).info()
+    return JSONResponse({**info, "model_max_length": ctx.max_model_len})
 
 
 async def detokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
