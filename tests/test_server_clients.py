@@ -74,7 +74,6 @@ def test_sdk_and_framework_extras_are_ignored_and_named(client, model_name):
     extras = {
         "metadata": {"run": "7"},
         "store": False,
-        "parallel_tool_calls": True,
         "reasoning_effort": "low",
         "service_tier": "auto",
         "frobnicate": {"deep": [1]},
@@ -98,7 +97,7 @@ def test_sdk_and_framework_extras_are_ignored_and_named(client, model_name):
         ({"max_tokens": 0}, "max_tokens", "without echo"),
         ({"guided_regex": "(a"}, "structured_outputs", "does not compile"),
         ({"guided_regex": "a", "ignore_eos": True}, "structured_outputs", "ignore_eos"),
-        ({"tool_choice": "required"}, "tool_choice", "tool calling"),
+        ({"tool_choice": "required"}, "tool_choice", "chat/completions only"),
         ({"suffix": " mat."}, "suffix", "fill-in-the-middle tokens"),
         ({"logit_bias": {"999999": 5}}, "logit_bias", "[0, 259)"),
         ({"allowed_token_ids": [300]}, "allowed_token_ids", "[0, 259)"),

@@ -35,7 +35,8 @@ class StreamFormat:
     """How an endpoint shapes its chunks.
 
     ``object_name``: the chunks' ``object``; ``opening``: choices sent before any
-    token (chat's role announcements); ``choice``: the choice JSON of an update.
+    token (chat's role announcements); ``choice``: the choice JSON of an update, or
+    None when the update shows nothing yet (text held back).
     ``continuous_usage``: every chunk carries the usage of the outputs seen so far
     (the opening chunks then wait for the first output, which knows the prompt's
     length). ``shown``: what of each engine output the client sees (for example
@@ -47,7 +48,7 @@ class StreamFormat:
     with_logprobs: bool
     include_usage: bool
     continuous_usage: bool
-    choice: Callable[[ChoiceUpdate], dict[str, object]]
+    choice: Callable[[ChoiceUpdate], dict[str, object] | None]
     opening: list[dict[str, object]]
     shown: Callable[[RequestOutput], RequestOutput] | None = None
 
@@ -99,7 +100,9 @@ async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
         for choice in opening:
             yield sse({**head, "choices": [choice], **tail()})
         opening = []
-        yield sse({**head, "choices": [fmt.choice(update)], **tail()})
+        shown = fmt.choice(update)
+        if shown is not None:
+            yield sse({**head, "choices": [shown], **tail()})
     if fmt.include_usage:
         yield sse({**head, "choices": [], "usage": usage(list(latest.values()))})
     yield sse("[DONE]")
