@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import pytest
 from tiny_chat_model import write_tiny_chat_llama
 
@@ -139,6 +140,9 @@ def test_none_and_plain_text_give_content_only(client):
 def test_history_with_tool_calls_and_results(client):
     reply = chat(client, messages=HISTORY, max_tokens=8, temperature=0.0)
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    base = str(client.base_url).removesuffix("/v1/")
+    rendered = httpx.post(f"{base}/tokenize", json={"messages": HISTORY, "tools": TOOLS}).json()
+    assert reply.usage.prompt_tokens == rendered["count"]
 
 
 @pytest.mark.parametrize(
@@ -168,14 +172,12 @@ def test_templates_that_render_tools_get_them_as_transformers_passes_them(tmp_pa
 
     from pagedllm.server.chat import chat_prompt
     from pagedllm.server.protocol import ChatCompletionRequest
-    from pagedllm.server.serving import ServingContext
     from pagedllm.tokenizer import Tokenizer
 
     folder = write_tiny_chat_llama(tmp_path / "with-tools", chat_template=TOOLS_TEMPLATE)
     ours = Tokenizer.from_folder(folder)
     body = ChatCompletionRequest(messages=HISTORY, tools=TOOLS)
-    ctx = ServingContext(None, "m", None, ours, 259, 1024)
-    prompt = chat_prompt(ctx, body, body.tool_plan())
+    prompt = chat_prompt(ours, body.template_messages(), body.tool_plan().template_tools())
     theirs = AutoTokenizer.from_pretrained(folder)
     history = json.loads(json.dumps(HISTORY))
     history[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "unit": "celsius"}
@@ -184,8 +186,7 @@ def test_templates_that_render_tools_get_them_as_transformers_passes_them(tmp_pa
     )
     assert ours.apply_chat_template(prompt.messages, tools=prompt.tools) == list(expected)
     plain = Tokenizer.from_folder(write_tiny_chat_llama(tmp_path / "plain"))
-    plain_ctx = ServingContext(None, "m", None, plain, 259, 1024)
-    fallback = chat_prompt(plain_ctx, body, body.tool_plan())
+    fallback = chat_prompt(plain, body.template_messages(), body.tool_plan().template_tools())
     ids = plain.apply_chat_template(fallback.messages)
     text = plain.decode(ids, skip_special_tokens=False)
     assert fallback.tools is None and '"get_time"' in text

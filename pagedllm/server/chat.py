@@ -26,13 +26,15 @@ from pagedllm.server.streaming import ChoiceUpdate, StreamFormat, event_stream
 from pagedllm.server.tool_call_format import fallback_messages
 from pagedllm.server.tool_stream import ToolCallStream, call_json
 from pagedllm.server.tools import ToolPlan
+from pagedllm.tokenizer import Tokenizer
 
 
 async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
     parsed = await parse_request(raw, ctx, ChatCompletionRequest)
     body = parsed.body
     plan = invalid_as_400(body.tool_plan)
-    admitted = await admit(ctx, "chatcmpl", [chat_prompt(ctx, body, plan)], parsed)
+    prompt = chat_prompt(ctx.tokenizer, body.template_messages(), plan.template_tools())
+    admitted = await admit(ctx, "chatcmpl", [prompt], parsed)
     if body.stream:
         return event_stream(ctx, admitted, _stream_format(ctx, body, plan))
     outputs = await final_outputs(ctx, admitted, raw)
@@ -46,12 +48,15 @@ async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
     return response_json(ctx, admitted, "chat.completion", choices, outputs, extra)
 
 
-def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest, plan: ToolPlan) -> ChatPrompt:
+def chat_prompt(
+    tokenizer: Tokenizer | None,
+    messages: list[dict[str, object]],
+    tools: list[dict[str, object]] | None,
+) -> ChatPrompt:
     """The conversation and tools to render; through the fallback rendering when the
     template cannot render tools or tool turns."""
-    messages, tools = body.template_messages(), plan.template_tools()
     uses_tools = tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
-    if uses_tools and (ctx.tokenizer is None or not ctx.tokenizer.renders_tools):
+    if uses_tools and (tokenizer is None or not tokenizer.renders_tools):
         return ChatPrompt(fallback_messages(messages, tools))
     return ChatPrompt(messages, tools)
 
