@@ -48,6 +48,21 @@ ARCHITECTURES = {
         shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1])),
     "qwen3-moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=True)),
+    # LayerNorm decoders. Rotary on a quarter of each head by default (StableLM, NeoX).
+    "stablelm-qk-layernorm": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True)),
+    "stablelm-parallel": ("stablelm", dict(use_parallel_residual=True)),
+    "gpt-neox": ("gpt_neox", dict()),
+    "gpt-neox-sequential-half-rotary": ("gpt_neox", dict(
+        use_parallel_residual=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.5})),
+    "olmo-clip-qkv": ("olmo", dict(clip_qkv=1.0, attention_bias=True)),
+    "gpt2": ("gpt2", dict(n_inner=128)),
+    "falcon-new-decoder": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2,
+                                          ffn_hidden_size=128, bias=True)),
+    "falcon-multi-query": ("falcon", dict(ffn_hidden_size=128)),
+    "falcon-sequential": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True,
+                                         ffn_hidden_size=128, tie_word_embeddings=False)),
 }  # fmt: skip
 
 
