@@ -100,9 +100,14 @@ def test_dummy_shapes_are_the_checkpoint_shapes(tmp_path, name):
     assert parameter_shapes(config) == saved
 
 
-@pytest.mark.parametrize("name", ["gemma2", "olmo2", "qwen2-moe-shared-expert"])
+@pytest.mark.parametrize(
+    "name",
+    ["gemma2", "olmo2", "qwen2-moe-shared-expert", "stablelm-qk-layernorm", "gpt-neox",
+     "olmo-clip-qkv", "gpt2", "falcon-new-decoder", "falcon-sequential"],
+)  # fmt: skip
 def test_planner_counts_every_checkpoint_parameter(tmp_path, name):
-    """Experts, q/k norms and extra norms are all weights the planner must hold."""
+    """Experts, q/k norms, extra norms, LayerNorm biases and GPT-2's position embeddings
+    are all weights the planner must hold."""
     from safetensors import safe_open
 
     from pagedllm.plan.model_shape import resolve_model
@@ -112,6 +117,26 @@ def test_planner_counts_every_checkpoint_parameter(tmp_path, name):
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
         shapes = [handle.get_slice(key).get_shape() for key in handle.keys()]  # noqa: SIM118
     assert resolve_model(str(tmp_path)).num_parameters == sum(math.prod(s) for s in shapes)
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_heads"),
+    [("falcon-multi-query", 1), ("falcon-new-decoder", 2), ("falcon-sequential", 4),
+     ("gpt-neox", 4), ("gpt2", 4), ("stablelm-parallel", 2)],
+)  # fmt: skip
+def test_planner_counts_the_kv_heads_a_layer_stores(tmp_path, name, kv_heads):
+    """K/V bytes per token: Falcon's multi-query layers store one head, its new decoder one
+    per group; GPT-NeoX and GPT-2 one per query head, whatever ``num_key_value_heads`` the
+    config carries (the test's shape sets 2, which they ignore)."""
+    from pagedllm.plan.capacity import KV_DTYPES, kv_bytes_per_token
+    from pagedllm.plan.model_shape import resolve_model
+
+    model_type, overrides = ARCHITECTURES[name]
+    write_random_checkpoint(tmp_path, model_type, **overrides)
+    config = resolve_model(str(tmp_path)).config
+    layers, head_dim, float32_bytes = 2, 16, 4
+    expected = layers * 2 * kv_heads * head_dim * float32_bytes
+    assert kv_bytes_per_token(config, KV_DTYPES["float32"]) == expected
 
 
 @pytest.mark.triton
