@@ -82,6 +82,25 @@ def test_gemma3_layers_alternate_windows_and_ropes(tmp_path):
     assert model.config.local_rope_theta == 1e4 and model.config.rope_theta == 1e6
 
 
+def test_gpt_neox_legacy_rope_keys_are_read_as_transformers_reads_them(tmp_path):
+    """Pythia-era configs name the rotated fraction ``rotary_pct`` and the base
+    ``rotary_emb_base``: transformers reloads such a config with both, and so do we."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}
+    write_random_checkpoint(tmp_path, "gpt_neox", rope_parameters=rope)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["rope_parameters"]
+    legacy = dict(raw, rotary_pct=0.5, rotary_emb_base=500)
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    config = load_model(tmp_path).config
+    assert (config.partial_rotary_factor, config.rope_theta, config.rotary_dim) == (0.5, 500.0, 8)
+    assert_exact(tmp_path, reference.eval())
+
+
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_dummy_shapes_are_the_checkpoint_shapes(tmp_path, name):
     """``load_format="dummy"`` makes exactly the tensors, and shapes, transformers saves."""
