@@ -18,6 +18,7 @@ import torch
 from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_fields
 from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
@@ -32,17 +33,23 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", False),
     "gemma": ("gemma", False),
     "olmo2": ("olmo2", False),
+    "gemma2": ("gemma2", False),
+    "gemma3": ("gemma3_text", False),
 }
 # Where an architecture's GGUF names differ from LAYER_TENSOR_NAMES (OLMo 2's norms come
-# after attention and MLP).
+# after attention and MLP; Gemma 2/3 have both).
+POST_NORM_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+SANDWICH_NORM_NAMES = {**POST_NORM_NAMES, "pre_feedforward_layernorm.weight": "ffn_norm.weight"}
 ARCH_LAYER_TENSOR_NAMES = {
-    "olmo2": {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    },
+    "olmo2": POST_NORM_NAMES,
+    "gemma2": SANDWICH_NORM_NAMES,
+    "gemma3": SANDWICH_NORM_NAMES,
 }
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
-NORMS_STORED_PLUS_ONE = ("gemma",)
+NORMS_STORED_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 # GGUF architectures that may hold experts (a llama with experts is Mixtral).
 EXPERT_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Granite's multipliers: GGUF metadata key (after "<arch>.") -> ModelConfig field.
@@ -160,14 +167,20 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     experts = metadata_value(reader, f"{gguf_arch}.expert_count", 0)
     architecture = GGUF_ARCHITECTURES[gguf_arch][0]
     window = metadata_value(reader, f"{gguf_arch}.attention.sliding_window")
-    scales = {}
+    scales: dict[str, Any] = {"sliding_windows": (window,) * num_layers if window else ()}
     if gguf_arch == "granite":  # the converter writes each scale only when set
-        scales = {
-            field: float(metadata_value(reader, f"{gguf_arch}.{key}", 1.0))
+        scales.update(
+            (field, float(metadata_value(reader, f"{gguf_arch}.{key}", 1.0)))
             for key, field in GRANITE_SCALES.items()
-        }
+        )
         # Without attention.scale, llama.cpp scales scores by head_dim ** -0.5.
         scales["attention_scale"] = metadata_value(reader, f"{gguf_arch}.attention.scale")
+    if gguf_arch in GEMMA_GGUF_ARCHITECTURES:
+
+        def value(key: str, default: Any) -> Any:
+            return metadata_value(reader, f"{gguf_arch}.{key}", default)
+
+        scales.update(gemma_fields(gguf_arch, value, num_layers, hidden_size, num_heads, head_dim))
     moe = {}
     if experts:  # llama.cpp writes Mixtral as a llama with experts
         architecture = EXPERT_ARCHITECTURES[gguf_arch]
@@ -209,7 +222,6 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         output_bias="blk.0.attn_output.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, gguf_arch, path),
-        sliding_windows=(window,) * num_layers if window else (),
         **scales,
         **moe,
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
@@ -233,6 +245,8 @@ def _refuse_unimplemented_metadata(
 ) -> None:
     for key, neutral in UNIMPLEMENTED_METADATA.items():
         if key == "attention.sliding_window" and arch in WINDOWED_EVERYWHERE:
+            continue
+        if arch in GEMMA_GGUF_ARCHITECTURES:  # read by gemma_fields
             continue
         value = metadata_value(reader, f"{arch}.{key}")
         if value is not None and value != neutral:
