@@ -60,6 +60,9 @@ ARCHITECTURES = {
     "gpt2": ("gpt2", dict(n_inner=128)),
     "falcon-new-decoder": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2,
                                           ffn_hidden_size=128, bias=True)),
+    "falcon-new-decoder-one-norm": ("falcon", dict(
+        new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1,
+        ffn_hidden_size=128)),
     "falcon-multi-query": ("falcon", dict(ffn_hidden_size=128)),
     "falcon-sequential": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True,
                                          ffn_hidden_size=128, tie_word_embeddings=False)),

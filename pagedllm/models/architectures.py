@@ -222,7 +222,7 @@ ARCHITECTURES.update(
         config_keys=(("intermediate_size", "ffn_hidden_size"),),
         norm_eps_key="layer_norm_epsilon",
         default_norm_eps=1e-5,
-        kv_heads_key="num_kv_heads",
+        kv_heads_key=None,  # by its layout: see config_variants
     ),
 )
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
