@@ -13,16 +13,17 @@ layers: matrices and embeddings normal with standard deviation ``MATRIX_STD``, b
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pagedllm.models.architectures import NORM_NAMES
-from pagedllm.models.checkpoint_names import stored_shapes
+from pagedllm.models.checkpoint_names import checkpoint_source, stored_shapes
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.llama import LlamaDecoder, WeightSource
+from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.models.loader_safetensors import read_config_file
 from pagedllm.plan.presets import PRESETS
@@ -149,9 +150,11 @@ def dummy_weight_source(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = DEFAULT_SEED,
-) -> WeightSource:
-    """A :data:`~pagedllm.models.llama.WeightSource` drawing each parameter of
-    :func:`parameter_shapes` when it is asked for (on the ``meta`` device: shapes only)."""
+) -> Callable[[str], torch.Tensor]:
+    """A source of the checkpoint's tensors, by their stored names (those of
+    :func:`parameter_shapes`), drawing each when it is asked for (on the ``meta`` device:
+    shapes only); the decoder reads it through
+    :func:`~pagedllm.models.checkpoint_names.checkpoint_source`."""
     if seed < 0:
         raise ModelLoadError(f"the dummy weights' seed must be >= 0, got {seed}")
     shapes = parameter_shapes(config)
@@ -191,5 +194,5 @@ def load_dummy_model(
     """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
     random weights, its config, and its source (the preset name or the config's path)."""
     config, source = dummy_config(model)
-    get = dummy_weight_source(config, dtype, device, seed)
+    get = checkpoint_source(config, dummy_weight_source(config, dtype, device, seed))
     return config, LlamaDecoder(config, get, dtype, device), source

@@ -25,7 +25,6 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.architectures import NORM_NAMES
-from pagedllm.models.checkpoint_names import checkpoint_source
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
 from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
@@ -33,8 +32,9 @@ from pagedllm.models.moe import SparseMoE
 from pagedllm.models.norms import layer_norm_per_head, normalize
 from pagedllm.models.rope import RotaryTable, apply_partial_rope
 
-# Returns the tensor stored under a Hugging Face parameter name, e.g.
-# "model.layers.0.self_attn.q_proj.weight"; raises ModelLoadError when absent.
+# Returns the tensor of a Hugging Face Llama-style parameter name, e.g.
+# "model.layers.0.self_attn.q_proj.weight" (other architectures' checkpoints are read
+# through pagedllm.models.checkpoint_names); raises ModelLoadError when absent.
 WeightSource = Callable[[str], torch.Tensor]
 
 
@@ -248,8 +248,7 @@ class LlamaDecoder(nn.Module):
     read, so no second copy of the whole model is ever built. Norm weights are stored as
     ``offset + weight`` (computed in float32, then converted). The LM head is the embedding
     matrix when the config ties them; then one copy is kept, in the LM head's form, and
-    embedding lookups read its rows. ``get`` reads tensors by the names the architecture's
-    checkpoints use (see :mod:`~pagedllm.models.checkpoint_names`).
+    embedding lookups read its rows.
     """
 
     def __init__(
@@ -264,7 +263,6 @@ class LlamaDecoder(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         spec = config.spec
-        get = checkpoint_source(config, get)
 
         def get_as_dtype(name: str) -> torch.Tensor:
             return get(name).to(device=self.device, dtype=dtype).contiguous()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedllm.models.checkpoint_names import stored_name
+from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
@@ -77,7 +77,7 @@ def load_safetensors_model(
             return handle_of_tensor[name].get_tensor(name)
 
         tracked = TrackedSource(get)
-        decoder = LlamaDecoder(config, tracked, dtype, device)
+        decoder = LlamaDecoder(config, checkpoint_source(config, tracked), dtype, device)
         # A tied checkpoint may still store its LM head; transformers ignores it too. Old
         # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
         head = stored_name(config, "lm_head.weight")
