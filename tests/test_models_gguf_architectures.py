@@ -31,7 +31,7 @@ def test_qwen3_gguf_with_qk_norms_matches_transformers(tmp_path):
     torch.testing.assert_close(logits_of(loaded.model), expected, atol=LOGITS_TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "gptneox", "falcon"])
+@pytest.mark.parametrize("arch", ["olmoe", "falcon", "bloom"])
 def test_other_gguf_architectures_are_refused_by_name(tmp_path, arch):
     writer = gguf.GGUFWriter(tmp_path / "x.gguf", arch)
     writer.add_block_count(1)
@@ -304,3 +304,96 @@ def test_gemma3_gguf_that_llama_cpp_runs_otherwise_is_refused(tmp_path, metadata
     write_gemma_metadata(tmp_path / "m.gguf", "gemma3", 2, **metadata)
     with pytest.raises(ModelLoadError, match=words):
         load_model(tmp_path / "m.gguf")
+
+
+def write_layernorm_gguf(path, folder, config, arch: gguf.MODEL_ARCH):
+    """A GPT-NeoX, GPT-2, StableLM or OLMo GGUF as llama.cpp's converter writes one: its
+    metadata keys, q/k/v rows stacked (GPT-NeoX's reordered, GPT-2's ``Conv1D`` matrices
+    transposed back, its LM head a copy of the embedding), StableLM's per-head norms
+    stacked, OLMo's q/k rows interleaved."""
+    layers = config.num_hidden_layers
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = hidden // heads
+    writer.add_block_count(layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_vocab_size(config.vocab_size)
+    if arch == gguf.MODEL_ARCH.OLMO:
+        writer.add_layer_norm_eps(1e-5)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_clamp_kqv(config.clip_qkv)
+    else:
+        eps = config.layer_norm_epsilon if arch == gguf.MODEL_ARCH.GPT2 else config.layer_norm_eps
+        writer.add_layer_norm_eps(eps)
+    if arch in (gguf.MODEL_ARCH.GPTNEOX, gguf.MODEL_ARCH.STABLELM):
+        rotated = int(config.rope_parameters["partial_rotary_factor"] * head_dim)
+        writer.add_rope_dimension_count(rotated)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_parallel_residual(config.use_parallel_residual)
+    if arch == gguf.MODEL_ARCH.STABLELM:
+        writer.add_head_count_kv(config.num_key_value_heads)
+    gpt2 = arch == gguf.MODEL_ARCH.GPT2
+    writer.add_feed_forward_length(4 * hidden if gpt2 else config.intermediate_size)
+    tensors = load_file(folder / "model.safetensors")
+    for layer in range(layers):  # StableLM: one norm per head, stacked
+        for kind, count in (("q", heads), ("k", config.num_key_value_heads)):
+            per_head = f"model.layers.{layer}.self_attn.{kind}_layernorm.norms."
+            if per_head + "0.weight" in tensors:
+                rows = [tensors.pop(f"{per_head}{h}.weight") for h in range(count)]
+                stacked = f"model.layers.{layer}.self_attn.{kind}_layernorm.weight"
+                tensors[stacked] = torch.stack(rows)
+    for hf_name, tensor in tensors.items():
+        data = tensor
+        if hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            data = data.T
+        if "query_key_value" in hf_name:
+            per_head = data.reshape(heads, 3, head_dim, *data.shape[1:])
+            data = torch.cat([per_head[:, i].reshape(-1, *data.shape[1:]) for i in range(3)])
+        data = data.numpy()
+        if arch == gguf.MODEL_ARCH.OLMO and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = hf_name.endswith("k_proj.weight")
+            data = interleave_rope_rows(data, config.num_key_value_heads if kv else heads)
+        stored = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(stored, data.astype(np.float32))
+        if stored == "token_embd.weight" and gpt2:
+            writer.add_tensor("output.weight", data.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+LAYERNORM_GGUF_CASES = {
+    "gpt-neox": ("gpt_neox", gguf.MODEL_ARCH.GPTNEOX, dict()),
+    "gpt-neox-sequential": ("gpt_neox", gguf.MODEL_ARCH.GPTNEOX, dict(
+        use_parallel_residual=False)),
+    "gpt2": ("gpt2", gguf.MODEL_ARCH.GPT2, dict(n_inner=256)),
+    "stablelm-parallel-qk-layernorm": ("stablelm", gguf.MODEL_ARCH.STABLELM, dict(
+        qk_layernorm=True, use_qkv_bias=True, use_parallel_residual=True)),
+    "stablelm": ("stablelm", gguf.MODEL_ARCH.STABLELM, dict()),
+    "olmo-clip-qkv": ("olmo", gguf.MODEL_ARCH.OLMO, dict(clip_qkv=1.0)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYERNORM_GGUF_CASES))
+def test_layernorm_gguf_is_exact(tmp_path, name):
+    """GPT-NeoX, GPT-2, StableLM and OLMo from files written as the converter writes
+    them: logits within the tolerance, greedy tokens through the engine equal."""
+    model_type, arch, overrides = LAYERNORM_GGUF_CASES[name]
+    hf_model = write_random_checkpoint(tmp_path / "hf", model_type, **overrides)
+    path = write_layernorm_gguf(tmp_path / "l.gguf", tmp_path / "hf", hf_model.config, arch)
+    assert load_model(path).config.architecture == model_type
+    assert_exact(path, hf_model)
+
+
+def test_olmo_gguf_with_biases_is_refused(tmp_path):
+    """The converter interleaves OLMo's q/k weight rows but not their biases."""
+    hf_model = write_random_checkpoint(tmp_path / "hf", "olmo", attention_bias=True, clip_qkv=1.0)
+    path = write_layernorm_gguf(tmp_path / "o.gguf", tmp_path / "hf", hf_model.config,
+                                gguf.MODEL_ARCH.OLMO)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="olmo with q/k/v biases"):
+        load_model(path)
