@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
@@ -76,8 +77,11 @@ def load_safetensors_model(
             return handle_of_tensor[name].get_tensor(name)
 
         tracked = TrackedSource(get)
-        decoder = LlamaDecoder(config, tracked, dtype, device)
-        # A tied checkpoint may still store lm_head.weight; transformers ignores it too.
-        known_unused = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        decoder = LlamaDecoder(config, checkpoint_source(config, tracked), dtype, device)
+        # A tied checkpoint may still store its LM head; transformers ignores it too. Old
+        # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
+        head = stored_name(config, "lm_head.weight")
+        known_unused = {head} if config.tie_word_embeddings else set()
+        known_unused |= {n for n in handle_of_tensor if n.endswith(config.spec.unused_suffixes)}
         refuse_unread(handle_of_tensor, tracked.read, known_unused, f"the checkpoint {folder}")
         return config, decoder
