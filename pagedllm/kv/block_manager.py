@@ -23,6 +23,16 @@ Automatic prefix caching (``enable_prefix_caching``, on by default), in three ca
 
 A sequence started without a prefix object (``prefix=None``) is never cached: its extra
 keys (``cache_salt``) are unknown, and sharing without them could leak across tenants.
+
+Sliding window (``sliding_window`` ``W`` tokens, for a model whose every layer slides):
+a query at position ``p`` reads positions ``p - W + 1 .. p`` only, so once a sequence's
+next query sits at position ``p`` (its committed tokens), every logical block wholly
+before ``p - W + 1`` is released: its reference is dropped (a shared block stays with
+its other holders, a cached one waits in the free queue as evictable) and its table
+entry becomes null (:mod:`pagedllm.kv.block_table`). A running sequence then holds at
+most ``ceil((W + n - 1) / block_size) + 1`` blocks during a step that computes ``n``
+tokens, ``ceil(W / block_size) + 1`` while decoding. A prefix-cache hit then needs only
+the cached blocks inside the window of its first computed token, not the whole chain.
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ class CachedPrefix:
     """A hit from :meth:`BlockManager.find_cached_prefix`, valid until blocks are allocated.
 
     ``block_ids``/``keys``: the cached full blocks covering the first ``num_tokens`` tokens
-    of a ``num_prompt_tokens``-token prompt; ``extra_keys`` carry on to the sequence's
-    later blocks.
+    of a ``num_prompt_tokens``-token prompt, of which the first ``num_null_blocks`` are
+    null entries (out of a sliding window: not needed, maybe not cached); ``extra_keys``
+    carry on to the sequence's later blocks.
     """
 
     block_ids: tuple[int, ...]
@@ -52,6 +63,12 @@ class CachedPrefix:
     num_tokens: int
     num_prompt_tokens: int
     extra_keys: tuple[str, ...]
+    num_null_blocks: int = 0
+
+    @property
+    def held_block_ids(self) -> tuple[int, ...]:
+        """The cached blocks the sequence takes a reference to."""
+        return self.block_ids[self.num_null_blocks :]
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,7 @@ class BlockManagerStats:
 class _Sequence:
     table: BlockTable
     hasher: PrefixHasher | None  # None: this sequence's blocks are never cached
+    num_committed: int = 0  # tokens whose K/V are written
 
 
 class BlockManager:
@@ -91,10 +109,17 @@ class BlockManager:
         reserved_fraction: float = 0.05,
         enable_prefix_caching: bool = True,
         upfront_tokens: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and (sliding_window < 1 or upfront_tokens is not None):
+            raise ValueError(
+                f"sliding_window must be >= 1 and needs on-demand allocation, got "
+                f"{sliding_window} with upfront_tokens={upfront_tokens}"
+            )
         self.pool = BlockPool(num_blocks, block_size, reserved_fraction)
         self.block_size = block_size
         self.upfront_tokens = upfront_tokens
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching and upfront_tokens is None
         self._seqs: dict[SeqId, _Sequence] = {}
         self._prefix_cache_queries = 0
@@ -103,42 +128,62 @@ class BlockManager:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
 
+    def live_from(self, position: int) -> int:
+        """The first logical block a query at ``position`` reads: 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
     # -- prefix cache --------------------------------------------------------------------
 
     def find_cached_prefix(
         self, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()
     ) -> CachedPrefix:
-        """The longest chain of cached full blocks starting ``token_ids`` (a query).
+        """The longest cached prefix of ``token_ids`` (a query): a chain of cached full
+        blocks from the start or, with a sliding window, the longest run of whole blocks
+        whose blocks inside the window of the next token are all cached.
 
         Covers at most ``len(token_ids) - 1`` tokens rounded down to whole blocks; empty
         when prefix caching is off.
         """
-        block_ids: list[int] = []
+        block_ids: list[int | None] = []
         keys: list[BlockKey] = []
+        hit, run = 0, 0  # blocks of the best hit; cached blocks ending at the current one
         if self.enable_prefix_caching:
             cacheable = token_ids[: max(0, len(token_ids) - 1)]
             for key in iter_block_keys(cacheable, self.block_size, extra_keys):
                 block_id = self.pool.lookup(key)
-                if block_id is None:
+                if block_id is None and self.sliding_window is None:
                     break
                 block_ids.append(block_id)
                 keys.append(key)
+                run = 0 if block_id is None else run + 1
+                if len(block_ids) - run <= self.live_from(len(block_ids) * self.block_size):
+                    hit = len(block_ids)
+        num_null = self.live_from(hit * self.block_size)
+        null = self.pool.null_block
         return CachedPrefix(
-            block_ids=tuple(block_ids),
-            keys=tuple(keys),
-            num_tokens=len(block_ids) * self.block_size,
+            block_ids=(null,) * num_null + tuple(block_ids[num_null:hit]),
+            keys=tuple(keys[:hit]),
+            num_tokens=hit * self.block_size,
             num_prompt_tokens=len(token_ids),
             extra_keys=extra_keys,
+            num_null_blocks=num_null,
         )
 
-    def _prefix_blocks_needed(self, prefix: CachedPrefix, num_new_tokens: int) -> int:
-        """Free blocks starting on ``prefix`` takes: evictable hits plus blocks for new tokens."""
-        revived = sum(1 for block_id in prefix.block_ids if self.pool.ref_count(block_id) == 0)
+    def _prefix_blocks_needed(
+        self, prefix: CachedPrefix, num_new_tokens: int, num_restored: int
+    ) -> int:
+        """Free blocks starting on ``prefix`` takes: evictable hits plus blocks for new tokens
+        (none before the window of the first token computed)."""
+        revived = sum(1 for block_id in prefix.held_block_ids if self.pool.ref_count(block_id) == 0)
         total_blocks = -(-(prefix.num_tokens + num_new_tokens) // self.block_size)
-        return revived + total_blocks - len(prefix.block_ids)
+        new_from = max(len(prefix.block_ids), self.live_from(prefix.num_tokens + num_restored))
+        return revived + max(0, total_blocks - new_from)
 
     def _check_prefix(self, prefix: CachedPrefix) -> None:
-        for block_id, key in zip(prefix.block_ids, prefix.keys, strict=True):
+        keys = prefix.keys[prefix.num_null_blocks :]
+        for block_id, key in zip(prefix.held_block_ids, keys, strict=True):
             cached = self.pool.block_key(block_id)
             if cached is None or cached.digest != key.digest:
                 raise ValueError("stale prefix: its blocks were evicted; find it again")
@@ -149,21 +194,24 @@ class BlockManager:
         num_new_tokens: int,
         high_priority: bool,
         prefix: CachedPrefix | None,
+        num_restored: int,
     ) -> _Sequence | None:
         """Register ``seq_id`` (on the blocks of ``prefix`` if given, with its upfront
         blocks under that policy) if its first ``num_new_tokens`` tokens fit; else None,
         changing nothing."""
         if prefix is not None:
             self._check_prefix(prefix)
-        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix)
+        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix, num_restored)
         if not self.pool.can_allocate(needed, high_priority):
             return None
         if prefix is None:
             seq = _Sequence(BlockTable(self.pool), hasher=None)
         else:
-            self.pool.incref(prefix.block_ids)
-            table = BlockTable(self.pool, list(prefix.block_ids), prefix.num_tokens)
-            seq = _Sequence(table, self._start_hasher(prefix))
+            self.pool.incref(prefix.held_block_ids)
+            table = BlockTable(
+                self.pool, list(prefix.block_ids), prefix.num_tokens, prefix.num_null_blocks
+            )
+            seq = _Sequence(table, self._start_hasher(prefix), prefix.num_tokens)
         if self.upfront_tokens is not None:
             seq.table.preallocate(self.upfront_tokens, high_priority)
         self._seqs[seq_id] = seq
@@ -181,18 +229,27 @@ class BlockManager:
     # -- allocation ----------------------------------------------------------------------
 
     def num_blocks_needed(
-        self, seq_id: SeqId, num_new_tokens: int, prefix: CachedPrefix | None = None
+        self,
+        seq_id: SeqId,
+        num_new_tokens: int,
+        prefix: CachedPrefix | None = None,
+        num_restored: int = 0,
     ) -> int:
         """Free blocks an append of ``num_new_tokens`` tokens would take from the pool.
 
-        Counts new blocks, copy-on-write copies and evictable blocks a prefix hit revives.
+        Counts new blocks, copy-on-write copies and evictable blocks a prefix hit revives
+        (``num_restored`` as in :meth:`allocate_slots`).
         """
         seq = self._seqs.get(seq_id)
         if seq is not None:
-            return seq.table.num_blocks_needed(num_new_tokens)
+            table = seq.table
+            live_from = self.live_from(table.num_tokens + num_restored)
+            return table.num_blocks_needed(num_new_tokens, live_from)
         if prefix is None:
-            return -(-max(num_new_tokens, self.upfront_tokens or 0) // self.block_size)
-        return self._prefix_blocks_needed(prefix, max(num_new_tokens, self.upfront_tokens or 0))
+            total = -(-max(num_new_tokens, self.upfront_tokens or 0) // self.block_size)
+            return max(0, total - self.live_from(num_restored))
+        num_tokens = max(num_new_tokens, self.upfront_tokens or 0)
+        return self._prefix_blocks_needed(prefix, num_tokens, num_restored)
 
     def can_append(
         self,
@@ -200,10 +257,11 @@ class BlockManager:
         num_new_tokens: int,
         high_priority: bool = False,
         prefix: CachedPrefix | None = None,
+        num_restored: int = 0,
     ) -> bool:
         """Whether :meth:`allocate_slots` with the same arguments would succeed now (a
         query for monitoring and tests; allocating needs no check first)."""
-        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix)
+        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix, num_restored)
         return self.pool.can_allocate(needed, high_priority)
 
     def allocate_slots(
@@ -212,44 +270,52 @@ class BlockManager:
         num_new_tokens: int,
         high_priority: bool = False,
         prefix: CachedPrefix | None = None,
+        num_restored: int = 0,
     ) -> AppendResult | None:
         """Reserve slots for the ``num_new_tokens`` tokens ``seq_id`` computes next, or
         return None and change nothing when the blocks are not available to this priority.
 
         Creates the sequence on first use, on the blocks of ``prefix`` if given (the new
-        tokens then follow the prefix's ``num_tokens``). Raises ValueError on misuse: a
-        prefix for an existing sequence, or a stale prefix.
+        tokens then follow the prefix's ``num_tokens``). ``num_restored``: the first new
+        tokens whose K/V are copied in rather than computed (a swap-in); with a sliding
+        window, blocks outside the window of the first computed token are null entries
+        (slots ``-1``), never allocated. Raises ValueError on misuse: a prefix for an
+        existing sequence, or a stale prefix.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            seq = self._start(seq_id, num_new_tokens, high_priority, prefix)
+            seq = self._start(seq_id, num_new_tokens, high_priority, prefix, num_restored)
             if seq is None:
                 return None
         elif prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
+        live_from = self.live_from(seq.table.num_tokens + num_restored)
         try:
-            return seq.table.append_slots(num_new_tokens, high_priority)
+            return seq.table.append_slots(num_new_tokens, high_priority, live_from)
         except OutOfBlocksError:
             return None
 
-    def commit_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+    def commit_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> range:
         """Record that K/V of ``token_ids`` (the next uncommitted tokens) are now written.
 
-        Blocks they complete become cached. Raises ValueError beyond the reserved slots.
+        Blocks they complete become cached; with a sliding window, blocks no later query
+        reads are released. Returns the logical blocks released. Raises ValueError beyond
+        the reserved slots.
         """
         seq = self._seqs[seq_id]
-        hasher = seq.hasher
-        if hasher is None:
-            return
-        if hasher.num_tokens + len(token_ids) > seq.table.num_tokens:
+        table = seq.table
+        if seq.num_committed + len(token_ids) > table.num_tokens:
             raise ValueError(
-                f"committing {len(token_ids)} tokens after {hasher.num_tokens} exceeds "
-                f"the {seq.table.num_tokens} reserved slots of {seq_id!r}"
+                f"committing {len(token_ids)} tokens after {seq.num_committed} exceeds "
+                f"the {table.num_tokens} reserved slots of {seq_id!r}"
             )
-        first_block = hasher.num_tokens // self.block_size
-        block_ids = seq.table.block_ids
-        for index, key in enumerate(hasher.extend(token_ids), start=first_block):
-            self.pool.cache_block(block_ids[index], key)
+        if seq.hasher is not None:
+            first_block = seq.hasher.num_tokens // self.block_size
+            for index, key in enumerate(seq.hasher.extend(token_ids), start=first_block):
+                if index >= table.num_null:  # a null entry's K/V were never written here
+                    self.pool.cache_block(table.block_ids[index], key)
+        seq.num_committed += len(token_ids)
+        return table.release_before(self.live_from(seq.num_committed))
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks."""
@@ -257,7 +323,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already exists")
         parent = self._seqs[parent_id]
         hasher = None if parent.hasher is None else parent.hasher.copy()
-        self._seqs[child_id] = _Sequence(parent.table.fork(), hasher)
+        self._seqs[child_id] = _Sequence(parent.table.fork(), hasher, parent.num_committed)
 
     def free(self, seq_id: SeqId) -> None:
         """Release every block of ``seq_id`` and forget it (finish or preemption).
@@ -269,17 +335,31 @@ class BlockManager:
     # -- views ---------------------------------------------------------------------------
 
     def block_table(self, seq_id: SeqId) -> list[int]:
-        """A copy of the physical block ids of ``seq_id``, in logical order."""
+        """A copy of the physical block ids of ``seq_id``, in logical order (null entries
+        included)."""
         return list(self._seqs[seq_id].table.block_ids)
+
+    def held_block_ids(self, seq_id: SeqId) -> list[int]:
+        """The blocks ``seq_id`` references (its table less the null entries; a copy)."""
+        return self._seqs[seq_id].table.held_block_ids
 
     def block_ids_from(self, seq_id: SeqId, start: int) -> list[int]:
         """The physical blocks of logical blocks ``start ..`` of ``seq_id`` (a copy)."""
         return self._seqs[seq_id].table.block_ids[start:]
 
-    def num_held_blocks(self, seq_id: SeqId) -> int:
-        """Blocks ``seq_id``'s table holds (0 for an unknown sequence)."""
+    def num_table_entries(self, seq_id: SeqId) -> int:
+        """Logical blocks in ``seq_id``'s table, null entries included (0 if unknown)."""
         seq = self._seqs.get(seq_id)
         return 0 if seq is None else len(seq.table.block_ids)
+
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks ``seq_id``'s table references (0 for an unknown sequence)."""
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else len(seq.table.block_ids) - seq.table.num_null
+
+    def num_null_blocks(self, seq_id: SeqId) -> int:
+        """Leading null entries of ``seq_id``'s table (released by the sliding window)."""
+        return self._seqs[seq_id].table.num_null
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens ``seq_id`` has slots for."""
@@ -299,8 +379,8 @@ class BlockManager:
         for seq in self._seqs.values():
             table = seq.table
             num_tokens, block_ids = table.num_tokens, table.block_ids
-            unshared_blocks += -(-num_tokens // block_size)
-            for index in range(num_tokens // block_size, len(block_ids)):
+            unshared_blocks += max(0, -(-num_tokens // block_size) - table.num_null)
+            for index in range(max(num_tokens // block_size, table.num_null), len(block_ids)):
                 fill = max(0, num_tokens - index * block_size)
                 not_full[block_ids[index]] = max(not_full.get(block_ids[index], 0), fill)
         unique_blocks = self.pool.num_used

@@ -114,6 +114,12 @@ class BlockPool:
         """Blocks with a reference count above zero."""
         return self.num_blocks - len(self._free_queue)
 
+    @property
+    def null_block(self) -> int:
+        """The id block tables hold for a released entry: ``num_blocks``, one past the
+        last block, never allocated (see :mod:`pagedllm.kv.block_table`)."""
+        return self.num_blocks
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

@@ -7,7 +7,13 @@ and lives in physical block ``block_ids[j]``. Invariants:
   (more only after :meth:`BlockTable.preallocate`), each with one reference owned by this table;
 - blocks before the one holding token ``num_tokens`` are full and never written again;
 - a block is written in place only while this table is its sole holder: a shared block
-  about to be written is first copied (copy-on-write).
+  about to be written is first copied (copy-on-write);
+- with a sliding window, the first :attr:`BlockTable.num_null` entries are *null*: their
+  blocks were released (or never allocated) because no later query sees their tokens.
+  A null entry holds :attr:`BlockPool.null_block`, an id the pool never hands out; the
+  KV cache keeps a physical block there that is never written, so a kernel that reads
+  it under a mask reads zeros, never another sequence's K/V. Null entries always form a
+  prefix of the table and hold no reference.
 """
 
 from __future__ import annotations
@@ -32,51 +38,77 @@ class AppendResult:
 class BlockTable:
     """Logical -> physical blocks of one sequence, growing one block at a time."""
 
-    def __init__(self, pool: BlockPool, block_ids: list[int] | None = None, num_tokens: int = 0):
-        """Adopt ``block_ids`` (whose references the caller hands over) holding ``num_tokens``."""
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_ids: list[int] | None = None,
+        num_tokens: int = 0,
+        num_null: int = 0,
+    ):
+        """Adopt ``block_ids`` holding ``num_tokens``: the first ``num_null`` are null
+        entries, the caller hands over the references of the others."""
         self._pool = pool
         self._block_size = pool.block_size
         self._block_ids: list[int] = [] if block_ids is None else block_ids
         if len(self._block_ids) < -(-num_tokens // self._block_size):
             raise ValueError(f"{len(self._block_ids)} blocks cannot hold {num_tokens} tokens")
+        if any(b != pool.null_block for b in self._block_ids[:num_null]):
+            raise ValueError(f"the first {num_null} entries must be null")
         self.num_tokens = num_tokens
+        self.num_null = num_null
 
     @property
     def block_ids(self) -> list[int]:
-        """The physical block of each logical block; read-only for callers."""
+        """The physical block of each logical block (null entries included); read-only
+        for callers."""
         return self._block_ids
 
-    def _growth(self, num_tokens: int) -> int:
-        """Blocks to add so the table can hold ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self._block_size) - len(self._block_ids))
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this table references: every entry after the null ones."""
+        return self._block_ids[self.num_null :]
 
-    def _shared_write_targets(self, num_new_tokens: int) -> list[int]:
-        """Logical indexes of held blocks the next write lands in that others also hold.
+    def _growth(self, num_tokens: int, live_from: int = 0) -> int:
+        """Blocks to allocate so the table can hold ``num_tokens`` tokens, entries before
+        logical block ``live_from`` being null."""
+        end = -(-num_tokens // self._block_size)
+        return max(0, end - max(len(self._block_ids), live_from))
+
+    def _shared_write_targets(self, num_new_tokens: int, live_from: int = 0) -> list[int]:
+        """Logical indexes of held blocks the next write lands in that others also hold
+        (none before ``live_from``: those are released, not written).
 
         Without reservations that is at most the partly filled last block (after a fork).
         """
         if num_new_tokens == 0:
             return []
-        first = self.num_tokens // self._block_size
+        first = max(self.num_tokens // self._block_size, self.num_null, live_from)
         end = min(len(self._block_ids), -(-(self.num_tokens + num_new_tokens) // self._block_size))
         ref_count = self._pool.ref_count
         return [i for i in range(first, end) if ref_count(self._block_ids[i]) > 1]
 
-    def num_blocks_needed(self, num_new_tokens: int) -> int:
-        """Blocks an append of ``num_new_tokens`` tokens would allocate, copies included."""
-        growth = self._growth(self.num_tokens + num_new_tokens)
-        return growth + len(self._shared_write_targets(num_new_tokens))
+    def num_blocks_needed(self, num_new_tokens: int, live_from: int = 0) -> int:
+        """Blocks an append of ``num_new_tokens`` tokens would allocate, copies included
+        (``live_from`` as in :meth:`append_slots`)."""
+        growth = self._growth(self.num_tokens + num_new_tokens, live_from)
+        return growth + len(self._shared_write_targets(num_new_tokens, live_from))
 
-    def append_slots(self, num_new_tokens: int, high_priority: bool = False) -> AppendResult:
+    def append_slots(
+        self, num_new_tokens: int, high_priority: bool = False, live_from: int = 0
+    ) -> AppendResult:
         """Make room for ``num_new_tokens`` more tokens and return where they go.
 
-        All-or-nothing: raises :class:`OutOfBlocksError` and changes nothing when the pool
-        cannot supply the blocks.
+        Logical blocks before ``live_from`` are null afterwards (a sliding window: no
+        later query reads their K/V): held ones are released, new ones never allocated,
+        and their tokens' slots are ``-1``. All-or-nothing: raises
+        :class:`OutOfBlocksError` and changes nothing when the pool cannot supply the
+        blocks.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        targets = self._shared_write_targets(num_new_tokens)
-        growth = self._growth(self.num_tokens + num_new_tokens)
+        targets = self._shared_write_targets(num_new_tokens, live_from)
+        end = self.num_tokens + num_new_tokens
+        growth = self._growth(end, live_from)
         num_needed = growth + len(targets)
         new_blocks = self._pool.allocate(num_needed, high_priority) if num_needed else []
         result = AppendResult()
@@ -85,10 +117,27 @@ class BlockTable:
             self._block_ids[index] = dst
             self._pool.free([src])
             result.copies.append((src, dst))
+        self.release_before(live_from)
+        num_new_null = max(0, min(live_from, -(-end // self._block_size)) - len(self._block_ids))
+        self._block_ids.extend([self._pool.null_block] * num_new_null)
+        self.num_null += num_new_null
         self._block_ids.extend(new_blocks[len(targets) :])
-        result.slots = self._slots(self.num_tokens, self.num_tokens + num_new_tokens)
-        self.num_tokens += num_new_tokens
+        result.slots = self._slots(self.num_tokens, end)
+        self.num_tokens = end
         return result
+
+    def release_before(self, live_from: int) -> range:
+        """Release the held blocks of logical blocks before ``live_from`` (oldest first)
+        and make their entries null; returns the logical blocks released."""
+        end = min(live_from, len(self._block_ids))
+        released = range(self.num_null, end)
+        if released:
+            self._pool.free(self._block_ids[released.start : released.stop])
+            self._block_ids[released.start : released.stop] = [self._pool.null_block] * len(
+                released
+            )
+            self.num_null = end
+        return released
 
     def preallocate(self, num_tokens: int, high_priority: bool = False) -> None:
         """Hold blocks for ``num_tokens`` tokens in advance (contiguous-reservation baseline).
@@ -98,29 +147,35 @@ class BlockTable:
         self._block_ids.extend(self._pool.allocate(self._growth(num_tokens), high_priority))
 
     def _slots(self, start: int, end: int) -> list[int]:
-        """Flat cache slots of token positions ``start .. end - 1``."""
+        """Flat cache slots of token positions ``start .. end - 1`` (``-1`` in null
+        entries)."""
         block_size = self._block_size
         slots: list[int] = []
         position = start
         while position < end:
             offset = position % block_size
             run = min(block_size - offset, end - position)
-            first = self._block_ids[position // block_size] * block_size + offset
-            slots.extend(range(first, first + run))
+            logical = position // block_size
+            if logical < self.num_null:
+                slots.extend([-1] * run)
+            else:
+                first = self._block_ids[logical] * block_size + offset
+                slots.extend(range(first, first + run))
             position += run
         return slots
 
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one (ref count + 1, nothing allocated)."""
-        self._pool.incref(self._block_ids)
-        return BlockTable(self._pool, list(self._block_ids), self.num_tokens)
+        self._pool.incref(self.held_block_ids)
+        return BlockTable(self._pool, list(self._block_ids), self.num_tokens, self.num_null)
 
     def free(self) -> None:
-        """Release every block, last logical block first, and empty the table.
+        """Release every held block, last logical block first, and empty the table.
 
         Releasing the tail first puts a sequence's later blocks ahead of its earlier ones
         in the free queue, so the prefix cache evicts the end of a chain before its start.
         """
-        self._pool.free(reversed(self._block_ids))
+        self._pool.free(reversed(self.held_block_ids))
         self._block_ids = []
         self.num_tokens = 0
+        self.num_null = 0

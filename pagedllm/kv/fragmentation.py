@@ -29,12 +29,14 @@ def fragmentation_stats(
     block_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
     block_size: int,
+    null_block: int | None = None,
 ) -> FragmentationStats:
     """Count the slots ``block_tables`` hold and how many of them hold live tokens.
 
     ``block_tables[i]`` maps sequence ``i`` (``seq_lens[i]`` tokens) to physical blocks.
     Negative ids are padding (as in a ``[num_seqs, max_blocks]`` tensor) and are skipped;
-    the first ``ceil(seq_lens[i] / block_size)`` entries must be real blocks.
+    the first ``ceil(seq_lens[i] / block_size)`` entries must be real blocks, or
+    ``null_block`` (released by a sliding window: holds nothing, counted nowhere).
     """
     if len(block_tables) != len(seq_lens):
         raise ValueError(f"{len(block_tables)} block tables for {len(seq_lens)} lengths")
@@ -44,9 +46,9 @@ def fragmentation_stats(
         needed = -(-seq_len // block_size)
         if len(table) < needed or any(block_id < 0 for block_id in table[:needed]):
             raise ValueError(f"block table {list(table)} cannot hold {seq_len} tokens")
-        unshared_blocks += needed
+        unshared_blocks += needed - sum(block_id == null_block for block_id in table[:needed])
         for logical, block_id in enumerate(table):
-            if block_id < 0:
+            if block_id < 0 or block_id == null_block:
                 continue
             tokens_here = min(block_size, max(0, seq_len - logical * block_size))
             filled[block_id] = max(filled.get(block_id, 0), tokens_here)
