@@ -82,7 +82,7 @@ class PoolTracer:
         held: list[int] = []
         holders: list[int] = []
         for seq in running:
-            table = manager.block_table(seq.seq_id)
+            table = manager.held_block_ids(seq.seq_id)
             held += table
             holders += [self._owner(seq.seq_id)] * len(table)
         owners = np.full(self.trace.num_blocks, FREE, dtype=np.int32)

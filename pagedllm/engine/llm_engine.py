@@ -73,7 +73,11 @@ class LLMEngine:
         )
         self.kv_budget = self._kv_budget()
         mc = self.model_config
-        self.num_blocks = num_blocks_for_budget(
+        contiguous = config.kv_allocation == "contiguous"
+        # With every layer sliding, blocks out of the window go back to the pool, and the
+        # cache keeps one block more than the pool for the tables' null entries.
+        window = None if contiguous else mc.kv_window
+        physical_blocks = num_blocks_for_budget(
             self.kv_budget,
             mc.num_layers,
             config.block_size,
@@ -82,20 +86,21 @@ class LLMEngine:
             config.dtype,
             config.kv_cache_dtype,
         )
+        self.num_blocks = max(0, physical_blocks - (window is not None))
         usable_blocks = self.num_blocks - num_reserved_blocks(
             self.num_blocks, config.reserved_fraction
         )
         self.max_model_len = self._resolve_max_model_len(usable_blocks * config.block_size)
-        contiguous = config.kv_allocation == "contiguous"
         self.block_manager = BlockManager(
             self.num_blocks,
             config.block_size,
             config.reserved_fraction,
             enable_prefix_caching=config.enable_prefix_caching,
             upfront_tokens=self.max_model_len if contiguous else None,
+            sliding_window=window,
         )
         self._log_pool()
-        self.kv_cache = self._make_cache(self.num_blocks)
+        self.kv_cache = self._make_cache(self.num_blocks + (window is not None))
         attn = attention_backend_for(self.kv_cache)
         self.runner = ModelRunner(
             self.loaded.model, attn, config.block_size, self.max_model_len, self.device
@@ -166,7 +171,7 @@ class LLMEngine:
         config = self.config
         if config.preemption_mode == "recompute" or config.swap_space == 0:
             return None
-        block_bytes = self.kv_cache.nbytes // max(self.num_blocks, 1)
+        block_bytes = self.kv_cache.nbytes // max(self.kv_cache.num_blocks, 1)
         num_blocks = config.swap_space // block_bytes
         if num_blocks == 0:
             raise ValueError(
@@ -219,6 +224,12 @@ class LLMEngine:
             self.max_model_len,
             self.usable_tokens / self.max_model_len,
         )
+        if self.block_manager.sliding_window is not None:
+            logger.info(
+                "Every layer slides over %d tokens: blocks that leave the window go back "
+                "to the pool",
+                self.block_manager.sliding_window,
+            )
 
     # ---- requests --------------------------------------------------------------------
 

@@ -16,6 +16,11 @@ instead; swapped sequences come back, in queue order, before any new admission.
 With prefix caching, a sequence that starts (or restarts after preemption) first takes
 the longest chain of cached full blocks of its tokens and computes only the rest.
 
+With a sliding window on every layer, committing a step's tokens releases the blocks no
+later query of the sequence reads (:mod:`pagedllm.kv.block_manager`); their entries
+reach the model runner as null entries in the next block-table delta, a swap-out parks
+only the blocks still held, and a swap-in copies back only those inside the window.
+
 Liveness: a request is only accepted if it fits the pool alone, and the sequence at the
 head of the queue can always evict everything behind it, so some sequence always runs.
 """
@@ -38,7 +43,8 @@ class ScheduledSequence:
 
     Block-table delta for the model runner: logical blocks ``table_start ..`` of the
     sequence now live in physical blocks ``new_block_ids`` (new blocks, a block replaced
-    by copy-on-write, or the whole table when the sequence starts on a new one).
+    by copy-on-write, null entries of blocks a sliding window released, or the whole
+    table when the sequence starts on a new one).
     """
 
     seq: TokenSequence
@@ -156,9 +162,11 @@ class Scheduler:
             if owed:
                 seq.num_prompt_logprob_positions = owed.stop
             start = seq.num_computed_tokens
-            self.block_manager.commit_tokens(
+            released = self.block_manager.commit_tokens(
                 seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
             )
+            if released:  # the runner's entries from there on are stale
+                seq.num_table_blocks_sent = min(seq.num_table_blocks_sent, released.start)
             seq.num_computed_tokens += item.num_tokens
         return ending
 
@@ -197,16 +205,21 @@ class Scheduler:
             parked = seq.num_computed_tokens
             # The parked blocks still cached in the pool are taken as a prefix hit (no
             # copy); one allocation covers the other parked tokens and the new ones (only
-            # the new ones run); the copied-in blocks join the prefix cache again.
+            # the new ones run; with a sliding window, only the parked blocks inside the
+            # window come back); the copied-in blocks join the prefix cache again.
             manager = self.block_manager
             tokens = seq.all_token_ids
             prefix = manager.find_cached_prefix(tokens[: parked + 1], self._extra_keys(seq))
             copied = parked - prefix.num_tokens
             if not self._append(seq, num_tokens, out, prefix=prefix, parked=copied):
                 break
-            first = len(prefix.block_ids)
-            block_ids = manager.block_table(seq.seq_id)[first:]
-            out.swap_in.extend(zip(seq.swap_block_ids[first:], block_ids, strict=False))
+            table = manager.block_table(seq.seq_id)
+            first = max(len(prefix.block_ids), manager.num_null_blocks(seq.seq_id))
+            end = -(-parked // manager.block_size)
+            swap_ids = seq.swap_block_ids
+            out.swap_in.extend(
+                (swap_ids[i - seq.swap_first_block], table[i]) for i in range(first, end)
+            )
             # their K/V are back before this plan's forward pass reads any of them
             manager.commit_tokens(seq.seq_id, tokens[prefix.num_tokens : parked])
             self.swap_space.unpark(seq.swap_block_ids)
@@ -256,14 +269,18 @@ class Scheduler:
         whose K/V come back from the swap space) and add them to the plan with their
         block-table delta; False, changing nothing, when the blocks are not there."""
         manager = self.block_manager
-        held = manager.num_held_blocks(seq.seq_id)
+        known = seq.seq_id in manager
+        held = manager.num_table_entries(seq.seq_id)
+        null_before = manager.num_null_blocks(seq.seq_id) if known else 0
         result = manager.allocate_slots(
-            seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix
+            seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix, num_restored=parked
         )
         if result is None:
             return False
         out.block_copies.extend(result.copies)
         changed = held
+        if manager.num_null_blocks(seq.seq_id) > null_before:
+            changed = null_before
         if result.copies:
             table = manager.block_table(seq.seq_id)
             changed = min(table.index(dst) for _, dst in result.copies)
@@ -280,11 +297,15 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
-        # the blocks holding computed tokens (not blocks held up front for later ones)
-        num_computed_blocks = -(-seq.num_computed_tokens // self.block_manager.block_size)
-        block_ids = self.block_manager.block_table(seq.seq_id)[:num_computed_blocks]
+        # the held blocks of computed tokens (not null entries a sliding window released,
+        # nor blocks held up front for later tokens)
+        manager = self.block_manager
+        num_computed_blocks = -(-seq.num_computed_tokens // manager.block_size)
+        first = manager.num_null_blocks(seq.seq_id)
+        block_ids = manager.block_table(seq.seq_id)[first:num_computed_blocks]
         if self._swaps(seq, len(block_ids)):
             seq.swap_block_ids = self.swap_space.park(len(block_ids))
+            seq.swap_first_block = first
             out.swap_out.extend(zip(block_ids, seq.swap_block_ids, strict=True))
             self._free(seq)
             seq.status = SequenceStatus.SWAPPED

@@ -159,6 +159,15 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def kv_window(self) -> int | None:
+        """Tokens of K/V a query reads back in every layer: the largest window when every
+        layer slides, else ``None`` (a global layer reads the whole sequence, and all
+        layers share one block pool, so every block stays held)."""
+        if not self.sliding_windows or None in self.sliding_windows:
+            return None
+        return max(self.sliding_windows)
+
+    @property
     def q_size(self) -> int:
         """Width of the query projection: ``num_heads * head_dim``."""
         return self.num_heads * self.head_dim
