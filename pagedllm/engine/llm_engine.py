@@ -371,16 +371,23 @@ class LLMEngine:
 
         The prompt's full blocks are shared by the samples; each sample holds its own
         blocks from the prompt's partly filled block on (in contiguous mode the first
-        sequence reserves ``max_model_len`` slots up front).
+        sequence reserves ``max_model_len`` slots up front). With a sliding window on
+        every layer, no sequence holds more than the window and one step's tokens.
         """
         block_size = self.config.block_size
         shared = prompt_len // block_size
         longest = -(-(prompt_len + max_tokens) // block_size)
         first = longest
+        own = longest - shared
         upfront = self.block_manager.upfront_tokens
         if upfront is not None:
             first = max(longest, -(-upfront // block_size))
-        worst_case = first + (n - 1) * (longest - shared)
+        window = self.block_manager.sliding_window
+        if window is not None:
+            step = self.config.max_num_batched_tokens
+            bound = -(-(window + step - 1) // block_size) + 1
+            first, own = min(first, bound), min(own, bound)
+        worst_case = first + (n - 1) * own
         pool = self.block_manager.pool
         capacity = pool.num_blocks - (0 if priority < 0 else pool.num_reserved)
         if worst_case > capacity:
