@@ -132,3 +132,66 @@ def test_options_refuse_meaningless_values():
         AttentionOptions(0.1, sliding_window=0)
     with pytest.raises(ValueError, match="logit_softcap"):
         AttentionOptions(0.1, logit_softcap=-1.0)
+
+
+def released(case, window: int, block: int):
+    """``case``'s caches with one more block, all NaN, and block tables whose entries
+    before each sequence's window point at it, as a sliding window releases them (the
+    blocks no query of this step reads); a kernel that loads any such row returns NaN."""
+    md = case.metadata
+    poison = torch.full_like(case.k_cache[:1], float("nan"))
+    k_cache, v_cache = torch.cat([case.k_cache, poison]), torch.cat([case.v_cache, poison])
+    tables = md.block_tables.clone()
+    starts = md.query_start_loc.tolist()
+    for i, seq_len in enumerate(md.seq_lens.tolist()):
+        first_query = seq_len - (starts[i + 1] - starts[i])
+        tables[i, : max(0, first_query - window + 1) // block] = case.k_cache.shape[0]
+    return k_cache, v_cache, tables
+
+
+# (seq_lens, query_lens, block size, window): decode and chunks whose windows start
+# inside a C++ chunk of 32 positions and inside a Triton tile, mid-block
+RELEASE_CASES = [([200, 77], [1, 1], 4, 21), ([150, 90], [30, 1], 8, 37)]
+
+
+@pytest.mark.parametrize(("seq_lens", "query_lens", "block", "window"), RELEASE_CASES)
+def test_cpu_kernel_never_reads_released_blocks(seq_lens, query_lens, block, window):
+    case = build_case(seq_lens, query_lens, block, 8, 2, 64, torch.float32, seed=window)
+    md = case.metadata
+    k_cache, v_cache, tables = released(case, window, block)
+    assert (tables == case.k_cache.shape[0]).sum() > 10
+    out = torch.empty_like(case.q)
+    paged_attention(out, case.q, k_cache, v_cache, tables, md.seq_lens, md.query_start_loc,
+                    case.scale, window, 0.0)  # fmt: skip
+    expected = reference_paged_attention(
+        case.q, case.k_cache, case.v_cache, md, case.scale, window
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(("seq_lens", "query_lens", "block", "window"), RELEASE_CASES)
+def test_triton_kernels_never_read_released_blocks(seq_lens, query_lens, block, window):
+    pytest.importorskip("triton")
+    from pagedllm.gpu.triton_decode import decode_attention
+    from pagedllm.gpu.triton_prefill import prefill_attention
+    from pagedllm.kv.kv_quant import resolve_kv_format
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fmt = resolve_kv_format("auto", torch.float32)
+    case = build_case(seq_lens, query_lens, block, 4, 2, 64, torch.float32, seed=window)
+    md = case.metadata
+    k_cache, v_cache, tables = released(case, window, block)
+    common = [case.q, k_cache, v_cache, tables, md.seq_lens]
+    common = [t.to(device) for t in common]
+    if md.is_decode_only:
+        out = decode_attention(*common, md.max_seq_len, case.scale, fmt, sliding_window=window,
+                               split_tokens=32, tile_tokens=16)  # fmt: skip
+    else:
+        out = prefill_attention(*common, md.query_start_loc.to(device), md.max_query_len,
+                                case.scale, fmt, sliding_window=window, block_m=16,
+                                block_n=16)  # fmt: skip
+    expected = reference_paged_attention(
+        case.q, case.k_cache, case.v_cache, md, case.scale, window
+    )
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)

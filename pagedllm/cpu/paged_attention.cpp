@@ -276,9 +276,11 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t visible_end = first_pos + num_tokens;
   const int64_t window = s.sliding_window;
-  // Chunks wholly before the first token's window hold no visible key for any row.
-  const int64_t visible_begin =
-      window ? std::max<int64_t>(0, first_pos - window + 1) / kChunk * kChunk : 0;
+  // The first position any row sees. Rows before it are never loaded: their blocks may
+  // have been released (a null block-table entry). Chunks stay aligned to kChunk
+  // positions, so the summation order does not depend on where a query tile starts.
+  const int64_t window_begin = window ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t visible_begin = window_begin / kChunk * kChunk;
   const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(Elem));
   const int64_t prefetch_distance = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   auto row_offset = [&](int64_t pos) {
@@ -287,7 +289,7 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
   };
   for (int64_t c0 = visible_begin; c0 < visible_end; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, visible_end - c0);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = std::max<int64_t>(0, window_begin - c0); t < n; ++t) {
       const int64_t off = row_offset(c0 + t);
       k_rows[t] = k_cache + off;
       v_rows[t] = v_cache + off;
@@ -295,21 +297,23 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
       v_scales[t] = row_scale<Rows>(v_rows[t], s.head_dim);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-      // Row i sees chunk positions [seen_from[i], seen[i]).
+      // Row i sees chunk positions [seen_from[i], seen[i]); these RB rows together
+      // [seen_min, seen_max).
       int64_t seen[RB], seen_from[RB];
-      int64_t seen_max = 0;
+      int64_t seen_max = 0, seen_min = n;
       bool any_seen = false;
       for (int i = 0; i < RB; ++i) {
         const int64_t pos = first_pos + (r0 + i) / group;
         seen[i] = std::clamp<int64_t>(pos + 1 - c0, 0, n);
         seen_from[i] = window ? std::clamp<int64_t>(pos - window + 1 - c0, 0, n) : 0;
         seen_max = std::max(seen_max, seen[i]);
+        seen_min = std::min(seen_min, seen_from[i]);
         any_seen = any_seen || seen_from[i] < seen[i];
       }
       if (!any_seen) continue;
       const vfloat* qr = &w.query[r0 * nv];
       for (int64_t t = 0; t < kChunk; ++t) {
-        if (t >= seen_max) {
+        if (t >= seen_max || t < seen_min) {
           for (int i = 0; i < RB; ++i) parts[i][t] = vfloat{};
           continue;
         }
@@ -368,7 +372,7 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
       vfloat acc[RB][kNV];
       for (int i = 0; i < RB; ++i)
         for (int64_t j = 0; j < nv; ++j) acc[i][j] = w.acc[(r0 + i) * nv + j];
-      for (int64_t t = 0; t < seen_max; ++t) {
+      for (int64_t t = seen_min; t < seen_max; ++t) {
         vfloat value[kNV];
         for (int64_t j = 0; j < nv; ++j) value[j] = Rows::widen(v_rows[t] + j * kLanes);
         for (int i = 0; i < RB; ++i) {
