@@ -1,6 +1,7 @@
 """The whole engine over the Triton attention backend (the CUDA path's kernels), run on
 the CPU under Triton's interpreter: greedy tokens equal the C++ backend's through
-chunked prefill, prefix caching, copy-on-write of forks and recompute preemption."""
+chunked prefill, prefix caching, copy-on-write of forks and recompute preemption, and
+with blocks released behind a sliding window."""
 
 from __future__ import annotations
 
@@ -32,3 +33,25 @@ def test_triton_backend_engine_matches_cpu_backend(tiny_model, monkeypatch):
     stats = engine.get_stats()
     assert stats.prefix_cache_hits > 0
     assert stats.num_preemptions_total > 0
+
+
+def test_triton_backend_engine_releases_blocks_out_of_the_window(tmp_path, monkeypatch):
+    """A Mistral whose every layer slides over 16 tokens: blocks behind the window go
+    back to the pool (null entries in the tables the kernels read), tokens unchanged."""
+    from transformers_oracle import write_random_checkpoint
+
+    from pagedllm.models.loader import load_model
+
+    write_random_checkpoint(tmp_path, "mistral", sliding_window=16)
+    loaded = load_model(str(tmp_path))
+    prompts = [list(range(30, 70)), [5, 6, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, n=2, ignore_eos=True)
+    settings = dict(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=16)
+    expected = run_token_ids(tiny_engine(loaded, **settings), prompts, params)
+    monkeypatch.setattr(llm_engine, "attention_backend_for", TritonAttentionBackend)
+    engine = tiny_engine(loaded, **settings)
+    assert engine.block_manager.sliding_window == 16
+    assert run_token_ids(engine, prompts, params) == expected
+    # the same run keeping every block peaks at 36 blocks of 4 tokens; a decoding
+    # sequence holds at most ceil(16 / 4) + 1 = 5, the prefill chunk at most 9
+    assert engine.get_stats().peak_blocks_used <= 9 + 3 * 5
