@@ -5,7 +5,9 @@ content of a sequence's token at position p is its cache salt and its token ids 
 which is what real K/V depend on (the salt stands in for everything that must keep two
 requests apart). After every step each sequence must read back, through its block table,
 the content it wrote, and every cached block must still hold the content its key names,
-whatever other sequences wrote, forked, evicted or freed meanwhile.
+whatever other sequences wrote, forked, evicted or freed meanwhile. With a sliding
+window, each sequence reads back only the positions its next query can see, holds no
+block before them, and prefix hits need only the cached blocks inside the window.
 """
 
 from dataclasses import dataclass
@@ -53,14 +55,29 @@ class KVManagerMachine(RuleBasedStateMachine):
         reserved_fraction=st.sampled_from([0.0, 0.1, 0.25]),
         enable_prefix_caching=st.booleans(),
         upfront_tokens=st.sampled_from([None, None, None, 0, 5, 40]),
+        sliding_window=st.sampled_from([None, None, 1, 3, 6, 13]),
     )
     def setup(
-        self, block_size, num_blocks, reserved_fraction, enable_prefix_caching, upfront_tokens
+        self,
+        block_size,
+        num_blocks,
+        reserved_fraction,
+        enable_prefix_caching,
+        upfront_tokens,
+        sliding_window,
     ):
         """``upfront_tokens``: None allocates on demand; a number is the contiguous
-        baseline, every sequence holding that many slots from its start."""
+        baseline, every sequence holding that many slots from its start. A
+        ``sliding_window`` (tokens) releases blocks, on demand only."""
+        if upfront_tokens is not None:
+            sliding_window = None
         self.manager = BlockManager(
-            num_blocks, block_size, reserved_fraction, enable_prefix_caching, upfront_tokens
+            num_blocks,
+            block_size,
+            reserved_fraction,
+            enable_prefix_caching,
+            upfront_tokens,
+            sliding_window,
         )
         self.pool = self.manager.pool
         self.block_size = block_size
@@ -82,17 +99,20 @@ class KVManagerMachine(RuleBasedStateMachine):
         first = block_id * self.block_size
         return tuple(self.memory.get(first + offset) for offset in range(self.block_size))
 
-    def write(self, seq_id, shadow, new_tokens, high_priority, commit, prefix=None):
+    def write(self, seq_id, shadow, new_tokens, high_priority, commit, prefix=None, restored=0):
         """Reserve slots for ``new_tokens``, copy, write their K/V, and ``commit`` them
         (else they wait, as when the engine schedules before the model step has run).
+        The first ``restored`` of them are copied in (a swap-in): those out of the window
+        of the first computed one get no slot.
 
         Returns False (after checking nothing changed) when the blocks are not available.
         """
         manager, block_size = self.manager, self.block_size
-        expected_ok = manager.can_append(seq_id, len(new_tokens), high_priority, prefix)
+        args = (seq_id, len(new_tokens), high_priority, prefix, restored)
+        expected_ok = manager.can_append(*args)
         starts = seq_id not in manager
         before = self.snapshot()
-        result = manager.allocate_slots(seq_id, len(new_tokens), high_priority, prefix)
+        result = manager.allocate_slots(*args)
         if result is None:
             assert not expected_ok
             assert self.snapshot() == before
@@ -106,9 +126,15 @@ class KVManagerMachine(RuleBasedStateMachine):
                 src_slot, dst_slot = src * block_size + offset, dst * block_size + offset
                 if src_slot in self.memory:
                     self.memory[dst_slot] = self.memory[src_slot]
+        first_query = len(shadow.tokens) + restored
         for slot, token in zip(result.slots, new_tokens, strict=True):
-            assert self.pool.ref_count(slot // block_size) == 1, "wrote a shared block"
             shadow.tokens.append(token)
+            if slot < 0:
+                position = len(shadow.tokens) - 1
+                assert position < first_query, "a computed token has no slot"
+                assert position <= first_query - manager.sliding_window, "in the window"
+                continue
+            assert self.pool.ref_count(slot // block_size) == 1, "wrote a shared block"
             self.memory[slot] = shadow.content(len(shadow.tokens) - 1)
         self.seqs[seq_id] = shadow
         if commit:
@@ -116,23 +142,28 @@ class KVManagerMachine(RuleBasedStateMachine):
         return True
 
     def commit(self, seq_id):
+        """Commit the sequence's pending tokens; a sliding window releases blocks then."""
         shadow = self.seqs[seq_id]
-        self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed :])
+        held = self.manager.held_block_ids(seq_id)
+        num_null = self.manager.num_null_blocks(seq_id)
+        released = self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed :])
         shadow.num_committed = len(shadow.tokens)
-        self.record_cached_blocks(seq_id)
+        assert released == range(num_null, self.manager.live_from(shadow.num_committed))
+        event("window released blocks" if released else "nothing released")
+        self.record_cached_blocks(held)
 
-    def record_cached_blocks(self, seq_id):
+    def record_cached_blocks(self, block_ids):
         """Remember the content each newly cached block holds; equal keys, equal content."""
-        for block_id in self.manager.block_table(seq_id):
+        for block_id in block_ids:
             key = self.pool.block_key(block_id)
             if key is None:
                 continue
             content = self.block_content(block_id)
             assert self.cached_content.setdefault(key.digest, content) == content
 
-    def admit(self, new_tokens, high_priority, shadow, prefix):
+    def admit(self, new_tokens, high_priority, shadow, prefix, restored=0):
         seq_id = self.new_id()
-        if not self.write(seq_id, shadow, new_tokens, high_priority, True, prefix):
+        if not self.write(seq_id, shadow, new_tokens, high_priority, True, prefix, restored):
             assert seq_id not in self.manager
 
     def new_id(self):
@@ -158,6 +189,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         event(f"prefix hit of {skipped // self.block_size} blocks" if skipped else "miss")
         shadow = ShadowSequence(salt, prompt[:skipped], num_committed=skipped)
         self.admit(prompt[skipped:], high_priority, shadow, prefix)
+
+    @rule(prompt=PROMPTS, high_priority=st.booleans(), salt=SALTS, data=st.data())
+    def swap_in(self, prompt, high_priority, salt, data):
+        """A preempted sequence coming back: its cached prefix, then tokens whose K/V are
+        copied in (restored), then tokens computed now."""
+        prefix = self.manager.find_cached_prefix(prompt, (salt,))
+        skipped = prefix.num_tokens
+        restored = data.draw(st.integers(0, len(prompt) - skipped))
+        shadow = ShadowSequence(salt, prompt[:skipped], num_committed=skipped)
+        self.admit(prompt[skipped:], high_priority, shadow, prefix, restored)
 
     @precondition(lambda self: self.seqs)
     @rule(
@@ -203,7 +244,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def blocks_are_free_xor_referenced_and_counted_by_holders(self):
         holders = [0] * self.pool.num_blocks
         for seq_id in self.seqs:
-            for block_id in self.manager.block_table(seq_id):
+            for block_id in self.manager.held_block_ids(seq_id):
                 holders[block_id] += 1
         free = self.pool.free_block_ids()
         assert len(free) == len(set(free))
@@ -225,10 +266,21 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert len(self.manager.block_table(seq_id)) == expected
 
     @invariant()
+    def blocks_out_of_the_next_querys_window_are_null(self):
+        null = self.pool.null_block
+        for seq_id, shadow in self.seqs.items():
+            num_null = self.manager.live_from(shadow.num_committed)
+            table = self.manager.block_table(seq_id)
+            assert table[:num_null] == [null] * num_null
+            assert null not in table[num_null:]
+            assert self.manager.num_held_blocks(seq_id) == len(table) - num_null
+
+    @invariant()
     def every_sequence_reads_what_it_wrote(self):
         for seq_id, shadow in self.seqs.items():
             table = self.manager.block_table(seq_id)
-            for position in range(len(shadow.tokens)):
+            first = self.manager.live_from(shadow.num_committed) * self.block_size
+            for position in range(first, len(shadow.tokens)):
                 block_id = table[position // self.block_size]
                 slot = block_id * self.block_size + position % self.block_size
                 assert self.memory.get(slot) == shadow.content(position)
@@ -245,7 +297,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         seq_ids = sorted(self.seqs)
         tables = [self.manager.block_table(s) for s in seq_ids]
         lengths = [len(self.seqs[s].tokens) for s in seq_ids]
-        expected = fragmentation_stats(tables, lengths, self.block_size)
+        expected = fragmentation_stats(tables, lengths, self.block_size, self.pool.null_block)
         assert self.manager.fragmentation() == expected
 
     def teardown(self):

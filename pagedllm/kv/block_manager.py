@@ -242,9 +242,8 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is not None:
-            table = seq.table
-            live_from = self.live_from(table.num_tokens + num_restored)
-            return table.num_blocks_needed(num_new_tokens, live_from)
+            live_from = self.live_from(self._first_query(seq, num_restored))
+            return seq.table.num_blocks_needed(num_new_tokens, live_from)
         if prefix is None:
             total = -(-max(num_new_tokens, self.upfront_tokens or 0) // self.block_size)
             return max(0, total - self.live_from(num_restored))
@@ -289,11 +288,19 @@ class BlockManager:
                 return None
         elif prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
-        live_from = self.live_from(seq.table.num_tokens + num_restored)
+        live_from = self.live_from(self._first_query(seq, num_restored))
         try:
             return seq.table.append_slots(num_new_tokens, high_priority, live_from)
         except OutOfBlocksError:
             return None
+
+    @staticmethod
+    def _first_query(seq: _Sequence, num_restored: int) -> int:
+        """Position of the first token of ``seq`` still to be computed: its first
+        uncommitted token if it has one, else the first new token not restored."""
+        if seq.num_committed < seq.table.num_tokens:
+            return seq.num_committed
+        return seq.table.num_tokens + num_restored
 
     def commit_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> range:
         """Record that K/V of ``token_ids`` (the next uncommitted tokens) are now written.
