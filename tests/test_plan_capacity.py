@@ -12,6 +12,7 @@ from pagedllm.plan.capacity import (
     Workload,
     block_bytes,
     block_elements_per_layer,
+    blocks_held,
     dtype_capacity,
     hidden_size_estimate,
     kv_bytes_per_token,
@@ -65,8 +66,11 @@ def test_preset_parameter_counts_match_their_shapes(name):
     assert count_parameters(shape.config) == PRESETS[name].num_parameters == shape.num_parameters
 
 
-def test_blocks_match_the_kv_cache_sizing_for_unquantized_dtypes():
-    config = resolve_model("mistral-7b").config
+@pytest.mark.parametrize(("model", "null_blocks"), [("llama-3-8b", 0), ("mistral-7b", 1)])
+def test_blocks_match_the_kv_cache_sizing_for_unquantized_dtypes(model, null_blocks):
+    """The engine's pool: every block of the budget, less the null block of a model whose
+    every layer slides (Mistral-7B-v0.1: 4,096 tokens)."""
+    config = resolve_model(model).config
     budget = 3 * 10**9 + 12345
     for name in ("float32", "bfloat16", "float16"):
         row = dtype_capacity(config, 16, budget, Workload(100, 1000), KV_DTYPES[name])
@@ -78,8 +82,8 @@ def test_blocks_match_the_kv_cache_sizing_for_unquantized_dtypes():
             config.head_dim,
             KV_DTYPES[name].torch_dtype,
         )
-        assert row.num_blocks == expected
-        assert row.num_tokens == 16 * expected
+        assert row.num_blocks == expected - null_blocks
+        assert row.num_tokens == 16 * row.num_blocks
 
 
 def test_quantized_blocks_carry_scales_and_hold_about_twice_bfloat16():
@@ -107,6 +111,29 @@ def test_paged_against_contiguous_and_a_shared_prefix():
     # A 100-token prefix shares 6 full blocks; each sequence keeps 13 private blocks.
     assert max_seqs_paged(100, 16, 300, prefix_len=100) == (100 - 6) // 13
     assert max_seqs_paged(5, 16, 300, prefix_len=100) == 0
+
+
+def test_a_sliding_window_bounds_the_blocks_a_sequence_holds():
+    # a 4,096-token window over blocks of 16: at most 257 blocks (4,096 + 15 positions)
+    assert blocks_held(32768, 16, 4096) == (257, 0)
+    assert blocks_held(1000, 16, 4096) == (63, 0)
+    assert max_seqs_paged(1000, 16, 32768, window=4096) == 3
+    assert max_seqs_paged(1000, 16, 32768) == 0
+    # a shared prefix counts once only while it is inside every sequence's window
+    assert blocks_held(4200, 16, 4096, prefix_len=160) == (257, 4)
+    assert blocks_held(8192, 16, 4096, prefix_len=160) == (257, 0)
+    plan = resolve_model("mistral-7b").config
+    assert plan.kv_window == 4096
+    row = dtype_capacity(plan, 16, 10 * 2**30, Workload(32768, 32768), KV_DTYPES["bfloat16"])
+    assert row.paged_seqs == row.num_blocks // 257 > row.contiguous_seqs
+
+
+def test_paged_layout_under_a_window_keeps_the_last_window():
+    layout = paged_layout([40, 10], 4, prefix_len=8, window=12)
+    # sequence 0 keeps blocks 7..9 (positions 28..39); sequence 1 keeps all 3, so the
+    # shared prefix blocks 0 and 1 stay for it
+    owners = [use.owner for use in layout]
+    assert owners.count(SHARED_OWNER) == 2 and owners.count(0) == 3 and owners.count(1) == 1
 
 
 def test_memory_budget_takes_weights_and_activation_reserve_first():

@@ -37,7 +37,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
-from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.block_manager import BlockManager, max_window_blocks
 from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
 from pagedllm.kv.swap_space import SwapSpace
@@ -384,8 +384,7 @@ class LLMEngine:
             first = max(longest, -(-upfront // block_size))
         window = self.block_manager.sliding_window
         if window is not None:
-            step = self.config.max_num_batched_tokens
-            bound = -(-(window + step - 1) // block_size) + 1
+            bound = max_window_blocks(window, self.config.max_num_batched_tokens, block_size)
             first, own = min(first, bound), min(own, bound)
         worst_case = first + (n - 1) * own
         pool = self.block_manager.pool

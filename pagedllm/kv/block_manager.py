@@ -30,9 +30,10 @@ next query sits at position ``p`` (its committed tokens), every logical block wh
 before ``p - W + 1`` is released: its reference is dropped (a shared block stays with
 its other holders, a cached one waits in the free queue as evictable) and its table
 entry becomes null (:mod:`pagedllm.kv.block_table`). A running sequence then holds at
-most ``ceil((W + n - 1) / block_size) + 1`` blocks during a step that computes ``n``
-tokens, ``ceil(W / block_size) + 1`` while decoding. A prefix-cache hit then needs only
-the cached blocks inside the window of its first computed token, not the whole chain.
+most :func:`max_window_blocks` blocks: ``ceil((W + n + block_size - 2) / block_size)``
+during a step that computes ``n`` tokens, ``ceil((W + block_size - 1) / block_size)``
+while decoding. A prefix-cache hit needs only the cached blocks inside the window of its
+first computed token, not the whole chain.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ from pagedllm.kv.fragmentation import FragmentationStats
 from pagedllm.kv.prefix_hash import BlockKey, PrefixHasher, iter_block_keys
 
 SeqId = int | str
+
+
+def max_window_blocks(window: int, num_tokens: int, block_size: int) -> int:
+    """Most blocks a sequence holds under a ``window``-token sliding window during a step
+    that computes ``num_tokens`` of its tokens: the blocks of the ``window + num_tokens
+    - 1`` positions those queries read, at worst misaligned by ``block_size - 1``."""
+    return -(-(window + num_tokens + block_size - 2) // block_size)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ Quantized caches (fp8, int8) are assumed to carry one float32 scale per layer, K
 block and KV head: ``4 / (block_size x head_dim)`` bytes per element, 0.2 % at block
 size 16 and head_dim 128. Weights take ``parameters x bytes per weight``; the
 activation reserve is a fraction of the weight bytes (10-20 % is the usual rule of thumb).
+
+Sliding windows: when every layer of a model slides over ``W`` tokens, a sequence holds
+at most the blocks of its last window (:func:`~pagedllm.kv.block_manager.max_window_blocks`
+while decoding), as the engine releases the others, and the engine's pool is one block
+smaller (the null block its tables point at). A model with any global layer holds every
+block of every sequence: all layers share one pool, so a block is kept while any layer
+may read it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kv.block_manager import max_window_blocks
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.plan.model_shape import ModelShape
@@ -97,14 +105,37 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def max_seqs_paged(num_blocks: int, block_size: int, seq_len: int, prefix_len: int = 0) -> int:
+def blocks_held(
+    seq_len: int, block_size: int, window: int | None = None, prefix_len: int = 0
+) -> tuple[int, int]:
+    """``(held, shared)``: the most blocks a decoding sequence of up to ``seq_len`` tokens
+    holds, and how many of them are full blocks of the shared ``prefix_len``-token prefix.
+    With a ``window`` (every layer sliding), blocks before the last token's window are
+    released."""
+    held = blocks_for_tokens(seq_len, block_size)
+    shared = prefix_len // block_size
+    if window is not None:
+        held = min(held, max_window_blocks(window, 1, block_size))
+        first_held = max(0, seq_len - window) // block_size
+        shared = max(0, shared - first_held)
+    return held, shared
+
+
+def max_seqs_paged(
+    num_blocks: int,
+    block_size: int,
+    seq_len: int,
+    prefix_len: int = 0,
+    window: int | None = None,
+) -> int:
     """Sequences of ``seq_len`` tokens that fit in ``num_blocks`` blocks allocated on demand.
 
     The first ``prefix_len`` tokens are shared by every sequence: their full blocks are held
-    once; a partial last prefix block is private (only full blocks are shared).
+    once; a partial last prefix block is private (only full blocks are shared). ``window``
+    as in :func:`blocks_held`.
     """
-    shared = prefix_len // block_size
-    private = blocks_for_tokens(seq_len, block_size) - shared
+    held, shared = blocks_held(seq_len, block_size, window, prefix_len)
+    private = held - shared
     if num_blocks < shared:
         return 0
     return (num_blocks - shared) // private
@@ -211,7 +242,8 @@ def dtype_capacity(
     """The figures of one KV dtype for a budget of ``kv_bytes`` bytes."""
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_block = block_bytes(config, block_size, kv_dtype)
-    num_blocks = max(0, kv_bytes // per_block)
+    window = config.kv_window
+    num_blocks = max(0, kv_bytes // per_block - (window is not None))
     return DtypeCapacity(
         kv_dtype=kv_dtype.name,
         element_bytes=kv_dtype.element_bytes,
@@ -221,9 +253,9 @@ def dtype_capacity(
         batch_kv_bytes=workload.batch * workload.avg_len * per_token,
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
-        paged_seqs=max_seqs_paged(num_blocks, block_size, workload.avg_len),
+        paged_seqs=max_seqs_paged(num_blocks, block_size, workload.avg_len, window=window),
         paged_seqs_with_prefix=max_seqs_paged(
-            num_blocks, block_size, workload.avg_len, workload.prefix_len
+            num_blocks, block_size, workload.avg_len, workload.prefix_len, window
         ),
         contiguous_seqs=max_seqs_contiguous(num_blocks, block_size, workload.max_model_len),
     )

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pagedllm.plan.capacity import CapacityPlan, blocks_for_tokens  # noqa: E402
+from pagedllm.plan.capacity import CapacityPlan, blocks_for_tokens, max_seqs_paged  # noqa: E402
 from pagedllm.plan.layout import SHARED_OWNER, BlockUse, paged_layout  # noqa: E402
 
 SPREAD = (0.35, 1.6, 0.7, 1.0, 0.2, 1.3, 0.85, 0.5)
@@ -85,7 +85,8 @@ def _paged_segments(
 def _draw_paged(ax, lengths: Sequence[int], plan: CapacityPlan) -> None:
     block_size, max_model_len = plan.block_size, plan.workload.max_model_len
     per_row = blocks_for_tokens(max_model_len, block_size)
-    layout = paged_layout(lengths, block_size, plan.workload.prefix_len)
+    window = plan.model.config.kv_window
+    layout = paged_layout(lengths, block_size, plan.workload.prefix_len, window)
     segments = _paged_segments(layout, block_size, per_row, len(lengths))
     for (row, owner, part), bars in segments.items():
         colour = _owner_colour(owner)
@@ -101,9 +102,7 @@ def _draw_paged(ax, lengths: Sequence[int], plan: CapacityPlan) -> None:
     used = len(layout)
     wasted = sum(block_size - use.filled for use in layout)
     avg_len, prefix_len = plan.workload.avg_len, plan.workload.prefix_len
-    more = (pool_blocks - used) // (
-        blocks_for_tokens(avg_len, block_size) - prefix_len // block_size
-    )
+    more = max_seqs_paged(pool_blocks - used, block_size, avg_len, prefix_len, window)
     ax.set_title(
         f"Paged, the same memory ({pool_blocks:,} blocks of {block_size} slots): {used:,} blocks "
         f"used ({used / pool_blocks:.0%}), {wasted:,} slots of internal fragmentation;\n"

@@ -11,6 +11,7 @@ from pagedllm.plan.capacity import (
     CapacityPlan,
     DtypeCapacity,
     block_elements_per_layer,
+    blocks_held,
     hidden_size_estimate,
 )
 
@@ -90,6 +91,13 @@ def _workload_line(plan: CapacityPlan) -> str:
         line += " (beyond the model's context)"
     if workload.prefix_len:
         line += f"; the first {workload.prefix_len:,} tokens are a prefix all sequences share"
+    window = plan.model.config.kv_window
+    if window is not None:
+        held, _ = blocks_held(workload.avg_len, plan.block_size, window)
+        line += (
+            f"; every layer slides over {window:,} tokens, so a paged sequence holds at most "
+            f"{held:,} blocks (older ones go back to the pool)"
+        )
     return line
 
 
