@@ -23,7 +23,9 @@ class AttentionMetadata:
     - ``slot_mapping`` ``[num_tokens]`` int64: flat cache slot of each new token,
       ``block_id * block_size + offset``; ``-1`` means "do not write".
     - ``block_tables`` ``[num_seqs, max_blocks]``: physical block of each logical
-      block; entries past a sequence's last block are ``-1`` (never read).
+      block; entries past a sequence's last block are ``-1`` (never read); entries
+      wholly before the window of a sequence's first query may be the null block
+      (released by a sliding window: never written, read by no kernel but the oracle).
     - ``seq_lens`` ``[num_seqs]``: tokens of each sequence after this step's writes.
     - ``query_start_loc`` ``[num_seqs + 1]``: cumulative query lengths, starting at 0.
     - ``max_query_len``, ``max_seq_len``: host-side maxima of the above, in tokens.

@@ -15,7 +15,9 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     """K or V of one sequence as ``[num_kv_heads, length, head_dim]``.
 
     ``cache`` is one layer's ``[num_blocks, num_kv_heads, block_size, head_dim]`` tensor;
-    ``block_table`` lists the sequence's physical blocks in logical order.
+    ``block_table`` lists the sequence's physical blocks in logical order. Entries a
+    sliding window released point at the cache's null block, whose zeros the window
+    then masks.
     """
     block_size = cache.shape[2]
     num_blocks = -(-length // block_size)
