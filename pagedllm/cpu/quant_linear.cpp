@@ -1,19 +1,20 @@
 // y = x w^T + bias with w kept in a GGUF block format (quant_blocks.h), never expanded in
 // memory.
 //
-// Few rows (a decode step): each weight block is decoded once, into a few registers'
-// worth of float32 on the stack, and multiplied into every row of x while it is there,
-// kChannels output features at a time so that each vector of x is loaded once per group.
-// The weights are read once per call, at their quantized size: a decode step is bound by
-// reading them.
+// Few rows (a decode step): each weight block is decoded into registers (through an
+// L1-resident scratch the compiler keeps in registers for 32-weight blocks) and
+// multiplied into up to kMaxRows rows of x while it is there, kChannels output features
+// at a time so that each vector of x is loaded once per group. Up to kMaxRows rows read
+// each quantized weight once per call: a decode step reads the weights at their
+// quantized size. Larger batches repeat the pass per kMaxRows rows.
 // Many rows (prefill): each thread decodes kPanelWidth output features into a float32
 // panel (K x kPanelWidth, cache-resident) and runs packed_linear's register-tiled kernel
 // over every row of x; decoding is then a small fraction of the arithmetic.
-// benchmarks/quantized_weights.py measured the crossover on the kernels' CPU.
 //
-// Sums are float32 in a fixed order per output, whatever M is, so a row's result does not
-// depend on the other rows; they differ from a float32 matmul of the decoded weights by
-// float32 rounding only.
+// Sums are float32, in a fixed order per output within each path, so below kPanelRows
+// rows a row's result does not depend on the other rows; the two paths sum in different
+// orders. Both differ from a float32 matmul of the decoded weights by float32 rounding
+// only.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -30,7 +31,10 @@ using namespace pagedllm::quant;
 
 constexpr int kChannels = 4;   // output features per group of the few-rows kernel
 constexpr int kMaxRows = 4;    // rows of x per pass of the few-rows kernel
-constexpr int64_t kPanelRows = 16;  // from this many rows of x on, decode into panels
+// From this many rows of x on, decode into panels: on a 2-core AMD EPYC Zen 4 (Q4_1,
+// 3,072 x 576) panels cost 1.05-1.13x a float32 packed_linear at 128-1,024 rows where
+// decoding in registers costs 1.1-1.5x, and up to 20x more at 1-32 rows.
+constexpr int64_t kPanelRows = 128;
 constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one thread
 
 // y[m, n .. n + C) for rows m < MR of x, output features n .. n + C.
@@ -116,23 +120,29 @@ void run_few_rows(const pagedllm::QuantLinearProblem& p) {
   }
 }
 
-// Decodes output features of panel `index` into `panel` [K][kPanelWidth] (zero past N).
+#ifdef __AVX512F__
+// Decodes the output features of panel `index` into `panel` [K][kPanelWidth] (zero past
+// N), 16 features at a time: their blocks b decode side by side, and each of the block's
+// k values is gathered across the 16 into one vector store of a panel row.
 template <typename B>
 void decode_panel(const pagedllm::QuantLinearProblem& p, int64_t index, float* panel) {
   constexpr int64_t W = pagedllm::kPanelWidth;
   const int64_t row_bytes = p.K / B::kValues * B::kBytes;
-  alignas(64) float w[B::kValues];
-  for (int64_t j = 0; j < W; ++j) {
-    const int64_t n = index * W + j;
-    if (n >= p.N) {
-      for (int64_t k = 0; k < p.K; ++k) panel[k * W + j] = 0.0f;
-      continue;
-    }
-    const uint8_t* row = p.weight + n * row_bytes;
+  alignas(64) float w[16][B::kValues];
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(B::kValues)));
+  for (int64_t g = 0; g < W / 16; ++g) {
+    const int64_t n0 = index * W + g * 16;
+    const int64_t live = p.N - n0 < 16 ? (p.N - n0 > 0 ? p.N - n0 : 0) : 16;
+    for (int64_t j = live; j < 16; ++j)
+      for (int64_t t = 0; t < B::kValues; ++t) w[j][t] = 0.0f;
     for (int64_t b = 0; b < p.K / B::kValues; ++b) {
-      B::decode(row + b * B::kBytes, w);
-      float* out = panel + b * B::kValues * W + j;
-      for (int64_t t = 0; t < B::kValues; ++t) out[t * W] = w[t];
+      for (int64_t j = 0; j < live; ++j)
+        B::decode(p.weight + (n0 + j) * row_bytes + b * B::kBytes, w[j]);
+      float* out = panel + b * B::kValues * W + g * 16;
+      for (int64_t t = 0; t < B::kValues; ++t)
+        _mm512_storeu_ps(out + t * W, _mm512_i32gather_ps(lanes, &w[0][t], 4));
     }
   }
 }
@@ -152,14 +162,17 @@ void run_panels(const pagedllm::QuantLinearProblem& p) {
     }
   }
 }
+#endif  // __AVX512F__
 
 template <typename B>
 void multiply(const pagedllm::QuantLinearProblem& p) {
-  if (p.M >= kPanelRows && pagedllm::avx512_kernels_available()) {
+#ifdef __AVX512F__
+  if (p.M >= kPanelRows) {
     run_panels<B>(p);
-  } else {
-    run_few_rows<B>(p);
+    return;
   }
+#endif
+  run_few_rows<B>(p);
 }
 
 template <typename B>
