@@ -214,7 +214,9 @@ def quant_linear(
     return ops().quant_linear(x, weight, ggml_type, bias)
 
 
-def dequantize_rows(weight: torch.Tensor, ggml_type: int, K: int, rows: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(
+    weight: torch.Tensor, ggml_type: int, K: int, rows: torch.Tensor
+) -> torch.Tensor:
     """Float32 rows ``rows`` (int64) ``[len(rows), K]`` of a weight kept as in
     :func:`quant_linear`."""
     return ops().dequantize_rows(weight, ggml_type, K, rows)

@@ -60,7 +60,11 @@ class LLMEngine:
         start = time.monotonic()
         self.device = config.device
         self.loaded = loaded or load_model(
-            config.model, config.dtype, device=self.device, load_format=config.load_format
+            config.model,
+            config.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            quantization=config.quantization,
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

@@ -25,8 +25,16 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import gated_activation, rms_norm
-from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
+from pagedllm.models.linear import (
+    PackedWeight,
+    Weight,
+    fuse_rows,
+    linear,
+    prepare_weight,
+    weight_storage,
+)
 from pagedllm.models.moe import SparseMoE
+from pagedllm.models.quantized_weight import QuantizedWeight
 from pagedllm.models.rope import RotaryTable, apply_rope
 
 # Returns the tensor stored under a Hugging Face parameter name, e.g.
@@ -112,7 +120,7 @@ class DecoderLayer(nn.Module):
         if spec.fused_projections:
             qkv = get(attn + "qkv_proj.weight")
         else:
-            qkv = torch.cat([get(f"{attn}{p}.weight") for p in projections])
+            qkv = fuse_rows([get(f"{attn}{p}.weight") for p in projections])
         self.qkv_weight: Weight = prepare_weight(qkv)
         self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
         sparse = config.sparse_layers[layer_idx] if config.sparse_layers else False
@@ -123,7 +131,7 @@ class DecoderLayer(nn.Module):
             if spec.fused_projections:
                 gate_up_weight = get(mlp + "gate_up_proj.weight")
             else:
-                gate_up_weight = torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
+                gate_up_weight = fuse_rows([get(f"{mlp}{p}.weight") for p in gate_up])
             self.gate_up_weight = prepare_weight(gate_up_weight)
             self.down_weight = prepare_weight(get(mlp + "down_proj.weight"))
         qkv_bias = (
@@ -232,8 +240,11 @@ class LlamaDecoder(nn.Module):
         self.device = torch.device(device)
         spec = config.spec
 
-        def get_as_dtype(name: str) -> torch.Tensor:
-            return get(name).to(device=self.device, dtype=dtype).contiguous()
+        def get_as_dtype(name: str) -> torch.Tensor | QuantizedWeight:
+            weight = get(name)
+            if isinstance(weight, QuantizedWeight):  # only ever loaded for the CPU
+                return weight
+            return weight.to(device=self.device, dtype=dtype).contiguous()
 
         def get_norm(name: str) -> torch.Tensor:
             weight = get(name).to(device=self.device, dtype=torch.float32) + spec.norm_offset
@@ -270,7 +281,7 @@ class LlamaDecoder(nn.Module):
             if layer.moe is not None:
                 matrices += [layer.moe.shared_gate_up, layer.moe.shared_down]
         present = [w for w in matrices if w is not None]
-        tensors = [w.panels if isinstance(w, PackedWeight) else w for w in present]
+        tensors = [weight_storage(w) for w in present]
         return list({id(t): t for t in (*tensors, *self.buffers())}.values())
 
     @property
@@ -283,7 +294,9 @@ class LlamaDecoder(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``, scaled as the
         architecture scales them."""
-        if isinstance(self.embed_tokens, PackedWeight):
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            rows = self.embed_tokens.rows(input_ids).to(self.dtype)
+        elif isinstance(self.embed_tokens, PackedWeight):
             rows = self.embed_tokens.rows(input_ids)
         else:
             rows = F.embedding(input_ids, self.embed_tokens)
