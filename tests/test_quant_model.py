@@ -18,6 +18,7 @@ from pagedllm.cpu.extension import kernels_built
 from pagedllm.models import load_model
 from pagedllm.models.linear import PackedWeight
 from pagedllm.models.quantized_weight import Q, QuantizedWeight
+from pagedllm.models.weight_bytes import weight_bytes_by_format
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,6 +62,9 @@ def test_matrices_stay_in_the_file_formats_at_the_file_size(default_model):
     assert model.lm_head is model.embed_tokens and model.lm_head.ggml_type == Q.Q8_0
     resident = sum(t.numel() * t.element_size() for t in model.weights())
     assert resident <= 1.1 * default_model.source.stat().st_size
+    by_format = weight_bytes_by_format(model)  # what the start-up log reports
+    assert set(by_format) == {"Q4_1", "Q8_0", "float32"} and sum(by_format.values()) == resident
+    assert by_format["Q8_0"] == 49152 * 576 // 32 * 34  # the tied embedding, once
 
 
 def test_logits_equal_the_expanded_model(default_model, expanded_default_model):

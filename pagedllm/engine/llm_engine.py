@@ -41,6 +41,7 @@ from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
 from pagedllm.kv.swap_space import SwapSpace
 from pagedllm.models.loader import LoadedModel, load_model
+from pagedllm.models.weight_bytes import describe_weight_bytes
 
 logger = logging.getLogger("pagedllm")
 
@@ -69,10 +70,11 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         logger.info(
-            "Loaded %s (%s) in %.2f s",
+            "Loaded %s (%s) in %.2f s; weights %s",
             self.loaded.source.name,
             self.model_config.architecture,
             time.monotonic() - start,
+            describe_weight_bytes(self.loaded.model),
         )
         self.kv_budget = self._kv_budget()
         mc = self.model_config
