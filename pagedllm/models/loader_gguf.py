@@ -104,8 +104,8 @@ EXPERT_TENSOR_NAMES = {
     "up_proj": "ffn_up_exps",
     "down_proj": "ffn_down_exps",
 }
-# Hugging Face names (suffixes) of the matrices the decoder may keep quantized; experts,
-# routers and norms are always expanded.
+# Hugging Face names (suffixes) of the matrices the decoder may keep quantized; experts
+# (shared ones too), routers and norms are always expanded.
 QUANTIZABLE_NAMES = (
     "q_proj.weight",
     "k_proj.weight",
@@ -404,7 +404,7 @@ def load_gguf_model(
                 stacks[stored] = dequantized(tensors[stored])
             return stacks[stored][expert]
         tensor = tensors[stored]
-        quantizable = keep and name.endswith(QUANTIZABLE_NAMES)
+        quantizable = keep and name.endswith(QUANTIZABLE_NAMES) and "expert" not in name
         if quantizable and tensor.tensor_type in KERNEL_TYPES:
             if len(fused_types(stored, tensors)) == 1:
                 weight = quantized(tensor)
