@@ -23,9 +23,10 @@ _DTYPES = {
 LOAD_FORMATS = ("auto", "dummy")
 """``load_format`` values: read the checkpoint, or seeded random weights of its shape."""
 
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int8")
 """``quantization`` values: keep a GGUF file's quantized matrices in their block formats
-(on the CPU), or expand every weight to ``dtype``."""
+(on the CPU), expand every weight to ``dtype``, or round a safetensors checkpoint's
+matrices to int8 per output channel."""
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 """Bytes of the KV pool on the CPU when ``kv_cache_memory`` is not given."""
@@ -111,7 +112,8 @@ class EngineConfig:
         "auto",
         "weights a GGUF file stores quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
         "Q6_K): auto keeps them in their block formats on the CPU (other types are expanded "
-        "at load); none expands every weight to dtype",
+        "at load); none expands every weight to dtype; int8 rounds a safetensors "
+        "checkpoint's matrices to int8 per output channel (CPU)",
         QUANTIZATIONS,
     )
     device: str | torch.device = knob(

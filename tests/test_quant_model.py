@@ -116,5 +116,5 @@ def test_quantization_none_expands_and_unknown_values_are_refused(tmp_path):
     assert isinstance(load_model(path).model.layers[0].o_weight, QuantizedWeight)
     expanded = load_model(path, quantization="none").model
     assert not any(w.dtype == torch.uint8 for w in expanded.weights())
-    with pytest.raises(ValueError, match="quantization must be one of auto, none"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
         EngineConfig(quantization="int4")

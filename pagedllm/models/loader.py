@@ -52,7 +52,8 @@ def load_model(
     and the attention kernel widens it to float32; the AVX-512 kernels take the others).
     ``quantization``: ``"auto"`` keeps a GGUF file's quantized matrices in their block
     formats on the CPU (see :mod:`pagedllm.models.loader_gguf`), ``"none"`` expands them
-    to ``dtype``; a safetensors checkpoint is never quantized.
+    to ``dtype``; ``"int8"`` rounds a safetensors checkpoint's matrices to int8 per output
+    channel (CPU only).
     """
     device = torch.device(device)
     _check_dtype(dtype)
@@ -61,6 +62,8 @@ def load_model(
             f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
         )
     if load_format == "dummy":
+        if quantization == "int8":
+            raise ModelLoadError("quantization='int8' needs a checkpoint, not dummy weights")
         config, decoder, source = load_dummy_model(model, dtype, device)
         return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
@@ -69,7 +72,7 @@ def load_model(
         config, decoder, has_tokenizer = _load_gguf_weights(path, dtype, device, quantization)
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
-        config, decoder = load_safetensors_model(path, dtype, device)
+        config, decoder = load_safetensors_model(path, dtype, device, quantization)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
         eos_ids = config.eos_token_ids + generation_eos_ids(path)
         tokenizer = Tokenizer.from_folder(path, eos_ids) if has_tokenizer else None

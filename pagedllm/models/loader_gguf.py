@@ -21,12 +21,16 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.cpu.extension import kernels_built
 from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
-from pagedllm.models.quantized_weight import KERNEL_TYPES, QuantizedWeight
+from pagedllm.models.quantized_weight import (
+    KERNEL_TYPES,
+    QuantizedWeight,
+    is_quantizable,
+    why_kernels_cannot_run,
+)
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
 logger = logging.getLogger("pagedllm")
@@ -104,21 +108,6 @@ EXPERT_TENSOR_NAMES = {
     "up_proj": "ffn_up_exps",
     "down_proj": "ffn_down_exps",
 }
-# Hugging Face names (suffixes) of the matrices the decoder may keep quantized; experts
-# (shared ones too), routers and norms are always expanded.
-QUANTIZABLE_NAMES = (
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "qkv_proj.weight",
-    "o_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "down_proj.weight",
-    "gate_up_proj.weight",
-    "model.embed_tokens.weight",
-    "lm_head.weight",
-)
 # GGUF tensors the decoder fuses into one matrix: kept quantized only if they share a type.
 FUSED_GGUF_TENSORS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 # Tensor types that are not quantized: expanding them is no loss.
@@ -354,16 +343,10 @@ def keeps_quantization(
         return False
     if quantization != "auto":
         raise ModelLoadError(
-            f"quantization={quantization!r} is not implemented for a GGUF file; use 'auto' "
-            "(keep the file's block formats) or 'none' (expand them)"
+            f"quantization={quantization!r} is for safetensors checkpoints; a GGUF file "
+            "takes 'auto' (keep its block formats) or 'none' (expand them)"
         )
-    reason = None
-    if device.type != "cpu":
-        reason = f"the quantized kernels run on the CPU, not {device.type}"
-    elif dtype not in (torch.float32, torch.bfloat16):
-        reason = f"the quantized kernels take float32 or bfloat16 activations, not {dtype}"
-    elif not kernels_built():
-        reason = "the C++ kernels are not built"
+    reason = why_kernels_cannot_run(dtype, device)
     if reason is not None:
         logger.info("Expanding the quantized weights of %s to %s: %s", path.name, dtype, reason)
     return reason is None
@@ -404,7 +387,7 @@ def load_gguf_model(
                 stacks[stored] = dequantized(tensors[stored])
             return stacks[stored][expert]
         tensor = tensors[stored]
-        quantizable = keep and name.endswith(QUANTIZABLE_NAMES) and "expert" not in name
+        quantizable = keep and is_quantizable(name)
         if quantizable and tensor.tensor_type in KERNEL_TYPES:
             if len(fused_types(stored, tensors)) == 1:
                 weight = quantized(tensor)

@@ -12,6 +12,12 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.quantized_weight import (
+    QuantizedWeight,
+    int8_per_channel,
+    is_quantizable,
+    why_kernels_cannot_run,
+)
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
 SHARD_INDEX = "model.safetensors.index.json"
@@ -54,13 +60,23 @@ def shard_files(folder: Path) -> list[Path]:
 
 
 def load_safetensors_model(
-    folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    quantization: str = "auto",
 ) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from the folder's weights, converted to ``dtype`` on ``device``.
+    """Build the decoder from the folder's weights, converted to ``dtype`` on ``device``;
+    with ``quantization="int8"``, the projections, embedding and LM head (those whose rows
+    are a multiple of 32 weights) are rounded to int8 per output channel instead
+    (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only).
 
     The files are memory-mapped and each tensor is moved and converted as the decoder
     reads it, so the host never holds a converted copy of the whole model."""
     config = read_hf_config(folder)
+    int8 = quantization == "int8"
+    reason = why_kernels_cannot_run(dtype, torch.device(device)) if int8 else None
+    if reason is not None:
+        raise ModelLoadError(f"quantization='int8' is not available: {reason}")
     with ExitStack() as stack:
         handle_of_tensor = {}
         for path in shard_files(folder):
@@ -70,10 +86,13 @@ def load_safetensors_model(
                 raise ModelLoadError(f"cannot open {path}: {err}") from err
             handle_of_tensor.update(dict.fromkeys(handle.keys(), handle))
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str) -> torch.Tensor | QuantizedWeight:
             if name not in handle_of_tensor:
                 raise ModelLoadError(f"missing tensor {name!r} in the safetensors of {folder}")
-            return handle_of_tensor[name].get_tensor(name)
+            tensor = handle_of_tensor[name].get_tensor(name)
+            if int8 and is_quantizable(name) and tensor.shape[-1] % 32 == 0:
+                return int8_per_channel(tensor)
+            return tensor
 
         tracked = TrackedSource(get)
         decoder = LlamaDecoder(config, tracked, dtype, device)
