@@ -10,8 +10,10 @@ Records (one JSON line each):
 - ``memory``: per variant, in a fresh process, the file's bytes, the weight bytes the
   model holds and the process's resident bytes before and after loading.
 - ``decode_1``: one sequence (a 32-token prompt) decoding ``--decode-tokens`` tokens,
-  output tokens/s after the first token; median of ``--runs`` runs alternating between
-  variants, so background load hits all alike.
+  output tokens/s after the first token, per second of wall time and of process CPU
+  time; median of ``--runs`` runs alternating between variants, so background load hits
+  all alike. On a shared machine run ``--threads 1``: the CPU-time rate is then close
+  to the rate on an idle core (with more threads it counts their spin-waits).
 - ``throughput_64``: ``pagedllm bench``'s synthetic workload (64 requests, greedy,
   ``ignore_eos``, prefix caching off), output tokens/s; median of alternating runs.
 - ``same_tokens``: requests of that workload whose greedy ``Q4_1`` tokens equal the
@@ -108,21 +110,27 @@ def memory_after_load(path: str, dtype: str, quantization: str, threads: int) ->
     return {"rss_before_bytes": before, "rss_after_bytes": after, "weight_bytes": weights}
 
 
-def decode_rate(engine: LLMEngine, tokens: int) -> float:
+def rates(tokens: int, wall_s: float, cpu_s: float) -> dict[str, float]:
+    """Tokens per second of wall time and of this process's CPU time (all threads): on a
+    shared machine with one thread, the CPU rate is close to the rate on an idle core."""
+    return {"wall": tokens / wall_s, "cpu": tokens / cpu_s}
+
+
+def decode_rate(engine: LLMEngine, tokens: int) -> dict[str, float]:
     """Output tokens/s of one sequence after its first token."""
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
     prompt = {"prompt_token_ids": list(range(100, 132))}
     engine.add_request("decode", prompt, params)
     engine.step()  # prefill and the first token
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         engine.step()
-    return (tokens - 1) / (time.perf_counter() - start)
+    return rates(tokens - 1, time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def run_workload(engine: LLMEngine, requests: list[BenchRequest]) -> tuple[float, list]:
+def run_workload(engine: LLMEngine, requests: list[BenchRequest]) -> tuple[dict, list]:
     """Output tokens/s of all requests submitted at once, and each request's tokens."""
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for index, request in enumerate(requests):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=request.output_len)
         engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids}, params)
@@ -131,12 +139,12 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest]) -> tuple[float
         for out in engine.step():
             if out.finished:
                 outputs[int(out.request_id)] = list(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
     tokens = [outputs[i] for i in range(len(requests))]
-    return sum(map(len, tokens)) / elapsed, tokens
+    count = sum(map(len, tokens))
+    return rates(count, time.perf_counter() - wall, time.process_time() - cpu), tokens
 
 
-def llama_cpp_decode_rate(path: str, tokens: int, threads: int) -> float:
+def llama_cpp_decode_rate(path: str, tokens: int, threads: int) -> dict[str, float]:
     """llama.cpp's output tokens/s for one sequence after its first token (greedy)."""
     from llama_cpp import Llama
 
@@ -145,11 +153,29 @@ def llama_cpp_decode_rate(path: str, tokens: int, threads: int) -> float:
     )
     llm.eval(list(range(100, 132)))
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(tokens - 1):
         llm.eval([token])
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    return (tokens - 1) / (time.perf_counter() - start)
+    return rates(tokens - 1, time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def report(measure: str, runs: dict[str, list[dict[str, float]]]) -> None:
+    """One record per variant: median wall and CPU tokens/s, and their ratios to F32's."""
+    medians = {
+        name: {kind: statistics.median(r[kind] for r in values) for kind in ("wall", "cpu")}
+        for name, values in runs.items()
+    }
+    for name, median in medians.items():
+        emit(
+            measure=measure,
+            variant=name,
+            tokens_per_s=median["wall"],
+            cpu_tokens_per_s=median["cpu"],
+            wall_vs_F32=median["wall"] / medians["F32"]["wall"],
+            cpu_vs_F32=median["cpu"] / medians["F32"]["cpu"],
+            runs=runs[name],
+        )
 
 
 def main() -> None:
@@ -200,36 +226,22 @@ def main() -> None:
     except ImportError:
         emit(measure="decode_1", variant="llama.cpp", skipped="llama-cpp-python not installed")
 
-    rates: dict[str, list[float]] = {name: [] for name in [*engines, *baselines]}
+    decode: dict[str, list[dict[str, float]]] = {name: [] for name in [*engines, *baselines]}
     for _ in range(args.runs):
         for name, engine in engines.items():
-            rates[name].append(decode_rate(engine, args.decode_tokens))
+            decode[name].append(decode_rate(engine, args.decode_tokens))
         for name, path in baselines.items():
-            rates[name].append(llama_cpp_decode_rate(path, args.decode_tokens, args.threads))
-    for name, values in rates.items():
-        emit(
-            measure="decode_1",
-            variant=name,
-            tokens_per_s=statistics.median(values),
-            runs=values,
-            vs_F32=statistics.median(values) / statistics.median(rates["F32"]),
-        )
+            decode[name].append(llama_cpp_decode_rate(path, args.decode_tokens, args.threads))
+    report("decode_1", decode)
 
     requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
-    throughput: dict[str, list[float]] = {name: [] for name in engines}
+    throughput: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     tokens = {}
     for _ in range(args.runs):
         for name, engine in engines.items():
             rate, tokens[name] = run_workload(engine, requests)
             throughput[name].append(rate)
-    for name, values in throughput.items():
-        emit(
-            measure=f"throughput_{args.num_requests}",
-            variant=name,
-            output_tokens_per_s=statistics.median(values),
-            runs=values,
-            vs_F32=statistics.median(values) / statistics.median(throughput["F32"]),
-        )
+    report(f"throughput_{args.num_requests}", throughput)
     # Q4_1 runs the very weights F32 expands: greedy tokens differ only where float32
     # rounding flips a near-tie
     pairs = list(zip(tokens["Q4_1"], tokens["F32"], strict=True))
