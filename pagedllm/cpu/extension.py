@@ -38,6 +38,9 @@ SOURCES = [
         "quant_linear.cpp",
     )
 ]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("kernels.h", "bfloat16.h", "quant_blocks.h")
+]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 logger = logging.getLogger("pagedllm")
@@ -52,6 +55,13 @@ def instruction_set_tag() -> str:
     return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:10]
 
 
+def headers_flag() -> str:
+    """A define naming the headers' contents: torch rebuilds the extension when a source
+    or a flag changes, not when a header does, so a changed header changes the flags."""
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:10]
+    return f"-DPAGEDLLM_HEADERS_{digest}"
+
+
 @functools.cache
 def ops() -> Any | None:
     """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed; None,
@@ -60,7 +70,7 @@ def ops() -> Any | None:
         cpp_extension.load(
             name=f"pagedllm_cpu_{instruction_set_tag()}",
             sources=SOURCES,
-            extra_cflags=FLAGS,
+            extra_cflags=[*FLAGS, headers_flag()],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

@@ -77,11 +77,12 @@ struct Q8_0 {
 
 // The 32 unsigned 4-bit values of 16 bytes: low nibbles are weights 0..15, high 16..31.
 #ifdef __AVX512F__
+// The 16 bytes are widened once (one shuffle) and split in 32-bit lanes.
 inline void nibbles(const uint8_t* qs, __m512i* low, __m512i* high) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  *low = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask));
-  *high = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+  const __m512i bytes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  *low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));
+  *high = _mm512_srli_epi32(bytes, 4);
 }
 // The fifth bits of a Q5 block (bit j of qh is weight j's), as 16 at 0 or 16 per half.
 inline void fifth_bits(uint32_t qh, __m512i* low, __m512i* high) {
