@@ -25,6 +25,7 @@ from pagedllm.engine.sampler import Sampler, SamplingBatch
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.structured_output import StructuredOutputsParams
 from pagedllm.models.default import default_model_path
+from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -69,8 +70,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
-    tokenizer = Tokenizer.from_gguf(default_model_path())
-    vocab = tokenizer.vocab_size
+    path = default_model_path()
+    tokenizer = Tokenizer.from_gguf(path)
+    vocab = gguf_config(open_gguf(path), path).vocab_size
     torch.manual_seed(0)
     plain = [SamplingParams(temperature=1.0, max_tokens=None)] * args.batch
     start = time.perf_counter()

@@ -99,15 +99,43 @@ class Tokenizer:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, object]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, object]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation, as transformers renders it.
 
-        ``add_generation_prompt`` appends the header that opens the assistant's turn.
+        ``add_generation_prompt`` appends the header that opens the assistant's turn;
+        ``tools`` (OpenAI's JSON) go to templates that render them (:attr:`renders_tools`).
         """
         return self._hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
         )
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads ``tools`` (and so knows tool turns)."""
+        template = self._hf.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    def info(self) -> dict[str, object]:
+        """The tokenizer's class, special tokens and chat template (None where it has
+        none): what a client needs to tokenize like the server (``/tokenizer_info``)."""
+        hf = self._hf
+        return {
+            "tokenizer_class": type(hf).__name__,
+            "bos_token": hf.bos_token,
+            "eos_token": hf.eos_token,
+            "pad_token": hf.pad_token,
+            "unk_token": hf.unk_token,
+            "add_bos_token": getattr(hf, "add_bos_token", None),
+            "chat_template": hf.chat_template,
+        }
 
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
         """The structured-output compiler for a model of ``vocab_size`` logits (made

@@ -162,8 +162,8 @@ def test_unknown_gguf_architecture_is_named(tmp_path):
 def test_unknown_hf_architecture_is_named(tmp_path):
     write_checkpoint(tmp_path, "llama-tied")
     config_path = tmp_path / "config.json"
-    config_path.write_text(config_path.read_text().replace('"llama"', '"gpt2"'))
-    with pytest.raises(ModelLoadError, match="unsupported architecture.*gpt2"):
+    config_path.write_text(config_path.read_text().replace('"llama"', '"bloom"'))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*bloom"):
         load_model(tmp_path)
 
 

@@ -61,6 +61,15 @@ REFUSED_CHECKPOINTS = {
                               "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}),
         "longrope",
     ),
+    "falcon-alibi": ("falcon", dict(alibi=True), "alibi"),
+    "gpt2-inverse-layer-scale": (
+        "gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"
+    ),
+    "gpt2-reordered-upcast": (
+        "gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"
+    ),
+    "gpt2-cross-attention": ("gpt2", dict(add_cross_attention=True), "add_cross_attention"),
+    "clip-qkv-outside-olmo": ("llama", dict(clip_qkv=2.0), "clip_qkv"),
 }
 
 
@@ -152,3 +161,40 @@ def test_gguf_sliding_window_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf.GGUFWriter, "add_vocab_size", with_window)
     with pytest.raises(ModelLoadError, match="sliding_window"):
         load_model(write_gguf(tmp_path / "w.gguf", hf_model))
+
+
+def test_gpt2_original_names_and_causal_mask_buffers_load(tmp_path):
+    """The original GPT-2 files name tensors without ``transformer.`` and hold each layer's
+    causal mask (``attn.bias``, ``attn.masked_bias``): the same weights, the same logits."""
+    from transformers_oracle import our_logits
+
+    write_tiny(tmp_path / "new", "gpt2")
+    tensors = load_file(tmp_path / "new" / "model.safetensors")
+    old = {name.removeprefix("transformer."): t for name, t in tensors.items()}
+    for layer in range(BASE["num_hidden_layers"]):
+        old[f"h.{layer}.attn.bias"] = torch.ones(1, 1, 128, 128).tril()
+        old[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    save_file(old, tmp_path / "old" / "model.safetensors", metadata={"format": "pt"})
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = our_logits(load_model(tmp_path / "new").model, tokens)
+    assert torch.equal(our_logits(load_model(tmp_path / "old").model, tokens), expected)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("gpt2", "transformer.h.0.attn.q_attn.weight"),
+        ("gpt_neox", "gpt_neox.layers.0.attention.q_norm.weight"),
+        ("falcon", "transformer.h.0.post_attention_layernorm.weight"),
+        ("olmo", "model.layers.0.input_layernorm.weight"),
+    ],
+)
+def test_unread_tensor_of_a_renamed_architecture_is_refused(tmp_path, model_type, extra):
+    """A parallel-attention Falcon has no second norm, OLMo no norm weights at all: such a
+    tensor in the checkpoint means math the decoder would skip."""
+    write_tiny(tmp_path, model_type)
+    add_tensors(tmp_path, {extra: torch.ones(8)})
+    with pytest.raises(ModelLoadError, match=extra):
+        load_model(tmp_path)

@@ -74,7 +74,6 @@ def test_sdk_and_framework_extras_are_ignored_and_named(client, model_name):
     extras = {
         "metadata": {"run": "7"},
         "store": False,
-        "parallel_tool_calls": True,
         "reasoning_effort": "low",
         "service_tier": "auto",
         "frobnicate": {"deep": [1]},
@@ -94,11 +93,11 @@ def test_sdk_and_framework_extras_are_ignored_and_named(client, model_name):
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
-        ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "cannot be streamed"),
+        ({"max_tokens": 0}, "max_tokens", "without echo"),
         ({"guided_regex": "(a"}, "structured_outputs", "does not compile"),
         ({"guided_regex": "a", "ignore_eos": True}, "structured_outputs", "ignore_eos"),
-        ({"tool_choice": "required"}, "tool_choice", "tool calling"),
-        ({"echo": True}, "echo", "echo"),
+        ({"tool_choice": "required"}, "tool_choice", "chat/completions only"),
         ({"suffix": " mat."}, "suffix", "fill-in-the-middle tokens"),
         ({"logit_bias": {"999999": 5}}, "logit_bias", "[0, 259)"),
         ({"allowed_token_ids": [300]}, "allowed_token_ids", "[0, 259)"),
@@ -109,6 +108,108 @@ def test_fields_that_would_change_results_are_refused(client, model_name, extra,
         complete(client, model_name, extra_body=extra)
     assert caught.value.body["param"] == param
     assert words in caught.value.body["message"]
+
+
+def test_chat_refuses_echo(client, model_name):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=2, extra_body={"echo": True}
+        )
+    assert caught.value.body["param"] == "echo"
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(model_folder):
+    """transformers' float32 log-softmax at every position of a prompt (token ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].log_softmax(-1)
+
+    return logprobs
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, model_name, tokenizer,
+                                                   reference_logprobs):  # fmt: skip
+    ids = tokenizer.encode("Paged attention, scored.")
+    reply = complete(client, model_name, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    (choice,) = reply.choices
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == len(ids)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [tokenizer.decode([i]) for i in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    ref = reference_logprobs(ids)
+    for position, token in enumerate(ids[1:]):
+        assert logprobs.token_logprobs[position + 1] == pytest.approx(
+            ref[position, token].item(), abs=1e-4
+        )
+        top = logprobs.top_logprobs[position + 1]  # keyed by text: two bytes may share one
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(
+            ref[position].max().item(), abs=1e-4
+        )
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(ids))]
+
+
+def test_echo_batch_as_evaluation_harnesses_send_it(client, model_name, tokenizer,
+                                                    reference_logprobs):  # fmt: skip
+    batch = [tokenizer.encode("The cat sat"), tokenizer.encode("A dog ran far away")]
+    reply = complete(client, model_name, prompt=batch, max_tokens=1, echo=True, logprobs=1)
+    for ids, choice in zip(batch, sorted(reply.choices, key=lambda c: c.index), strict=True):
+        token_logprobs = choice.logprobs.token_logprobs
+        assert len(token_logprobs) == len(ids) + 1 and token_logprobs[0] is None
+        ref = reference_logprobs(ids)
+        greedy = int(ref[-1].argmax())
+        assert choice.text.startswith(tokenizer.decode(ids))
+        assert choice.logprobs.tokens[-1] == tokenizer.decode([greedy])
+        total = sum(ref[p, t].item() for p, t in enumerate(ids[1:]))
+        assert sum(token_logprobs[1:-1]) == pytest.approx(total, abs=1e-3)
+
+
+def test_streamed_echo_leads_with_the_prompt(client, model_name):
+    fields = dict(max_tokens=5, echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    whole = complete(client, model_name, **fields).choices[0]
+    chunks = [c.choices[0] for c in complete(client, model_name, stream=True, **fields)]
+    assert chunks[0].text.startswith(PROMPT)
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+    only = list(complete(client, model_name, stream=True, max_tokens=0, echo=True))
+    assert [c.choices[0].text for c in only] == [PROMPT]
+
+
+def test_prompt_logprobs_in_vllm_shape(client, model_name, tokenizer, reference_logprobs):
+    ids = tokenizer.encode(PROMPT)
+    reply = complete(client, model_name, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    shown = reply.choices[0].model_extra["prompt_logprobs"]
+    assert len(shown) == len(ids) and shown[0] is None
+    ref = reference_logprobs(ids)
+    for position, token in enumerate(ids[1:]):
+        entry = shown[position + 1]
+        assert entry[str(token)]["logprob"] == pytest.approx(ref[position, token].item(), abs=1e-4)
+        assert entry[str(token)]["decoded_token"] == tokenizer.decode([token])
+        best = str(int(ref[position].argmax()))
+        assert entry[best]["rank"] == 1
+    chat = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    rendered = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert len(chat.model_extra["prompt_logprobs"]) == len(rendered)
+
+
+def test_tokenizer_info(http, tokenizer):
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == 256
 
 
 def test_logit_bias_changes_the_greedy_token(client, model_name, tokenizer):

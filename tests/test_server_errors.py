@@ -102,8 +102,8 @@ BAD_BODIES = [
     ),
     pytest.param(
         "/v1/completions",
-        json.dumps({**COMPLETION, "echo": True}).encode(),
-        "echo",
+        json.dumps({**COMPLETION, "functions": [{"name": "f"}]}).encode(),
+        "functions",
         id="unsupported-field",
     ),
     pytest.param(

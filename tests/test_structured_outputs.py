@@ -125,3 +125,19 @@ def test_bad_constraints_are_refused_naming_the_field(llm):
     with pytest.raises(InvalidRequestError, match="does not compile") as caught:
         bad.check_for_model(engine.model_config.vocab_size, engine.tokenizer)
     assert caught.value.param == "structured_outputs"
+
+
+def test_overhead_benchmark_runs():
+    """``benchmarks/structured_output.py`` (two steps of two rows) prints its JSON line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "structured_output.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--batch", "2", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["batch"] == 2 and result["constrained_ms_per_step"] > 0

@@ -14,7 +14,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_chat_llama(folder: Path, seed: int = 0) -> Path:
+def write_tiny_chat_llama(
+    folder: Path,
+    seed: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
+    max_position_embeddings: int = 1024,
+) -> Path:
     """Save the checkpoint into ``folder``: 256 byte tokens then the 3 special tokens
     (``<|im_end|>`` ends a turn, ``<|endoftext|>`` is EOS); 2 layers, 2 heads of 64."""
     import torch
@@ -32,7 +37,7 @@ def write_tiny_chat_llama(folder: Path, seed: int = 0) -> Path:
         eos_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[:2],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(seed)
@@ -43,7 +48,7 @@ def write_tiny_chat_llama(folder: Path, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         initializer_range=0.2,
         eos_token_id=eos_id,
         bos_token_id=eos_id,

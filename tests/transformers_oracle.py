@@ -31,7 +31,8 @@ NEW_TOKENS = 32
 def write_random_checkpoint(folder, model_type: str, **overrides):
     """Save a seeded random ``model_type`` checkpoint of :data:`TINY_SHAPE` (plus
     ``overrides``) to ``folder``; returns transformers' eager float32 model. Norm weights
-    are moved away from 1 and biases away from 0, so that a forgotten one shows."""
+    (``*norm*``, GPT-2's and Falcon's ``ln_*``) are moved away from 1 and biases away from
+    0, so that a forgotten one shows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -40,8 +41,9 @@ def write_random_checkpoint(folder, model_type: str, **overrides):
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.normal_(1.0 if "norm" in name else 0.0, 0.3)
+            is_norm = "norm" in name or ".ln_" in name
+            if is_norm or name.endswith("bias"):
+                param.normal_(1.0 if is_norm and name.endswith("weight") else 0.0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     return model
 

@@ -29,6 +29,7 @@ from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.prompt_logprobs import score_prompt_positions
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
@@ -276,6 +277,7 @@ class LLMEngine:
             sequences,
             RequestMetrics(arrival_time),
             unforked=sequences[1:],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self.scheduler.add(sequences[0].seq)
         return request_id
@@ -327,11 +329,12 @@ class LLMEngine:
                 f"stop_token_ids must be token ids in [0, {vocab}), got {outside[0]}",
                 "stop_token_ids",
             )
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(
-                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}",
-                "logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise InvalidRequestError(
+                    f"{name} must be <= the vocabulary size {vocab}, got {value}", name
+                )
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         """The request's output token limit, or ValueError when it can never fit."""
@@ -444,12 +447,22 @@ class LLMEngine:
         times = self.step_times
         t0 = time.perf_counter()
         self._apply_copies(plan)
-        input_ids, positions, metadata, sample_rows = self.runner.build_batch(plan)
+        batch = self.runner.build_batch(plan)
         t1 = time.perf_counter()
-        logits = self.runner.forward(input_ids, positions, metadata, sample_rows)
+        output = self.runner.forward(batch)
+        if batch.prompt_spans:
+            self._record_prompt_logprobs(batch.prompt_spans, output.prompt_hidden)
         times.prepare += t1 - t0
         times.forward += time.perf_counter() - t1
-        return self.scheduler.update_from_output(plan), logits
+        return self.scheduler.update_from_output(plan), output.logits
+
+    def _record_prompt_logprobs(
+        self, spans: list[tuple[TokenSequence, range]], hidden: torch.Tensor
+    ) -> None:
+        """Score the prompt positions this pass computed for requests that asked."""
+        compute_logits = self.loaded.model.compute_logits
+        for seq, entries in score_prompt_positions(compute_logits, hidden, spans):
+            self._requests[seq.request_id].prompt_logprobs.extend(entries)
 
     def _apply_copies(self, plan: SchedulerOutput) -> None:
         """Every block copy of a plan, in the order its invariants need: blocks leave the

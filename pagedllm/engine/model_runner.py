@@ -3,6 +3,8 @@
 The batch is every scheduled token of every sequence, concatenated in plan order,
 with no padding. Only rows that end a sequence's known tokens are projected to the
 vocabulary: a prefill chunk that stops short of the prompt's end samples nothing.
+Rows of prompt positions whose logprobs a request asked for (``prompt_logprobs``) come
+back as final hidden states, from the same pass, for the engine to score.
 
 The batch is built on the host; on a CUDA device it travels in one pinned,
 asynchronous copy per tensor, and decode-only batches replay a captured CUDA graph
@@ -10,6 +12,8 @@ when one was captured for their size (:mod:`pagedllm.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +23,31 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.engine.block_table_rows import BlockTableRows
 from pagedllm.engine.cuda_graphs import DecodeGraphs
 from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.sequence import TokenSequence
+
+
+@dataclass
+class ModelInput:
+    """One flattened batch: token ids and positions ``[T]``, attention metadata, the
+    rows that sample (one per sequence whose known tokens end in this batch), and the
+    rows of prompt positions owed logprobs, sequence by sequence (``prompt_spans``:
+    each sequence with its positions, in ``prompt_rows`` order)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor
+    prompt_rows: torch.Tensor
+    prompt_spans: list[tuple[TokenSequence, range]]
+
+
+@dataclass
+class ModelOutput:
+    """Float32 logits ``[len(sample_rows), vocab]`` and the final hidden states
+    ``[len(prompt_rows), hidden_size]`` of the prompt positions owed logprobs."""
+
+    logits: torch.Tensor
+    prompt_hidden: torch.Tensor
 
 
 class ModelRunner:
@@ -44,13 +73,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None
 
-    def build_batch(
-        self, plan: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Input ids, positions, attention metadata and the row index of each sample.
-
-        Applies the plan's block-table deltas to the runner's persistent tables first.
-        """
+    def build_batch(self, plan: SchedulerOutput) -> ModelInput:
+        """The plan as one batch; applies its block-table deltas to the runner's
+        persistent tables first."""
         tables = self.block_tables
         tables.release(plan.released)
         token_ids: list[int] = []
@@ -59,11 +84,18 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         seq_ids: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[TokenSequence, range]] = []
         for item in plan.scheduled:
             seq = item.seq
             if item.new_block_ids:
                 tables.update(seq.seq_id, item.table_start, item.new_block_ids)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            owed = seq.prompt_logprob_positions(item.num_tokens)
+            if owed:
+                first_row = len(token_ids) - start
+                prompt_rows.extend(range(first_row + owed.start, first_row + owed.stop))
+                prompt_spans.append((seq, owed))
             if item.num_tokens == 1:
                 token_ids.append(seq.all_token_ids[start])
                 positions.append(start)
@@ -91,11 +123,13 @@ class ModelRunner:
             for row, item in enumerate(plan.scheduled)
             if item.will_sample
         ]
-        return (
+        return ModelInput(
             self._to_device(torch.tensor(token_ids, dtype=torch.int64)),
             self._to_device(torch.tensor(positions, dtype=torch.int64)),
             metadata,
             self._to_device(torch.tensor(sample_rows, dtype=torch.int64)),
+            self._to_device(torch.tensor(prompt_rows, dtype=torch.int64)),
+            prompt_spans,
         )
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -106,15 +140,16 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        sample_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Float32 logits ``[len(sample_rows), vocab]`` for the rows that sample."""
-        if self.graphs is not None and self.graphs.can_run(metadata, len(sample_rows)):
-            return self.graphs.run(input_ids, positions, metadata)
-        hidden = self.model(input_ids, positions, self.attn, metadata, sample_rows)
-        return self.model.compute_logits(hidden)
+    def forward(self, batch: ModelInput) -> ModelOutput:
+        """The sampling rows' logits and the owed prompt rows' hidden states."""
+        num_samples, metadata = len(batch.sample_rows), batch.metadata
+        if not batch.prompt_spans:
+            if self.graphs is not None and self.graphs.can_run(metadata, num_samples):
+                logits = self.graphs.run(batch.input_ids, batch.positions, metadata)
+                return ModelOutput(logits, logits.new_empty(0))
+            rows = batch.sample_rows
+        else:
+            rows = torch.cat([batch.sample_rows, batch.prompt_rows])
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, metadata, rows)
+        logits = self.model.compute_logits(hidden[:num_samples])
+        return ModelOutput(logits, hidden[num_samples:])

@@ -71,6 +71,9 @@ class RequestOutput:
 
     ``error``: why the engine failed this request alone (its unfinished sequences then
     end with finish reason ``"abort"``); None for a request that ran normally.
+    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one entry per prompt
+    token (None for the first, which nothing predicts); complete once the first
+    output token exists.
     """
 
     request_id: str
@@ -80,3 +83,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

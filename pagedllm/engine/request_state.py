@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.sampler import TokenLogprobs
 
 
 @dataclass
@@ -14,7 +15,8 @@ class RequestState:
 
     ``unforked``: samples 1..n-1 of an ``n > 1`` request, waiting for sample 0 to finish
     the prompt so they can fork from it. ``error``: set when the engine failed this
-    request alone (see ``LLMEngine``); its outputs then carry it.
+    request alone (see ``LLMEngine``); its outputs then carry it. ``prompt_logprobs``:
+    one entry per prompt token scored so far (None for the first), when asked for.
     """
 
     request_id: str
@@ -24,6 +26,7 @@ class RequestState:
     metrics: RequestMetrics
     unforked: list[SequenceDetokenizer] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -40,4 +43,5 @@ class RequestState:
             finished=finished,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
         )

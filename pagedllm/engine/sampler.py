@@ -362,10 +362,10 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         if batch.random is not None:
             token_ids[batch.random.rows] = _draw(logits[batch.random.rows], batch.random)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=None if raw_logprobs is None else _logprobs(raw_logprobs, token_ids, batch),
-        )
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = token_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
 
 def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -448,15 +448,19 @@ def _uniforms(generators: list[torch.Generator | None], device: torch.device) ->
     return uniforms
 
 
-def _logprobs(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+def token_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
 ) -> list[TokenLogprobs | None]:
-    num_top = min(batch.max_num_logprobs or 0, raw_logprobs.shape[-1])
+    """Each row's token ``token_ids[i]`` scored in log-probabilities ``raw_logprobs``
+    ``[rows, vocab]``, with its ``num_logprobs[i]`` most likely alternatives (None for a
+    row that wants no logprobs)."""
+    wanted_most = max((k for k in num_logprobs if k is not None), default=0)
+    num_top = min(wanted_most, raw_logprobs.shape[-1])
     top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
     chosen = raw_logprobs.gather(-1, token_ids[:, None])
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     rows = zip(
-        batch.num_logprobs,
+        num_logprobs,
         token_ids.tolist(),
         chosen[:, 0].tolist(),
         ranks.tolist(),

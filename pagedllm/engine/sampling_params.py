@@ -23,6 +23,10 @@ Conventions:
   always banned). The engine or server resolves the words with the model's tokenizer
   (:meth:`SamplingParams.check_for_model`), which also checks every id against the
   vocabulary.
+- ``logprobs`` / ``prompt_logprobs`` (vLLM's): the log-probability of every sampled
+  / prompt token under the raw model distribution, with that many most likely
+  alternatives; the first prompt token has none (see
+  :mod:`pagedllm.engine.prompt_logprobs`).
 - ``structured_outputs`` (vLLM's): the output follows a JSON schema, any JSON object, a
   regex, a choice or a grammar (see :mod:`pagedllm.engine.structured_output`);
   :meth:`SamplingParams.check_for_model` compiles it. Not with ``ignore_eos`` or
@@ -79,6 +83,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -109,8 +114,10 @@ class SamplingParams:
             _reject("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _reject("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            _reject("logprobs", self.logprobs, "must be an integer >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                _reject(name, value, "must be an integer >= 0 or None")
         seed = self.seed
         if seed is not None and not (_is_int(seed) and INT64_MIN <= seed <= INT64_MAX):
             _reject("seed", self.seed, "must be an integer in [-2**63, 2**63 - 1] or None")

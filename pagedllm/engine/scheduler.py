@@ -152,6 +152,9 @@ class Scheduler:
             seq = item.seq
             if item.will_sample:
                 ending.append(seq)
+            owed = seq.prompt_logprob_positions(item.num_tokens)
+            if owed:
+                seq.num_prompt_logprob_positions = owed.stop
             start = seq.num_computed_tokens
             self.block_manager.commit_tokens(
                 seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
@@ -218,7 +221,7 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = manager.find_cached_prefix(seq.all_token_ids, self._extra_keys(seq))
+            prefix = manager.find_cached_prefix(self._cacheable(seq), self._extra_keys(seq))
             num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self._append(seq, num_tokens, out, prefix=prefix):
                 return
@@ -227,6 +230,14 @@ class Scheduler:
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             budget -= num_tokens
+
+    @staticmethod
+    def _cacheable(seq: TokenSequence) -> list[int]:
+        """The tokens a prefix-cache hit may cover, plus one: a sequence that still owes
+        prompt logprobs computes those positions, so its hit stops before them."""
+        if seq.owes_prompt_logprobs:
+            return seq.all_token_ids[: seq.num_prompt_logprob_positions + 1]
+        return seq.all_token_ids
 
     def _extra_keys(self, seq: TokenSequence) -> tuple[str, ...]:
         if seq.cache_salt is None:

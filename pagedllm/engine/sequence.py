@@ -87,6 +87,9 @@ class TokenSequence:
     # Leading block-table entries the model runner holds for this sequence; 0 whenever
     # the sequence (re)starts on a new table, so its next plan sends the whole table.
     num_table_blocks_sent: int = 0
+    # Prompt positions 0.. whose next-token logprobs were computed (prompt_logprobs);
+    # a recompute never computes them twice.
+    num_prompt_logprob_positions: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -114,6 +117,23 @@ class TokenSequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def prompt_logprob_positions(self, num_tokens: int) -> range:
+        """Positions, among the next ``num_tokens`` to compute, whose row gives the
+        logprob of the prompt token after it and is still owed (``prompt_logprobs``)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed_tokens, self.num_prompt_logprob_positions)
+        return range(start, min(self.num_computed_tokens + num_tokens, self.num_prompt_tokens - 1))
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Whether prompt positions remain whose logprobs were asked for and not computed:
+        such a sequence must compute them, so it takes no prefix-cache hit beyond them."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.num_prompt_logprob_positions < self.num_prompt_tokens - 1
+        )
 
     def sort_key(self) -> tuple[int, float, int]:
         """Queue order: priority first, then first come first served."""

@@ -33,7 +33,9 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON
     object; ``regex``: a regular expression; ``choice``: one of these strings;
-    ``grammar``: an EBNF grammar (GBNF, with a ``root`` rule).
+    ``grammar``: an EBNF grammar (GBNF, with a ``root`` rule). ``compact_json``: a
+    ``json`` schema's output has no whitespace between tokens (as tool calls are
+    written; by default any JSON whitespace may come, as in vLLM).
     """
 
     json: dict | str | None = None
@@ -41,6 +43,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    compact_json: bool = False
 
     def __post_init__(self) -> None:
         chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -60,7 +63,7 @@ class StructuredOutputsParams:
         """``(kind, text)``, equal for equal constraints (the compile cache's key)."""
         if self.json is not None:
             text = self.json if isinstance(self.json, str) else json.dumps(self.json)
-            return ("json", text)
+            return ("compact_json" if self.compact_json else "json", text)
         if self.json_object:
             return ("json_object", "")
         if self.choice is not None:
@@ -109,7 +112,9 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams):
         if params.json is not None:
-            return self._compiler.compile_json_schema(params.json)
+            return self._compiler.compile_json_schema(
+                params.json, any_whitespace=not params.compact_json
+            )
         if params.json_object:
             return self._compiler.compile_builtin_json_grammar()
         if params.choice is not None:

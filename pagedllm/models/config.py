@@ -16,10 +16,13 @@ from pagedllm.models.architectures import (
     SUPPORTED_ARCHITECTURES,
     ArchitectureSpec,
 )
+from pagedllm.models.config_variants import renamed_keys, variant_fields
 from pagedllm.models.errors import ModelLoadError
 
-# MLP gate activations the decoder computes, by their transformers names.
+# MLP activations the decoder computes, by their transformers names.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# transformers' other names of the same functions: GPT-2's "gelu_new" is the tanh form.
+ACTIVATION_ALIASES = {"gelu_new": "gelu_pytorch_tanh"}
 # Rope types the rotary tables compute (see pagedllm.models.rope).
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 
@@ -37,6 +40,7 @@ MATH_KEYS = {
     "num_experts": None,
     "use_qk_norm": False,
     "use_bidirectional_attention": False,
+    "clip_qkv": None,
 }
 
 
@@ -44,11 +48,21 @@ MATH_KEYS = {
 class ModelConfig:
     """Sizes and constants of a decoder of one of :data:`SUPPORTED_ARCHITECTURES`.
 
-    Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` is even;
-    ``rope_scaling`` is ``None`` or a dict with a ``"rope_type"`` key (one of
+    Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` and :attr:`rotary_dim`
+    are even; ``rope_scaling`` is ``None`` or a dict with a ``"rope_type"`` key (one of
     :data:`ROPE_TYPES`) and that type's parameters.
+    ``rms_norm_eps``: the epsilon of every norm, RMSNorm or LayerNorm.
     ``attention_bias``: q/k/v projections have biases; ``output_bias``: the output
     projection too; ``mlp_bias``: gate/up/down projections have biases.
+    ``norm_layout`` / ``qk_norm``: the architecture's (see
+    :class:`~pagedllm.models.architectures.ArchitectureSpec`) unless the config changes
+    them; ``None`` here means the architecture's.
+    ``qkv_layout``: ``None`` (q, k and v stored apart, or Phi-3's fused rows) or the row
+    order of one stored q/k/v tensor: ``"stacked"`` (all q heads, all k, all v),
+    ``"per_head"`` (q, k, v of head 0, then of head 1, ...: GPT-NeoX) or ``"per_group"``
+    (per key/value head: its query heads, then k, then v: Falcon's new decoder).
+    ``partial_rotary_factor``: the leading fraction of each head that RoPE rotates.
+    ``clip_qkv``: q, k and v are clamped to ``[-clip_qkv, clip_qkv]`` (OLMo).
     ``sliding_windows``: per layer, ``None`` (full causal attention) or ``W``: a query at
     position ``p`` sees keys at positions ``p - W + 1 .. p`` (transformers' rule
     ``kv > q - W``); empty when no layer slides.
@@ -98,6 +112,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_renormalize: bool = True
     shared_expert_intermediate_size: int = 0
+    norm_layout: str | None = None
+    qk_norm: str | None = None
+    qkv_layout: str | None = None
+    partial_rotary_factor: float = 1.0
+    clip_qkv: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -111,8 +130,14 @@ class ModelConfig:
             raise ModelLoadError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ModelLoadError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.norm_layout is None:
+            object.__setattr__(self, "norm_layout", self.spec.norm_layout)
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.spec.qk_norm)
+        if self.head_dim % 2 or self.rotary_dim % 2:
+            raise ModelLoadError(
+                f"head_dim={self.head_dim} and its rotated part {self.rotary_dim} must be even"
+            )
         if self.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(
                 f"hidden_act={self.hidden_act!r} is not implemented ({', '.join(ACTIVATIONS)})"
@@ -125,6 +150,13 @@ class ModelConfig:
     def spec(self) -> ArchitectureSpec:
         """The architecture's fixed parts."""
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (0 without RoPE)."""
+        if self.spec.positions != "rope":
+            return 0
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -147,6 +179,7 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         spec = ARCHITECTURES[architecture]
+        raw = renamed_keys(raw, spec)
         refuse_unimplemented_keys(raw, spec)
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
@@ -159,6 +192,7 @@ class ModelConfig:
             local_theta, local_scaling = _rope(local, raw, raw.get("rope_local_base_freq"))
         elif "rope_local_base_freq" in raw:
             local_theta = float(raw["rope_local_base_freq"])
+        partial = _partial_rotary_factor(raw, rope_params, spec)
         rope_theta, rope_scaling = _rope(dict(rope_params), raw, raw.get("rope_theta"))
         query_scalar = raw.get("query_pre_attn_scalar")
         attention_scale = query_scalar**-0.5 if query_scalar else None
@@ -171,17 +205,19 @@ class ModelConfig:
         act = raw.get(spec.activation_key) or spec.default_activation
         if act == "gelu" and spec.gelu_means_tanh:
             act = "gelu_pytorch_tanh"
+        act = ACTIVATION_ALIASES.get(act, act)
+        eps = raw.get(spec.norm_eps_key) if spec.norm_eps_key else None
         eos = raw.get("eos_token_id")
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             num_layers=num_layers,
             hidden_size=raw["hidden_size"],
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=(raw.get(spec.kv_heads_key) if spec.kv_heads_key else None) or num_heads,
             head_dim=head_dim,
-            intermediate_size=raw["intermediate_size"],
+            intermediate_size=raw.get("intermediate_size"),
             vocab_size=raw["vocab_size"],
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(spec.default_norm_eps if eps is None else eps),
             rope_theta=rope_theta,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -200,9 +236,11 @@ class ModelConfig:
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
             **_experts(raw, spec, num_layers),
+            partial_rotary_factor=partial,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(eos),
         )
+        return cls(**{**fields, **variant_fields(raw)})
 
 
 def refuse_unimplemented_keys(raw: Mapping[str, Any], spec: ArchitectureSpec) -> None:
@@ -210,12 +248,21 @@ def refuse_unimplemented_keys(raw: Mapping[str, Any], spec: ArchitectureSpec) ->
     way no part of the decoder implements."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     for params in rope.values() if "full_attention" in rope else [rope]:
-        partial = (params or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
+        partial = _partial_rotary_factor(raw, params or {}, spec)
+        if partial != 1.0 and not spec.partial_rotary:
             raise ModelLoadError(f"partial_rotary_factor={partial} is not implemented (only 1.0)")
     for key, neutral in MATH_KEYS.items():
         if key not in spec.math_keys and raw.get(key, neutral) not in (neutral, None):
             raise ModelLoadError(f"config key {key}={raw[key]!r} is not implemented")
+
+
+def _partial_rotary_factor(
+    raw: Mapping[str, Any], params: Mapping[str, Any], spec: ArchitectureSpec
+) -> float:
+    """The rotated fraction of each head: the rope parameters', else the top-level key's,
+    else transformers' default (a quarter for the architectures that read it)."""
+    default = 0.25 if spec.partial_rotary else 1.0
+    return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default)))
 
 
 def _rope(

@@ -13,15 +13,17 @@ layers: matrices and embeddings normal with standard deviation ``MATRIX_STD``, b
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pagedllm.models.architectures import NORM_NAMES
+from pagedllm.models.checkpoint_names import checkpoint_source, stored_shapes
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.llama import LlamaDecoder, WeightSource
+from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.models.loader_safetensors import read_config_file
 from pagedllm.plan.presets import PRESETS
@@ -54,26 +56,39 @@ def dummy_config(model: str | Path | None) -> tuple[ModelConfig, Path]:
 
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face parameter name -> shape, for every parameter of a checkpoint of this
-    shape (``lm_head.weight`` only when the embeddings are not tied)."""
+    """Parameter name -> shape, for every parameter of a checkpoint of this shape, as the
+    architecture's checkpoints name and store them (``lm_head.weight`` only when the
+    embeddings are not tied)."""
+    return stored_shapes(config, decoder_shapes(config))
+
+
+def decoder_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """:func:`parameter_shapes` under the names the decoder reads (see
+    :mod:`pagedllm.models.checkpoint_names`)."""
     hidden, q_size, kv_size = config.hidden_size, config.q_size, config.kv_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
+    spec = config.spec
+    norm_tensors = {"rms": ("weight",), "layer": ("weight", "bias"), "layer_plain": ()}
+    kinds = norm_tensors[spec.norm]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    if spec.positions == "learned":
+        shapes["model.embed_positions.weight"] = (config.max_position_embeddings, hidden)
+    shapes.update({f"model.norm.{kind}": (hidden,) for kind in kinds})
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    fused_qkv = spec.fused_projections or config.qkv_layout is not None
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        spec = config.spec
-        norms = NORM_NAMES[spec.norm_layout]
-        shapes.update({f"{prefix}{norm}.weight": (hidden,) for norm in norms})
-        if spec.qk_norm:
-            per_head = spec.qk_norm == "head"
+        norms = NORM_NAMES[config.norm_layout]
+        shapes.update({f"{prefix}{norm}.{kind}": (hidden,) for norm in norms for kind in kinds})
+        if config.qk_norm == "layer_head":
+            shapes[attn + "q_norm.weight"] = (config.num_heads, config.head_dim)
+            shapes[attn + "k_norm.weight"] = (config.num_kv_heads, config.head_dim)
+        elif config.qk_norm:
+            per_head = config.qk_norm == "head"
             shapes[attn + "q_norm.weight"] = (config.head_dim if per_head else q_size,)
             shapes[attn + "k_norm.weight"] = (config.head_dim if per_head else kv_size,)
-        if spec.fused_projections:
+        if fused_qkv:
             shapes[attn + "qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
         else:
             shapes[attn + "q_proj.weight"] = (q_size, hidden)
@@ -86,18 +101,23 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             width = config.intermediate_size
             if spec.fused_projections:
                 shapes[mlp + "gate_up_proj.weight"] = (2 * width, hidden)
-            else:
+            elif spec.gated_mlp:
                 shapes[mlp + "gate_proj.weight"] = (width, hidden)
                 shapes[mlp + "up_proj.weight"] = (width, hidden)
+            else:
+                shapes[mlp + "up_proj.weight"] = (width, hidden)
             shapes[mlp + "down_proj.weight"] = (hidden, width)
-        if config.attention_bias:
+        if config.attention_bias and config.qkv_layout is not None:
+            shapes[attn + "qkv_proj.bias"] = (q_size + 2 * kv_size,)
+        elif config.attention_bias:
             shapes[attn + "q_proj.bias"] = (q_size,)
             shapes[attn + "k_proj.bias"] = (kv_size,)
             shapes[attn + "v_proj.bias"] = (kv_size,)
         if config.output_bias:
             shapes[attn + "o_proj.bias"] = (hidden,)
         if config.mlp_bias:
-            shapes[mlp + "gate_proj.bias"] = (config.intermediate_size,)
+            if spec.gated_mlp:
+                shapes[mlp + "gate_proj.bias"] = (config.intermediate_size,)
             shapes[mlp + "up_proj.bias"] = (config.intermediate_size,)
             shapes[mlp + "down_proj.bias"] = (hidden,)
     return shapes
@@ -130,18 +150,22 @@ def dummy_weight_source(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = DEFAULT_SEED,
-) -> WeightSource:
-    """A :data:`~pagedllm.models.llama.WeightSource` drawing each parameter of
-    :func:`parameter_shapes` when it is asked for (on the ``meta`` device: shapes only)."""
+) -> Callable[[str], torch.Tensor]:
+    """A source of the checkpoint's tensors, by their stored names (those of
+    :func:`parameter_shapes`), drawing each when it is asked for (on the ``meta`` device:
+    shapes only); the decoder reads it through
+    :func:`~pagedllm.models.checkpoint_names.checkpoint_source`."""
     if seed < 0:
         raise ModelLoadError(f"the dummy weights' seed must be >= 0, got {seed}")
     shapes = parameter_shapes(config)
+    norm_shapes = {n: s for n, s in decoder_shapes(config).items() if n.endswith("norm.weight")}
+    norms = set(stored_shapes(config, norm_shapes))
     device = torch.device(device)
 
     def get(name: str) -> torch.Tensor:
         if name not in shapes:
             raise ModelLoadError(f"no parameter {name!r} in a {config.architecture} model")
-        if name.endswith("norm.weight"):  # a norm multiplying by one
+        if name in norms:  # a norm multiplying by one
             one = 1.0 - config.spec.norm_offset
             return torch.full(shapes[name], one, dtype=dtype, device=device)
         tensor = torch.empty(shapes[name], dtype=dtype, device=device)
@@ -170,5 +194,5 @@ def load_dummy_model(
     """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
     random weights, its config, and its source (the preset name or the config's path)."""
     config, source = dummy_config(model)
-    get = dummy_weight_source(config, dtype, device, seed)
+    get = checkpoint_source(config, dummy_weight_source(config, dtype, device, seed))
     return config, LlamaDecoder(config, get, dtype, device), source

@@ -29,6 +29,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return gate
 
 
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``act(x)`` of an MLP without a gate; ``name`` as in :func:`gated_activation`."""
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
+
+
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` ``[rows, width]`` for ``gate_up`` ``[rows, 2 * width]``, gate
     first; ``activation`` is ``"silu"``, ``"gelu_pytorch_tanh"`` or ``"gelu"`` (exact)."""

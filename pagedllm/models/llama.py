@@ -1,14 +1,16 @@
 """The one decoder of every supported architecture, over a flattened batch.
 
-Llama 2/3, Mistral, Qwen2/3, SmolLM2, Gemma 1/2/3, OLMo 2, Granite and Phi-3 are one
-pre-RMSNorm transformer with rotary attention and a gated MLP; what an architecture
-changes (norm layout, q/k norms, norm offset, activation, scalings, soft-caps, windows,
-fused tensors) is read from its :class:`~pagedllm.models.architectures.ArchitectureSpec`
-and the :class:`~pagedllm.models.config.ModelConfig` numbers, never from a copy of the
-model. Tokens of many sequences arrive concatenated as one ``[num_tokens]`` batch with
-their positions; attention is delegated to an :class:`AttentionBackend`, so the decoder
-itself holds no KV state. Weights are fused at load time (q/k/v into one matrix, gate/up
-into another) so a layer runs three matrix products plus the output projection.
+Llama 2/3, Mistral, Qwen2/3, SmolLM2, Gemma 1/2/3, OLMo 1/2, Granite, Phi-3, the
+mixtures of experts, StableLM, GPT-NeoX, GPT-2 and Falcon are one transformer with
+causal attention and an MLP; what an architecture changes (norm kind and layout, parallel
+residual, q/k norms, norm offset, partial rotary or learned positions, activation, gated
+or plain MLP, scalings, soft-caps, windows, clipping, tensor names) is read from its
+:class:`~pagedllm.models.architectures.ArchitectureSpec` and the
+:class:`~pagedllm.models.config.ModelConfig` numbers, never from a copy of the model.
+Tokens of many sequences arrive concatenated as one ``[num_tokens]`` batch with their
+positions; attention is delegated to an :class:`AttentionBackend`, so the decoder itself
+holds no KV state. Weights are fused at load time (q/k/v into one matrix, gate/up into
+another) so a layer runs three matrix products plus the output projection.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.fused import gated_activation, rms_norm
+from pagedllm.models.fused import activation, gated_activation, rms_norm
 from pagedllm.models.linear import (
     PackedWeight,
     Weight,
@@ -34,11 +36,13 @@ from pagedllm.models.linear import (
     weight_storage,
 )
 from pagedllm.models.moe import SparseMoE
+from pagedllm.models.norms import layer_norm_per_head, normalize
 from pagedllm.models.quantized_weight import QuantizedWeight
-from pagedllm.models.rope import RotaryTable, apply_rope
+from pagedllm.models.rope import RotaryTable, apply_partial_rope
 
-# Returns the tensor stored under a Hugging Face parameter name, e.g.
-# "model.layers.0.self_attn.q_proj.weight"; raises ModelLoadError when absent.
+# Returns the tensor of a Hugging Face Llama-style parameter name, e.g.
+# "model.layers.0.self_attn.q_proj.weight" (other architectures' checkpoints are read
+# through pagedllm.models.checkpoint_names); raises ModelLoadError when absent.
 WeightSource = Callable[[str], torch.Tensor]
 
 
@@ -76,19 +80,21 @@ def sparse_moe(config: ModelConfig, prefix: str, get: WeightSource) -> SparseMoE
 
 
 class DecoderLayer(nn.Module):
-    """One block: attention and a gated MLP, each added to the residual stream, with the
-    RMSNorms where the architecture's ``norm_layout`` puts them.
+    """One block: attention and an MLP, each added to the residual stream, with the
+    norms where the config's ``norm_layout`` puts them.
 
     Weights (plain or packed, see :func:`~pagedllm.models.linear.prepare_weight`):
     ``qkv_weight`` ``[q_size + 2 * kv_size, hidden]`` (rows q, then k, then v),
     ``o_weight`` ``[hidden, q_size]``, ``gate_up_weight`` ``[2 * intermediate, hidden]``
-    (rows gate, then up), ``down_weight`` ``[hidden, intermediate]``; a sparse layer has
+    (rows gate, then up; only up, ``[intermediate, hidden]``, for an MLP without a gate),
+    ``down_weight`` ``[hidden, intermediate]``; a sparse layer has
     ``moe`` (:class:`~pagedllm.models.moe.SparseMoE`) instead of the last two. Buffers:
     biases of the same projections (``qkv_bias``, ``o_bias``, ``gate_up_bias``,
-    ``down_bias``) or ``None``; the layout's norms under their Hugging Face names,
-    ``q_norm`` / ``k_norm`` or ``None``, all holding ``offset + weight``. ``attention``:
-    this layer's scale, sliding window and soft-cap; ``local_rope``: whether it rotates
-    with the local rope.
+    ``down_bias``) or ``None``; the layout's norms under their Hugging Face names
+    (``None`` for weightless norms) with their biases as ``<name>_bias`` (``None`` but for
+    LayerNorms), ``q_norm`` / ``k_norm`` or ``None``, all holding ``offset + weight``.
+    ``attention``: this layer's scale, sliding window and soft-cap; ``local_rope``: whether
+    it rotates with the local rope.
     """
 
     def __init__(
@@ -108,16 +114,19 @@ class DecoderLayer(nn.Module):
         self.local_rope = window is not None and config.local_rope_theta is not None
         prefix = f"model.layers.{layer_idx}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        self.norm_names = NORM_NAMES[spec.norm_layout]
+        self.norm_names = NORM_NAMES[config.norm_layout]
         for name in self.norm_names:
-            self.register_buffer(name, get_norm(f"{prefix}{name}.weight"))
-        q_norm = get_norm(attn + "q_norm.weight") if spec.qk_norm else None
+            weighted = spec.norm != "layer_plain"
+            self.register_buffer(name, get_norm(f"{prefix}{name}.weight") if weighted else None)
+            bias = get(f"{prefix}{name}.bias") if spec.norm == "layer" else None
+            self.register_buffer(name + "_bias", bias)
+        q_norm = get_norm(attn + "q_norm.weight") if config.qk_norm else None
         self.register_buffer("q_norm", q_norm)
-        self.register_buffer("k_norm", get_norm(attn + "k_norm.weight") if spec.qk_norm else None)
+        self.register_buffer("k_norm", get_norm(attn + "k_norm.weight") if config.qk_norm else None)
 
         projections = ("q_proj", "k_proj", "v_proj")
-        gate_up = ("gate_proj", "up_proj")
-        if spec.fused_projections:
+        gate_up = ("gate_proj", "up_proj") if spec.gated_mlp else ("up_proj",)
+        if spec.fused_projections or config.qkv_layout:
             qkv = get(attn + "qkv_proj.weight")
         else:
             qkv = fuse_rows([get(f"{attn}{p}.weight") for p in projections])
@@ -134,11 +143,11 @@ class DecoderLayer(nn.Module):
                 gate_up_weight = fuse_rows([get(f"{mlp}{p}.weight") for p in gate_up])
             self.gate_up_weight = prepare_weight(gate_up_weight)
             self.down_weight = prepare_weight(get(mlp + "down_proj.weight"))
-        qkv_bias = (
-            torch.cat([get(f"{attn}{p}.bias") for p in projections])
-            if config.attention_bias
-            else None
-        )
+        qkv_bias = None
+        if config.attention_bias and config.qkv_layout:
+            qkv_bias = get(attn + "qkv_proj.bias")
+        elif config.attention_bias:
+            qkv_bias = torch.cat([get(f"{attn}{p}.bias") for p in projections])
         self.register_buffer("qkv_bias", qkv_bias)
         self.register_buffer("o_bias", get(attn + "o_proj.bias") if config.output_bias else None)
         mlp_bias = config.mlp_bias
@@ -147,30 +156,42 @@ class DecoderLayer(nn.Module):
         self.register_buffer("down_bias", get(mlp + "down_proj.bias") if mlp_bias else None)
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, getattr(self, name), self.config.rms_norm_eps)
+        c = self.config
+        weight, bias = getattr(self, name), getattr(self, name + "_bias", None)
+        return normalize(x, weight, bias, c.spec.norm, c.rms_norm_eps)
 
     def _add(self, hidden: torch.Tensor, branch: torch.Tensor) -> None:
         multiplier = self.config.residual_multiplier
         hidden += branch if multiplier == 1.0 else branch * multiplier
 
+    def _qk_normed(self, name: str, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """q or k ``[T, heads * D]`` through its norm, as ``[T, heads, D]``."""
+        c, tokens, weight = self.config, x.shape[0], getattr(self, name)
+        if c.qk_norm == "layer_head":
+            return layer_norm_per_head(x.view(tokens, heads, -1), weight, c.rms_norm_eps)
+        rows = x.reshape(-1, c.head_dim) if c.qk_norm == "head" else x.contiguous()
+        return rms_norm(rows, weight, c.rms_norm_eps).view(tokens, heads, -1)
+
     def _rotated_qkv(
-        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``: q and k normed (if the architecture
-        norms them) and rotated."""
+        norms them) and rotated (if it has RoPE), all contiguous."""
         c = self.config
-        if self.q_norm is None:
+        full_rope = rotary is not None and c.rotary_dim == c.head_dim
+        if self.q_norm is None and full_rope:
             return rotary.split_qkv(qkv, positions, c.num_heads, c.num_kv_heads)
         tokens, dim = qkv.shape[0], c.head_dim
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=1)
-        if c.spec.qk_norm == "head":
-            q, k = q.reshape(-1, dim), k.reshape(-1, dim)
-        q = self._norm("q_norm", q.contiguous())
-        k = self._norm("k_norm", k.contiguous())
-        cos, sin = rotary.lookup(positions)
-        q = apply_rope(q.view(tokens, c.num_heads, dim), cos, sin)
-        k = apply_rope(k.view(tokens, c.num_kv_heads, dim), cos, sin)
-        return q, k, v.reshape(tokens, c.num_kv_heads, dim)
+        if self.q_norm is not None:
+            q = self._qk_normed("q_norm", q, c.num_heads)
+            k = self._qk_normed("k_norm", k, c.num_kv_heads)
+        q, k = q.reshape(tokens, c.num_heads, dim), k.reshape(tokens, c.num_kv_heads, dim)
+        if rotary is not None:
+            cos, sin = rotary.lookup(positions)
+            q = apply_partial_rope(q, cos, sin, c.rotary_dim)
+            k = apply_partial_rope(k, cos, sin, c.rotary_dim)
+        return q.contiguous(), k.contiguous(), v.reshape(tokens, c.num_kv_heads, dim)
 
     def forward(
         self,
@@ -185,15 +206,22 @@ class DecoderLayer(nn.Module):
         with ``output_rows``, return only those rows, whose output projection and MLP
         alone are computed (attention still writes every token's K/V)."""
         c = self.config
-        layout = c.spec.norm_layout
+        layout = c.norm_layout
         normed = hidden if layout == "post" else self._norm("input_layernorm", hidden)
         qkv = linear(normed, self.qkv_weight, self.qkv_bias)
+        if c.clip_qkv is not None:
+            qkv.clamp_(-c.clip_qkv, c.clip_qkv)
         q, k, v = self._rotated_qkv(qkv, positions, rotary)
         attended = attn.forward(self.layer_idx, q, k, v, metadata, self.attention)
         if output_rows is not None:
             hidden, attended = hidden[output_rows], attended[output_rows]
+            if layout == "parallel_shared":
+                normed = normed[output_rows]
+        # Parallel layouts: the MLP reads the residual stream from before attention's add.
+        if layout == "parallel":
+            normed = self._norm("post_attention_layernorm", hidden)
         out = linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight, self.o_bias)
-        if layout != "pre":
+        if layout in ("sandwich", "post"):
             out = self._norm("post_attention_layernorm", out)
         self._add(hidden, out)
 
@@ -201,23 +229,27 @@ class DecoderLayer(nn.Module):
             normed = self._norm("post_attention_layernorm", hidden)
         elif layout == "sandwich":
             normed = self._norm("pre_feedforward_layernorm", hidden)
-        else:
+        elif layout == "post":
             normed = hidden
         if self.moe is not None:
             out = self.moe(normed)
         else:
             gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)
-            activated = gated_activation(gate_up, c.hidden_act)
+            if c.spec.gated_mlp:
+                activated = gated_activation(gate_up, c.hidden_act)
+            else:
+                activated = activation(gate_up, c.hidden_act)
             out = linear(activated, self.down_weight, self.down_bias)
-        if layout != "pre":
+        if layout in ("sandwich", "post"):
             out = self._norm("post_feedforward_layernorm", out)
         self._add(hidden, out)
         return hidden
 
 
 class LlamaDecoder(nn.Module):
-    """Embedding, ``num_layers`` decoder layers, final RMSNorm and the LM head, for every
-    architecture of :data:`~pagedllm.models.architectures.ARCHITECTURES`.
+    """Embedding (plus GPT-2's learned positions), ``num_layers`` decoder layers, final
+    norm and the LM head, for every architecture of
+    :data:`~pagedllm.models.architectures.ARCHITECTURES`.
 
     All weights share one dtype (float32, bfloat16, or float16 on CUDA) and one device,
     where the rotary tables live too; each source tensor is moved and converted as it is
@@ -254,7 +286,13 @@ class LlamaDecoder(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, get_as_dtype, get_norm) for i in range(config.num_layers)
         )
-        self.register_buffer("final_norm", get_norm("model.norm.weight"))
+        weighted = spec.norm != "layer_plain"
+        self.register_buffer("final_norm", get_norm("model.norm.weight") if weighted else None)
+        bias = get_as_dtype("model.norm.bias") if spec.norm == "layer" else None
+        self.register_buffer("final_norm_bias", bias)
+        learned = spec.positions == "learned"
+        positions = get_as_dtype("model.embed_positions.weight") if learned else None
+        self.register_buffer("embed_positions", positions)
         if config.tie_word_embeddings:
             self.lm_head = prepare_weight(embed)
             self.embed_tokens: Weight = self.lm_head
@@ -264,7 +302,7 @@ class LlamaDecoder(nn.Module):
         scale = config.hidden_size**0.5 if spec.embedding_scaled else config.embedding_multiplier
         # As transformers: a float32 scalar rounded to the model dtype, times each row.
         self.embedding_scale = None if scale == 1.0 else torch.tensor(scale).to(dtype).item()
-        self.rotary = RotaryTable(config, dtype, self.device)
+        self.rotary = RotaryTable(config, dtype, self.device) if not learned else None
         self.local_rotary = None
         if config.local_rope_theta is not None:
             local = dataclasses.replace(
@@ -291,15 +329,20 @@ class LlamaDecoder(nn.Module):
         tokens to batch them)."""
         return all(layer.moe is None for layer in self.layers)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``, scaled as the
-        architecture scales them."""
+        architecture scales them, plus the position embeddings of ``positions`` ``[T]``
+        for an architecture that learned them (GPT-2)."""
         if isinstance(self.embed_tokens, QuantizedWeight):
             rows = self.embed_tokens.rows(input_ids).to(self.dtype)
         elif isinstance(self.embed_tokens, PackedWeight):
             rows = self.embed_tokens.rows(input_ids)
         else:
             rows = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_positions is not None:
+            if positions is None:
+                raise ValueError("this architecture's embeddings need the token positions")
+            rows = rows + F.embedding(positions, self.embed_positions)
         return rows if self.embedding_scale is None else rows * self.embedding_scale
 
     @torch.inference_mode()
@@ -316,13 +359,14 @@ class LlamaDecoder(nn.Module):
 
         ``positions`` ``[T]`` holds each token's 0-based index within its sequence.
         """
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids, positions)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rows = output_rows if index == last else None
             rotary = self.local_rotary if layer.local_rope else self.rotary
             hidden = layer(hidden, positions, rotary, attn, metadata, rows)
-        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        c = self.config
+        return normalize(hidden, self.final_norm, self.final_norm_bias, c.spec.norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,12 @@ import torch
 from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
+from pagedllm.models.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_fields
+from pagedllm.models.gguf_layernorm import (
+    LAYERNORM_GGUF_ARCHITECTURES,
+    PARTIAL_ROTARY,
+    layernorm_fields,
+)
 from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.quantized_weight import (
     KERNEL_TYPES,
@@ -46,17 +52,24 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", False),
     "gemma": ("gemma", False),
     "olmo2": ("olmo2", False),
+    "gemma2": ("gemma2", False),
+    "gemma3": ("gemma3_text", False),
+    **{gguf: (ours, gguf == "olmo") for gguf, ours in LAYERNORM_GGUF_ARCHITECTURES.items()},
 }
 # Where an architecture's GGUF names differ from LAYER_TENSOR_NAMES (OLMo 2's norms come
-# after attention and MLP).
+# after attention and MLP; Gemma 2/3 have both).
+POST_NORM_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+SANDWICH_NORM_NAMES = {**POST_NORM_NAMES, "pre_feedforward_layernorm.weight": "ffn_norm.weight"}
 ARCH_LAYER_TENSOR_NAMES = {
-    "olmo2": {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    },
+    "olmo2": POST_NORM_NAMES,
+    "gemma2": SANDWICH_NORM_NAMES,
+    "gemma3": SANDWICH_NORM_NAMES,
 }
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w.
-NORMS_STORED_PLUS_ONE = ("gemma",)
+NORMS_STORED_PLUS_ONE = ("gemma", "gemma2", "gemma3")
 # GGUF architectures that may hold experts (a llama with experts is Mixtral).
 EXPERT_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Granite's multipliers: GGUF metadata key (after "<arch>.") -> ModelConfig field.
@@ -72,6 +85,7 @@ WINDOWED_EVERYWHERE = ("phi3",)
 # Per-layer tensor names: Hugging Face suffix -> GGUF suffix.
 LAYER_TENSOR_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
+    "input_layernorm.bias": "attn_norm.bias",
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight",
@@ -81,9 +95,11 @@ LAYER_TENSOR_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.qkv_proj.bias": "attn_qkv.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "post_attention_layernorm.bias": "ffn_norm.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -119,6 +135,8 @@ UNQUANTIZED_TYPES = (
 GLOBAL_TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
+    "model.norm.bias": "output_norm.bias",
+    "model.embed_positions.weight": "position_embd.weight",
     "lm_head.weight": "output.weight",
 }
 
@@ -182,14 +200,20 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     experts = metadata_value(reader, f"{gguf_arch}.expert_count", 0)
     architecture = GGUF_ARCHITECTURES[gguf_arch][0]
     window = metadata_value(reader, f"{gguf_arch}.attention.sliding_window")
-    scales = {}
+    scales: dict[str, Any] = {"sliding_windows": (window,) * num_layers if window else ()}
     if gguf_arch == "granite":  # the converter writes each scale only when set
-        scales = {
-            field: float(metadata_value(reader, f"{gguf_arch}.{key}", 1.0))
+        scales.update(
+            (field, float(metadata_value(reader, f"{gguf_arch}.{key}", 1.0)))
             for key, field in GRANITE_SCALES.items()
-        }
+        )
         # Without attention.scale, llama.cpp scales scores by head_dim ** -0.5.
         scales["attention_scale"] = metadata_value(reader, f"{gguf_arch}.attention.scale")
+
+    def value(key: str, default: Any) -> Any:
+        return metadata_value(reader, f"{gguf_arch}.{key}", default)
+
+    if gguf_arch in GEMMA_GGUF_ARCHITECTURES:
+        scales.update(gemma_fields(gguf_arch, value, num_layers, hidden_size, num_heads, head_dim))
     moe = {}
     if experts:  # llama.cpp writes Mixtral as a llama with experts
         architecture = EXPERT_ARCHITECTURES[gguf_arch]
@@ -212,7 +236,9 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         )
     vocab = metadata_value(reader, "tokenizer.ggml.tokens")
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-    return ModelConfig(
+    layernorm = gguf_arch in LAYERNORM_GGUF_ARCHITECTURES
+    eps_key = "attention.layer_norm_epsilon" if layernorm else "attention.layer_norm_rms_epsilon"
+    fields: dict[str, Any] = dict(
         architecture=architecture,
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -223,7 +249,7 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         # llama.cpp fixes the activation per architecture, as transformers' default does
         hidden_act=ARCHITECTURES[architecture].default_activation,
         vocab_size=arch_value("vocab_size", len(vocab) if vocab else None),
-        rms_norm_eps=float(arch_value("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=float(arch_value(eps_key)),
         rope_theta=float(arch_value("rope.freq_base", 10000.0)),
         max_position_embeddings=arch_value("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -231,7 +257,6 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         output_bias="blk.0.attn_output.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         rope_scaling=_rope_scaling(reader, gguf_arch, path),
-        sliding_windows=(window,) * num_layers if window else (),
         **scales,
         **moe,
         bos_token_id=metadata_value(reader, "tokenizer.ggml.bos_token_id"),
@@ -239,6 +264,9 @@ def gguf_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
             v for v in (metadata_value(reader, k) for k in eos_keys) if v is not None
         ),
     )
+    if layernorm:
+        fields.update(layernorm_fields(gguf_arch, value, tensor_names, head_dim))
+    return ModelConfig(**fields)
 
 
 # Metadata keys (after "<arch>.") whose presence changes the math, with the value that
@@ -256,6 +284,8 @@ def _refuse_unimplemented_metadata(
     for key, neutral in UNIMPLEMENTED_METADATA.items():
         if key == "attention.sliding_window" and arch in WINDOWED_EVERYWHERE:
             continue
+        if arch in GEMMA_GGUF_ARCHITECTURES:  # read by gemma_fields
+            continue
         value = metadata_value(reader, f"{arch}.{key}")
         if value is not None and value != neutral:
             raise ModelLoadError(
@@ -263,7 +293,7 @@ def _refuse_unimplemented_metadata(
             )
     rotated = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
     values = metadata_value(reader, f"{arch}.attention.value_length", head_dim)
-    if rotated != head_dim:
+    if rotated != head_dim and arch not in PARTIAL_ROTARY:
         raise ModelLoadError(
             f"GGUF metadata {arch}.rope.dimension_count={rotated} (partial rotary) differs "
             f"from head_dim {head_dim}: not implemented ({path})"

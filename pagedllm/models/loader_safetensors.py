@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
@@ -59,6 +61,21 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
+def int8_source(
+    read: Callable[[str], torch.Tensor],
+) -> Callable[[str], torch.Tensor | QuantizedWeight]:
+    """``read`` with each matrix the decoder may keep quantized (rows a multiple of 32
+    weights) rounded by :func:`~pagedllm.models.quantized_weight.int8_per_channel`."""
+
+    def read_int8(name: str) -> torch.Tensor | QuantizedWeight:
+        tensor = read(name)
+        if is_quantizable(name) and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+            return int8_per_channel(tensor)
+        return tensor
+
+    return read_int8
+
+
 def load_safetensors_model(
     folder: Path,
     dtype: torch.dtype,
@@ -86,17 +103,18 @@ def load_safetensors_model(
                 raise ModelLoadError(f"cannot open {path}: {err}") from err
             handle_of_tensor.update(dict.fromkeys(handle.keys(), handle))
 
-        def get(name: str) -> torch.Tensor | QuantizedWeight:
+        def get(name: str) -> torch.Tensor:
             if name not in handle_of_tensor:
                 raise ModelLoadError(f"missing tensor {name!r} in the safetensors of {folder}")
-            tensor = handle_of_tensor[name].get_tensor(name)
-            if int8 and is_quantizable(name) and tensor.shape[-1] % 32 == 0:
-                return int8_per_channel(tensor)
-            return tensor
+            return handle_of_tensor[name].get_tensor(name)
 
         tracked = TrackedSource(get)
-        decoder = LlamaDecoder(config, tracked, dtype, device)
-        # A tied checkpoint may still store lm_head.weight; transformers ignores it too.
-        known_unused = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        source = checkpoint_source(config, tracked)
+        decoder = LlamaDecoder(config, int8_source(source) if int8 else source, dtype, device)
+        # A tied checkpoint may still store its LM head; transformers ignores it too. Old
+        # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
+        head = stored_name(config, "lm_head.weight")
+        known_unused = {head} if config.tie_word_embeddings else set()
+        known_unused |= {n for n in handle_of_tensor if n.endswith(config.spec.unused_suffixes)}
         refuse_unread(handle_of_tensor, tracked.read, known_unused, f"the checkpoint {folder}")
         return config, decoder

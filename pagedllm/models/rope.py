@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE) in the "rotate half" layout.
 
-Each head vector of width ``head_dim`` is split into halves ``(x1, x2)``; at
-position ``p`` pair ``i`` is rotated by the angle ``p * inv_freq[i]``:
+The rotated part of each head vector (all of it, or its leading ``rotary_dim``
+dimensions under partial rotary) is split into halves ``(x1, x2)``; at position ``p``
+pair ``i`` is rotated by the angle ``p * inv_freq[i]``:
 ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``. This is the layout Hugging Face
 checkpoints use; GGUF loaders undo llama.cpp's interleaved row order before the
 weights reach the decoder.
@@ -19,9 +20,9 @@ from pagedllm.models.errors import ModelLoadError
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Rotation speed of each pair, radians per position, float32 ``[head_dim // 2]``,
+    """Rotation speed of each pair, radians per position, float32 ``[rotary_dim // 2]``,
     computed as transformers computes them (same float32 operations)."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
@@ -90,7 +91,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def _yarn_frequencies(config: ModelConfig, scaling: dict) -> torch.Tensor:
     """YaRN: fast pairs kept, slow pairs divided by ``factor``, a linear ramp between the
     dimensions that turn ``beta_fast`` and ``beta_slow`` times over the original context."""
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or config.max_position_embeddings / original
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
@@ -128,7 +129,7 @@ class RotaryTable:
     """Precomputed ``cos`` and ``sin`` for positions ``[0, max_position_embeddings)``,
     both multiplied by the rope type's :func:`attention_factor`.
 
-    Both tables are ``[max_positions, head_dim // 2]`` in the model dtype, on ``device``
+    Both tables are ``[max_positions, rotary_dim // 2]`` in the model dtype, on ``device``
     (angles computed there in float32, as transformers does on the model's device).
     """
 
@@ -147,7 +148,7 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` rows for ``positions`` ``[T]`` (on the tables' device, or the
-        CPU), shaped ``[T, 1, head_dim // 2]``, on the tables' device."""
+        CPU), shaped ``[T, 1, rotary_dim // 2]``, on the tables' device."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def split_qkv(
@@ -181,3 +182,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     torch.mul(x2, cos, out=out2)
     out2.add_(x1 * sin)
     return out
+
+
+def apply_partial_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """Rotate the leading ``rotary_dim`` dimensions of every head of ``x`` ``[T, H,
+    head_dim]`` and keep the rest as they are; returns a new contiguous tensor."""
+    if rotary_dim == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)

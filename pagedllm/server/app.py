@@ -22,7 +22,7 @@ from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.middleware import BodyLimit, Gate
 from pagedllm.server.responses import TokenTexts
 from pagedllm.server.serving import ServingContext, model_not_found
-from pagedllm.server.tokenize import detokenize, tokenize
+from pagedllm.server.tokenize import detokenize, tokenize, tokenizer_info
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -131,6 +131,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize_route(raw: Request) -> Response:
         return await detokenize(raw, ctx)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return await tokenizer_info(ctx)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -52,9 +52,11 @@ loop thread still alive."""
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Messages to render with the model's chat template (on the loop thread)."""
+    """Messages (and the tools, for templates that render them) to render with the
+    model's chat template (on the loop thread)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, object]]
+    tools: list[dict[str, object]] | None = None
 
 
 EnginePrompt = PromptInput | Sequence[int] | ChatPrompt
@@ -344,7 +346,9 @@ class AsyncEngine:
         try:
             prompt = command.prompt
             if isinstance(prompt, ChatPrompt):
-                ids = self.engine.tokenizer.apply_chat_template(prompt.messages)
+                ids = self.engine.tokenizer.apply_chat_template(
+                    prompt.messages, tools=prompt.tools
+                )
                 prompt = {"prompt_token_ids": ids}
             self.engine.add_request(
                 command.request_id, prompt, command.params, arrival_time=command.arrival_time

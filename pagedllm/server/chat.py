@@ -1,4 +1,10 @@
-"""``POST /v1/chat/completions``: one conversation in, ``n`` assistant replies out."""
+"""``POST /v1/chat/completions``: one conversation in, ``n`` assistant replies out.
+
+With ``tools`` (:mod:`pagedllm.server.tools`) a reply may be tool calls instead of
+content. Conversations with tools, tool calls or tool results go through the model's
+chat template when it renders tools, else through the fallback rendering of
+:mod:`pagedllm.server.tool_call_format`.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +13,100 @@ from fastapi import Request, Response
 from pagedllm.engine.outputs import CompletionOutput
 from pagedllm.server.async_engine import ChatPrompt
 from pagedllm.server.protocol import ChatCompletionRequest
-from pagedllm.server.responses import chat_logprobs
+from pagedllm.server.responses import chat_logprobs, prompt_logprobs_json
 from pagedllm.server.serving import (
     ServingContext,
     admit,
     final_outputs,
+    invalid_as_400,
     parse_request,
     response_json,
 )
 from pagedllm.server.streaming import ChoiceUpdate, StreamFormat, event_stream
+from pagedllm.server.tool_call_format import fallback_messages
+from pagedllm.server.tool_stream import ToolCallStream, call_json
+from pagedllm.server.tools import ToolPlan
+from pagedllm.tokenizer import Tokenizer
 
 
 async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
     parsed = await parse_request(raw, ctx, ChatCompletionRequest)
     body = parsed.body
-    admitted = await admit(ctx, "chatcmpl", [ChatPrompt(body.template_messages())], parsed)
+    plan = invalid_as_400(body.tool_plan)
+    prompt = chat_prompt(ctx.tokenizer, body.template_messages(), plan.template_tools())
+    admitted = await admit(ctx, "chatcmpl", [prompt], parsed)
     if body.stream:
-        return event_stream(ctx, admitted, _stream_format(ctx, body))
+        return event_stream(ctx, admitted, _stream_format(ctx, body, plan))
     outputs = await final_outputs(ctx, admitted, raw)
     if outputs is None:
         return Response(status_code=499)
-    choices = [_choice(ctx, body, completion) for completion in outputs[0].outputs]
-    return response_json(ctx, admitted, "chat.completion", choices, outputs)
+    choices = [_choice(ctx, body, plan, completion) for completion in outputs[0].outputs]
+    extra = None
+    if body.prompt_logprobs is not None:
+        entries = outputs[0].prompt_logprobs or []
+        extra = {"prompt_logprobs": prompt_logprobs_json(entries, ctx.texts, body.prompt_logprobs)}
+    return response_json(ctx, admitted, "chat.completion", choices, outputs, extra)
+
+
+def chat_prompt(
+    tokenizer: Tokenizer | None,
+    messages: list[dict[str, object]],
+    tools: list[dict[str, object]] | None,
+) -> ChatPrompt:
+    """The conversation and tools to render; through the fallback rendering when the
+    template cannot render tools or tool turns."""
+    uses_tools = tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+    if uses_tools and (tokenizer is None or not tokenizer.renders_tools):
+        return ChatPrompt(fallback_messages(messages, tools))
+    return ChatPrompt(messages, tools)
 
 
 def _choice(
-    ctx: ServingContext, body: ChatCompletionRequest, completion: CompletionOutput
+    ctx: ServingContext, body: ChatCompletionRequest, plan: ToolPlan, completion: CompletionOutput
 ) -> dict[str, object]:
     logprobs = None
     if body.logprobs and completion.logprobs is not None:
         logprobs = chat_logprobs(completion.logprobs[: len(completion.token_ids)], ctx.texts)
+    content, calls = completion.text, []
+    if plan.parses_calls:
+        content, calls = plan.parse(completion.text)
+    message: dict[str, object] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call_json(call) for call in calls]
     return {
         "index": completion.index,
-        "message": {"role": "assistant", "content": completion.text},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": completion.finish_reason,
+        "finish_reason": plan.finish_reason(completion.finish_reason, calls),
     }
 
 
-def _stream_format(ctx: ServingContext, body: ChatCompletionRequest) -> StreamFormat:
-    """The role first, then content deltas and a finish reason per choice."""
+def _stream_format(
+    ctx: ServingContext, body: ChatCompletionRequest, plan: ToolPlan
+) -> StreamFormat:
+    """The role first, then content (or tool-call) deltas and a finish reason per
+    choice."""
+    streams: dict[int, ToolCallStream] = {}
 
-    def choice(update: ChoiceUpdate) -> dict[str, object]:
-        text = update.completion.delta_text
+    def choice(update: ChoiceUpdate) -> dict[str, object] | None:
+        completion = update.completion
+        finish_reason = completion.finish_reason
+        if plan.parses_calls:
+            stream = streams.setdefault(update.index, ToolCallStream(plan))
+            text, calls = stream.update(completion.text, finish_reason is not None)
+            finish_reason = plan.finish_reason(finish_reason, stream.calls)
+        else:
+            text, calls = completion.delta_text, []
+        delta: dict[str, object] = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
+        if not delta and not update.logprobs and finish_reason is None:
+            return None
         return {
             "index": update.index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": chat_logprobs(update.logprobs, ctx.texts) if update.logprobs else None,
-            "finish_reason": update.completion.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     opening = [

@@ -40,17 +40,17 @@ class Unsupported:
         return value is None or any(type(value) is type(ok) and value == ok for ok in self.neutral)
 
 
-_TOOLS = "tool calling is not supported yet"
-_PROMPT_LOGPROBS = "prompt logprobs and echo are not supported yet"
+_TOOLS = "tools are offered by /v1/chat/completions only"
 
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported"),
     "tools": Unsupported(_TOOLS, ([],)),
     "tool_choice": Unsupported(_TOOLS, ("none",)),
-    "functions": Unsupported(_TOOLS, ([],)),
-    "function_call": Unsupported(_TOOLS, ("none",)),
-    "echo": Unsupported(_PROMPT_LOGPROBS, (False,)),
-    "prompt_logprobs": Unsupported(_PROMPT_LOGPROBS),
+    "functions": Unsupported("the legacy functions API is not supported; use tools", ([],)),
+    "function_call": Unsupported(
+        "the legacy functions API is not supported; use tool_choice", ("none",)
+    ),
+    "echo": Unsupported("echo is offered by /v1/completions only", (False,)),
     "best_of": Unsupported("best_of is offered by /v1/completions only", (1,)),
     "suffix": Unsupported("suffix (fill-in-the-middle) is offered by /v1/completions only"),
     "use_beam_search": Unsupported("beam search is not offered by the server", (False,)),

@@ -15,13 +15,16 @@ token ids written as JSON strings, as OpenAI's.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.structured_output import StructuredOutputsParams
 from pagedllm.server.structured_fields import StructuredFields
+from pagedllm.server.tools import ToolChoice, ToolDefinition, ToolPlan
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a client may ask for (OpenAI's chat limit)."""
@@ -66,6 +69,7 @@ class SamplingFields(StructuredFields):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def include_usage(self) -> bool:
@@ -89,10 +93,20 @@ class SamplingFields(StructuredFields):
         return bias
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, n: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        n: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range; ``n``
-        replaces the body's."""
+        """Raises ValueError naming the field when a value is out of range; ``n`` and
+        ``prompt_logprobs``, when given, replace the body's."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs cannot be streamed", param="prompt_logprobs"
+            )
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
         return SamplingParams(
             n=self.n if n is None else n,
             temperature=self.temperature,
@@ -109,6 +123,7 @@ class SamplingFields(StructuredFields):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
@@ -126,31 +141,101 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call an assistant made earlier in the conversation (``arguments`` is JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """A turn of the conversation: ``tool_calls`` on assistant turns, ``tool_call_id``
+    on a tool's result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict a chat template renders; parts are joined."""
+    @model_validator(mode="after")
+    def _tool_fields_in_place(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def as_template_input(self) -> dict[str, object]:
+        """The dict a chat template renders: parts joined, ``developer`` as ``system``,
+        tool calls' arguments as objects (what templates iterate over, as vLLM passes
+        them) when they parse as JSON."""
         if isinstance(self.content, list):
             text = "".join(part.text for part in self.content)
         else:
             text = self.content or ""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        message: dict[str, object] = {"role": role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": _json_or_text(call.function.arguments)
+                }}
+                for call in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. Without ``max_tokens`` the reply may fill the
-    context (``max_model_len`` less the prompt)."""
+    context (``max_model_len`` less the prompt). ``tools`` / ``tool_choice``: see
+    :mod:`pagedllm.server.tools`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan:
+        """Raises InvalidRequestError for a ``tool_choice`` the tools cannot serve."""
+        return ToolPlan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The tool choice's grammar, or the one structured output asked for; both at
+        once are refused."""
+        asked = super().structured()
+        tool_grammar = self.tool_plan().constraint()
+        if tool_grammar is not None and asked is not None:
+            raise InvalidRequestError(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format or structured outputs",
+                param="tool_choice",
+            )
+        return tool_grammar or asked
 
     def sampling_params(self) -> SamplingParams:
         """Raises InvalidRequestError for ``top_logprobs`` without ``logprobs``."""
@@ -164,7 +249,7 @@ class ChatCompletionRequest(SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, object]]:
         return [message.as_template_input() for message in self.messages]
 
 
@@ -173,13 +258,25 @@ PromptIds = list[int]
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: text, token ids, or a batch of either; 16 tokens by
-    default, as OpenAI's API."""
+    default, as OpenAI's API.
+
+    ``echo`` puts the prompt before each choice's text, and with ``logprobs`` the
+    prompt tokens' logprobs before the generated ones' (the first prompt token's is
+    null). ``max_tokens=0`` asks for the prompt alone and needs ``echo``; the engine
+    then generates one token that the response leaves out (as vLLM does).
+    """
 
     prompt: str | list[str] | PromptIds | list[PromptIds]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt, echoed, is the whole answer (``echo`` with ``max_tokens=0``)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def num_samples(self) -> int:
@@ -189,15 +286,28 @@ class CompletionRequest(SamplingFields):
     def sampling_params(self) -> SamplingParams:
         """With ``best_of``, ``best_of`` samples with their logprobs (to rank them);
         raises InvalidRequestError when ``best_of`` is below ``n`` or streamed."""
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError(
+                "max_tokens=0 returns nothing without echo; set echo or max_tokens >= 1",
+                param="max_tokens",
+            )
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         if self.best_of is None or self.best_of == self.n:
-            return self._sampling_params(self.max_tokens, self.logprobs)
+            return self._sampling_params(
+                max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs
+            )
         if self.best_of < self.n:
             raise InvalidRequestError(
                 f"best_of must be >= n={self.n}, got {self.best_of}", param="best_of"
             )
         if self.stream:
             raise InvalidRequestError("best_of above n cannot be streamed", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs or 0, n=self.best_of)
+        return self._sampling_params(
+            max_tokens, self.logprobs or 0, n=self.best_of, prompt_logprobs=prompt_logprobs
+        )
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """One engine prompt per batch entry; raises ValueError for an empty batch."""

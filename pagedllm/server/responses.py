@@ -53,22 +53,65 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], texts: TokenTexts) -> dict[s
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], texts: TokenTexts, text_offset: int
+    entries: Sequence[TokenLogprobs],
+    texts: TokenTexts,
+    text_offset: int,
+    num_top: int,
+    unscored_first: int | None = None,
 ) -> dict[str, object]:
     """The legacy completions shape: parallel lists, ``text_offset`` in characters
-    from ``text_offset`` (where these tokens start in the choice's text)."""
-    tokens, offsets = [], []
+    from ``text_offset`` (where these tokens start in the choice's text), at most
+    ``num_top`` alternatives per token (keyed by text: of alternatives with the same
+    text, such as two partial UTF-8 bytes, the most likely). ``unscored_first``: a
+    token before ``entries`` that has no logprob (an echoed prompt's first), listed with
+    nulls."""
+    tokens, offsets, token_logprobs, top_logprobs = [], [], [], []
+    if unscored_first is not None:
+        tokens.append(texts.text(unscored_first))
+        offsets.append(text_offset)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        text_offset += len(tokens[-1])
     for entry in entries:
         offsets.append(text_offset)
         token = texts.text(entry.token_id)
         tokens.append(token)
         text_offset += len(token)
+        token_logprobs.append(entry.logprob)
+        top: dict[str, float] = {}
+        for tid, lp in entry.top[:num_top]:  # most likely first: it keeps a shared text
+            top.setdefault(texts.text(tid), lp)
+        top_logprobs.append(top)
     return {
         "tokens": tokens,
-        "token_logprobs": [entry.logprob for entry in entries],
-        "top_logprobs": [{texts.text(tid): lp for tid, lp in entry.top} for entry in entries],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(
+    entries: Sequence[TokenLogprobs | None], texts: TokenTexts, num_top: int
+) -> list[dict[str, dict[str, object]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else the token
+    and its ``num_top`` most likely alternatives by id, each with logprob, rank (1 for
+    the most likely) and text."""
+
+    def item(logprob: float, rank: int, token_id: int) -> dict[str, object]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": texts.text(token_id)}
+
+    shown: list[dict[str, dict[str, object]] | None] = []
+    for entry in entries:
+        if entry is None:
+            shown.append(None)
+            continue
+        alternatives = {
+            str(tid): item(lp, rank, tid)
+            for rank, (tid, lp) in enumerate(entry.top[:num_top], start=1)
+        }
+        shown.append({str(entry.token_id): item(entry.logprob, entry.rank, entry.token_id)})
+        shown[-1].update(alternatives)
+    return shown
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:

@@ -134,8 +134,9 @@ def response_json(
     object_name: str,
     choices: list[dict[str, object]],
     outputs: list[RequestOutput],
+    extra: dict[str, object] | None = None,
 ) -> JSONResponse:
-    """A whole (non-streamed) response with its usage counts."""
+    """A whole (non-streamed) response with its usage counts (and ``extra`` fields)."""
     return JSONResponse(
         {
             "id": admitted.response_id,
@@ -144,6 +145,7 @@ def response_json(
             "model": ctx.model_name,
             "choices": choices,
             "usage": usage(outputs),
+            **(extra or {}),
         },
         headers=admitted.headers,
     )

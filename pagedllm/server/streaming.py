@@ -20,11 +20,14 @@ logger = logging.getLogger("pagedllm.server")
 
 @dataclass
 class ChoiceUpdate:
-    """What one step added to one choice: text, logprobs, or its finish."""
+    """What one step added to one choice: text, logprobs, or its finish; ``first`` for
+    the choice's first update. ``output`` is its request's snapshot."""
 
     index: int
     completion: CompletionOutput
     logprobs: list[TokenLogprobs]
+    output: RequestOutput
+    first: bool
 
 
 @dataclass
@@ -32,10 +35,12 @@ class StreamFormat:
     """How an endpoint shapes its chunks.
 
     ``object_name``: the chunks' ``object``; ``opening``: choices sent before any
-    token (chat's role announcements); ``choice``: the choice JSON of an update.
+    token (chat's role announcements); ``choice``: the choice JSON of an update, or
+    None when the update shows nothing yet (text held back).
     ``continuous_usage``: every chunk carries the usage of the outputs seen so far
     (the opening chunks then wait for the first output, which knows the prompt's
-    length).
+    length). ``shown``: what of each engine output the client sees (for example
+    without an echo-only request's one generated token).
     """
 
     object_name: str
@@ -43,8 +48,9 @@ class StreamFormat:
     with_logprobs: bool
     include_usage: bool
     continuous_usage: bool
-    choice: Callable[[ChoiceUpdate], dict[str, object]]
+    choice: Callable[[ChoiceUpdate], dict[str, object] | None]
     opening: list[dict[str, object]]
+    shown: Callable[[RequestOutput], RequestOutput] | None = None
 
 
 async def choice_updates(
@@ -53,7 +59,10 @@ async def choice_updates(
     """Updates with news in step order; each choice's last one carries its finish
     reason. ``latest`` collects each request's newest snapshot (for usage)."""
     finished: set[int] = set()
+    started: set[int] = set()
     async for output in ctx.engine.outputs(admitted.group):
+        if fmt.shown is not None:
+            output = fmt.shown(output)
         latest[output.request_id] = output
         first_index = admitted.group.request_ids.index(output.request_id) * fmt.n
         for completion in output.outputs:
@@ -62,7 +71,8 @@ async def choice_updates(
                 continue
             entries = new_logprobs(completion) if fmt.with_logprobs else []
             if completion.delta_text or entries or completion.finish_reason:
-                yield ChoiceUpdate(index, completion, entries)
+                yield ChoiceUpdate(index, completion, entries, output, index not in started)
+                started.add(index)
             if completion.finish_reason:
                 finished.add(index)
 
@@ -90,7 +100,9 @@ async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
         for choice in opening:
             yield sse({**head, "choices": [choice], **tail()})
         opening = []
-        yield sse({**head, "choices": [fmt.choice(update)], **tail()})
+        shown = fmt.choice(update)
+        if shown is not None:
+            yield sse({**head, "choices": [shown], **tail()})
     if fmt.include_usage:
         yield sse({**head, "choices": [], "usage": usage(list(latest.values()))})
     yield sse("[DONE]")

@@ -2,10 +2,13 @@
 
 ``/tokenize`` takes a ``prompt`` (encoded with ``add_special_tokens``, default true, as
 ``/v1/completions`` encodes it) or chat ``messages`` (rendered through the chat
-template with the assistant header, as ``/v1/chat/completions`` renders them) and
+template with the assistant header, and ``tools``, as ``/v1/chat/completions`` renders
+them) and
 answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` only
 with ``return_token_strs``). ``/detokenize`` turns ``tokens`` back into
-``{"prompt": text}`` (special tokens kept). Unknown fields are ignored, as on the
+``{"prompt": text}`` (special tokens kept). ``GET /tokenizer_info`` gives the
+tokenizer's class, special tokens and chat template (vLLM's route, which evaluation
+harnesses use to tokenize through the server). Unknown fields are ignored, as on the
 generation routes. Work on long texts runs in a worker thread, off the event loop.
 """
 
@@ -17,11 +20,13 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from pagedllm.server.chat import chat_prompt
 from pagedllm.server.errors import APIError
 from pagedllm.server.field_policy import check_fields, ignored_fields_headers
 from pagedllm.server.protocol import ChatMessage
 from pagedllm.server.request_body import read_body
 from pagedllm.server.serving import ServingContext, check_model
+from pagedllm.server.tools import ToolDefinition
 from pagedllm.tokenizer import Tokenizer
 
 
@@ -31,6 +36,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
@@ -63,8 +69,12 @@ async def tokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
     tokenizer = _tokenizer(ctx)
     if body.messages is not None:
         messages = [message.as_template_input() for message in body.messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
+        prompt = chat_prompt(tokenizer, messages, tools)
         try:
-            ids = await run_in_threadpool(tokenizer.apply_chat_template, messages)
+            ids = await run_in_threadpool(
+                tokenizer.apply_chat_template, prompt.messages, True, prompt.tools
+            )
         except (ValueError, TemplateError) as error:
             raise APIError(400, str(error), param="messages", code="invalid_value") from None
     else:
@@ -77,6 +87,11 @@ async def tokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
         "token_strs": [ctx.texts.text(i) for i in ids] if body.return_token_strs else None,
     }
     return JSONResponse(answer, headers=headers)
+
+
+async def tokenizer_info(ctx: ServingContext) -> JSONResponse:
+    info = _tokenizer(ctx).info()
+    return JSONResponse({**info, "model_max_length": ctx.max_model_len})
 
 
 async def detokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
