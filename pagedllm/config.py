@@ -23,6 +23,11 @@ _DTYPES = {
 LOAD_FORMATS = ("auto", "dummy")
 """``load_format`` values: read the checkpoint, or seeded random weights of its shape."""
 
+QUANTIZATIONS = ("auto", "none", "int8")
+"""``quantization`` values: keep a GGUF file's quantized matrices in their block formats
+(on the CPU), expand every weight to ``dtype``, or round a safetensors checkpoint's
+matrices to int8 per output channel."""
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 """Bytes of the KV pool on the CPU when ``kv_cache_memory`` is not given."""
 
@@ -102,6 +107,14 @@ class EngineConfig:
         "auto reads the checkpoint; dummy makes seeded random weights of the model's shape "
         "(no tokenizer: prompts are token ids)",
         LOAD_FORMATS,
+    )
+    quantization: str = knob(
+        "auto",
+        "weights a GGUF file stores quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+        "Q6_K): auto keeps them in their block formats on the CPU (other types are expanded "
+        "at load); none expands every weight to dtype; int8 rounds a safetensors "
+        "checkpoint's matrices to int8 per output channel (CPU)",
+        QUANTIZATIONS,
     )
     device: str | torch.device = knob(
         "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
@@ -213,6 +226,11 @@ class EngineConfig:
         if self.kv_allocation not in ("paged", "contiguous"):
             raise ValueError(
                 f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                f"{self.quantization!r}"
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(

@@ -17,10 +17,19 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The embedded default model (SmolLM2-135M-Instruct, float32), loaded once per session."""
+    """The embedded default model (SmolLM2-135M-Instruct, float32 activations, its
+    quantized matrices kept quantized), loaded once per session."""
     from shared_models import default_model as load_once
 
     return load_once()
+
+
+@pytest.fixture(scope="session")
+def expanded_default_model():
+    """The default model with every weight expanded to float32 (quantization="none")."""
+    from shared_models import default_model as load_once
+
+    return load_once(quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,10 @@ from pagedllm.models.loader import LoadedModel, load_model
 
 
 @functools.cache
-def default_model(dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """SmolLM2-135M-Instruct from its GGUF, loaded once."""
-    return load_model(None, dtype)
+def default_model(dtype: torch.dtype = torch.float32, quantization: str = "auto") -> LoadedModel:
+    """SmolLM2-135M-Instruct from its GGUF, loaded once (its Q4_1 / Q8_0 matrices kept
+    quantized with ``"auto"``, expanded to ``dtype`` with ``"none"``)."""
+    return load_model(None, dtype, quantization=quantization)
 
 
 @functools.cache

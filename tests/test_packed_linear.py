@@ -99,8 +99,8 @@ def test_packed_rows_are_the_original_rows(dtype):
     assert torch.equal(PackedWeight.pack(w).rows(ids), w[ids])
 
 
-def test_tied_embedding_is_kept_once_and_embeds_like_the_matrix(default_model):
-    model = default_model.model
+def test_tied_embedding_is_kept_once_and_embeds_like_the_matrix(expanded_default_model):
+    model = expanded_default_model.model
     assert model.config.tie_word_embeddings
     assert model.embed_tokens is model.lm_head
     assert isinstance(model.lm_head, PackedWeight)

@@ -171,3 +171,10 @@ def test_workload_rejects_impossible_lengths():
 def test_kv_dtypes_use_the_torch_element_sizes():
     assert [KV_DTYPES[n].element_bytes for n in KV_DTYPES] == [4, 2, 2, 1, 1]
     assert KV_DTYPES["fp8"].torch_dtype == torch.float8_e4m3fn
+
+
+def test_quantized_weights_count_their_block_scales():
+    # the engine holds Q4_0 as 18-byte blocks of 32 weights, Q4_K as 144 bytes per 256
+    assert memory_budget(3200, "int4", 0.0, kv_bytes=1).weight_bytes == 1800
+    assert memory_budget(3200, "int8", 0.0, kv_bytes=1).weight_bytes == 3400
+    assert memory_budget(2560, "q4_k", 0.0, kv_bytes=1).weight_bytes == 1440

@@ -67,7 +67,13 @@ def run_bench(args: argparse.Namespace) -> int:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         device = resolve_device(args.device)
-        loaded = load_model(args.model, dtype, device=device, load_format=args.load_format)
+        loaded = load_model(
+            args.model,
+            dtype,
+            device=device,
+            load_format=args.load_format,
+            quantization=args.quantization,
+        )
         peak = matmul_peak_gflops(dtype)
         emit({"measure": "matmul_peak", "dtype": dtype_name, "gflops": peak})
         config = config_from_flags(args, dtype=dtype, log_stats_interval=0)

@@ -1,7 +1,8 @@
-// Torch operators over the kernels in paged_attention.cpp, packed_linear.cpp and
-// elementwise.cpp: argument checks, then raw pointers. Registered as
+// Torch operators over the kernels in paged_attention.cpp, packed_linear.cpp,
+// elementwise.cpp and quant_linear.cpp: argument checks, then raw pointers. Registered as
 // torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight, packed_linear,
-// rms_norm, silu_and_mul, rotary, avx512_kernels_available}.
+// rms_norm, silu_and_mul, rotary, quant_linear, dequantize_rows,
+// avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -232,6 +233,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
   return {q, k, v};
 }
 
+// The weight's block format, checked against its shape: uint8 [N, K / values * bytes].
+void check_quantized(const at::Tensor& weight, int64_t type, int64_t K, const char* what) {
+  const int64_t values = pagedllm::quant_block_values(type);
+  TORCH_CHECK(values > 0, what, ": no kernels for ggml type ", type);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+              K % values == 0 && weight.size(1) == K / values * pagedllm::quant_block_bytes(type),
+              what, ": weight must be contiguous uint8 [N, K / ", values, " * ",
+              pagedllm::quant_block_bytes(type), "] for K = ", K);
+}
+
+// x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype; bfloat16 x
+// is widened to float32 and the float32 result rounded once.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear: x is float32 or bfloat16 [M, K]");
+  const int64_t K = x.size(1), N = weight.size(0);
+  check_quantized(weight, type, K, "quant_linear");
+  at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_linear: bias is [N]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({x.size(0), N}, x32.options());
+  pagedllm::quant_linear({x32.data_ptr<float>(), weight.data_ptr<uint8_t>(),
+                          bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+                          y.data_ptr<float>(), x.size(0), N, K, type, at::get_num_threads()});
+  return y.to(x.scalar_type());
+}
+
+// Rows `rows` (int64) of the [N, K] weight, decoded to float32 [len(rows), K].
+at::Tensor dequantize_rows(const at::Tensor& weight, int64_t type, int64_t K,
+                           const at::Tensor& rows) {
+  check_quantized(weight, type, K, "dequantize_rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "dequantize_rows: rows is int64 [count]");
+  at::Tensor index = rows.contiguous();
+  const int64_t* r = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.size(0); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < weight.size(0), "dequantize_rows: row ", r[i],
+                " outside the weight");
+  }
+  at::Tensor out = at::empty({index.size(0), K}, weight.options().dtype(at::kFloat));
+  pagedllm::dequantize_rows(weight.data_ptr<uint8_t>(), K, type, r, index.size(0),
+                            out.data_ptr<float>(), at::get_num_threads());
+  return out;
+}
+
 bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
 
 }  // namespace
@@ -248,6 +298,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
         "int num_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias) -> Tensor");
+  m.def("dequantize_rows(Tensor weight, int type, int K, Tensor rows) -> Tensor");
   m.def("avx512_kernels_available() -> bool", &avx512_kernels_available);
 }
 
@@ -259,4 +311,6 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize_rows", &dequantize_rows);
 }

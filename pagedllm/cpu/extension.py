@@ -1,5 +1,5 @@
 """Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
-``packed_linear.cpp`` and ``elementwise.cpp``.
+``packed_linear.cpp``, ``elementwise.cpp`` and ``quant_linear.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
@@ -35,7 +35,11 @@ SOURCES = [
         "paged_attention.cpp",
         "packed_linear.cpp",
         "elementwise.cpp",
+        "quant_linear.cpp",
     )
+]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("kernels.h", "bfloat16.h", "quant_blocks.h")
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -51,6 +55,13 @@ def instruction_set_tag() -> str:
     return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:10]
 
 
+def headers_flag() -> str:
+    """A define naming the headers' contents: torch rebuilds the extension when a source
+    or a flag changes, not when a header does, so a changed header changes the flags."""
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:10]
+    return f"-DPAGEDLLM_HEADERS_{digest}"
+
+
 @functools.cache
 def ops() -> Any | None:
     """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed; None,
@@ -59,7 +70,7 @@ def ops() -> Any | None:
         cpp_extension.load(
             name=f"pagedllm_cpu_{instruction_set_tag()}",
             sources=SOURCES,
-            extra_cflags=FLAGS,
+            extra_cflags=[*FLAGS, headers_flag()],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -200,3 +211,22 @@ def rotary(
     rows ``positions`` (int64 ``[T]``) of the ``cos`` / ``sin`` tables ``[max_pos, D / 2]``.
     Products and sums round one at a time, as torch's separate operators do."""
     return ops().rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads)
+
+
+def quant_linear(
+    x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` in ``x``'s dtype (float32 or bfloat16, ``[M, K]``) for ``W``
+    ``[N, K]`` kept as ``weight``: uint8 ``[N, K / block values * block bytes]``, each row
+    the GGUF blocks of ggml type ``ggml_type`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), decoded in registers. Sums are float32; bfloat16 ``x`` is widened and the
+    result rounded once."""
+    return ops().quant_linear(x, weight, ggml_type, bias)
+
+
+def dequantize_rows(
+    weight: torch.Tensor, ggml_type: int, K: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """Float32 rows ``rows`` (int64) ``[len(rows), K]`` of a weight kept as in
+    :func:`quant_linear`."""
+    return ops().dequantize_rows(weight, ggml_type, K, rows)

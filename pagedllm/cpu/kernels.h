@@ -76,6 +76,29 @@ struct PackedLinearProblem {
   int num_threads;
 };
 void packed_linear(const PackedLinearProblem& problem);
+// The float32 problem's columns of one panel (panel_index: which kPanelWidth features of
+// y), from `panel` [K][kPanelWidth] rather than problem.panels; one thread.
+void packed_panel_float32(const PackedLinearProblem& problem, const float* panel,
+                          int64_t panel_index);
+
+// y [M, N] = x [M, K] weight^T (+ bias [N]) with weight rows kept in a GGUF block format
+// (quant_linear.cpp): row n is the K / values(type) blocks at weight + n * row_bytes,
+// decoded in registers. x, y and bias are float32; all contiguous.
+struct QuantLinearProblem {
+  const float* x;
+  const uint8_t* weight;
+  const float* bias;
+  float* y;
+  int64_t M, N, K, type;
+  int num_threads;
+};
+void quant_linear(const QuantLinearProblem& problem);
+// out [count, K] float32 = the rows `rows` of a [N, K] weight kept as in quant_linear.
+void dequantize_rows(const uint8_t* weight, int64_t K, int64_t type, const int64_t* rows,
+                     int64_t count, float* out, int num_threads);
+// Weights and bytes per block of ggml type `type`; 0 for a type without kernels.
+int64_t quant_block_values(int64_t type);
+int64_t quant_block_bytes(int64_t type);
 
 // Elementwise kernels (elementwise.cpp). Tensors are contiguous and share one dtype,
 // float32, or bfloat16 when `bfloat16`; arithmetic is float32, rounded to bfloat16 where

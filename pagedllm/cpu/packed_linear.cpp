@@ -114,15 +114,11 @@ void tiles_over_k(const T* x, int64_t K, const T* panel, const float* bias, T* y
   }
 }
 
-// Every row of x against panel p.
+// Every row of x against the panel of output features n0 .. n0 + kPanelWidth.
 template <typename F, typename T = typename F::T>
-void panel_rows(const pagedllm::PackedLinearProblem& p, int64_t panel_index) {
+void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t n0) {
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int64_t steps = (p.K + F::kStep - 1) / F::kStep;
-  const T* panel = static_cast<const T*>(p.panels) +
-                   panel_index * steps * pagedllm::kPanelWidth * F::kStep;
-  const int64_t n0 = panel_index * pagedllm::kPanelWidth;
   int64_t m = 0;
   for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) {
     tiles_over_k<F, kRowsPerTile>(x + m * p.K, p.K, panel, p.bias, y + m * p.N, p.N, n0);
@@ -147,7 +143,12 @@ void run(const pagedllm::PackedLinearProblem& p) {
   const int64_t bytes = count * p.K * pagedllm::kPanelWidth * sizeof(typename F::T);
   const int threads = bytes < kMinParallelBytes ? 1 : p.num_threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t panel = 0; panel < count; ++panel) panel_rows<F>(p, panel);
+  for (int64_t panel = 0; panel < count; ++panel) {
+    const int64_t steps = (p.K + F::kStep - 1) / F::kStep;
+    panel_rows<F>(p, static_cast<const typename F::T*>(p.panels) +
+                         panel * steps * pagedllm::kPanelWidth * F::kStep,
+                  panel * pagedllm::kPanelWidth);
+  }
 }
 
 #endif  // __AVX512F__
@@ -194,6 +195,15 @@ void pack_weight(const void* weight, int64_t N, int64_t K, bool bfloat16, void* 
   } else {
     pack(static_cast<const float*>(weight), N, K, 1, static_cast<float*>(panels), num_threads);
   }
+}
+
+void packed_panel_float32(const PackedLinearProblem& problem, const float* panel,
+                          int64_t panel_index) {
+#ifdef __AVX512F__
+  panel_rows<Float32Panels>(problem, panel, panel_index * kPanelWidth);
+#else
+  (void)problem, (void)panel, (void)panel_index;
+#endif
 }
 
 void packed_linear(const PackedLinearProblem& problem) {

@@ -42,6 +42,7 @@ from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
 from pagedllm.kv.swap_space import SwapSpace
 from pagedllm.models.loader import LoadedModel, load_model
+from pagedllm.models.weight_bytes import describe_weight_bytes
 
 logger = logging.getLogger("pagedllm")
 
@@ -61,15 +62,20 @@ class LLMEngine:
         start = time.monotonic()
         self.device = config.device
         self.loaded = loaded or load_model(
-            config.model, config.dtype, device=self.device, load_format=config.load_format
+            config.model,
+            config.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            quantization=config.quantization,
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         logger.info(
-            "Loaded %s (%s) in %.2f s",
+            "Loaded %s (%s) in %.2f s; weights %s",
             self.loaded.source.name,
             self.model_config.architecture,
             time.monotonic() - start,
+            describe_weight_bytes(self.loaded.model),
         )
         self.kv_budget = self._kv_budget()
         mc = self.model_config

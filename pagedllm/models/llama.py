@@ -27,9 +27,17 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
-from pagedllm.models.linear import PackedWeight, Weight, linear, prepare_weight
+from pagedllm.models.linear import (
+    PackedWeight,
+    Weight,
+    fuse_rows,
+    linear,
+    prepare_weight,
+    weight_storage,
+)
 from pagedllm.models.moe import SparseMoE
 from pagedllm.models.norms import layer_norm_per_head, normalize
+from pagedllm.models.quantized_weight import QuantizedWeight
 from pagedllm.models.rope import RotaryTable, apply_partial_rope
 
 # Returns the tensor of a Hugging Face Llama-style parameter name, e.g.
@@ -121,7 +129,7 @@ class DecoderLayer(nn.Module):
         if spec.fused_projections or config.qkv_layout:
             qkv = get(attn + "qkv_proj.weight")
         else:
-            qkv = torch.cat([get(f"{attn}{p}.weight") for p in projections])
+            qkv = fuse_rows([get(f"{attn}{p}.weight") for p in projections])
         self.qkv_weight: Weight = prepare_weight(qkv)
         self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
         sparse = config.sparse_layers[layer_idx] if config.sparse_layers else False
@@ -132,7 +140,7 @@ class DecoderLayer(nn.Module):
             if spec.fused_projections:
                 gate_up_weight = get(mlp + "gate_up_proj.weight")
             else:
-                gate_up_weight = torch.cat([get(f"{mlp}{p}.weight") for p in gate_up])
+                gate_up_weight = fuse_rows([get(f"{mlp}{p}.weight") for p in gate_up])
             self.gate_up_weight = prepare_weight(gate_up_weight)
             self.down_weight = prepare_weight(get(mlp + "down_proj.weight"))
         qkv_bias = None
@@ -264,8 +272,11 @@ class LlamaDecoder(nn.Module):
         self.device = torch.device(device)
         spec = config.spec
 
-        def get_as_dtype(name: str) -> torch.Tensor:
-            return get(name).to(device=self.device, dtype=dtype).contiguous()
+        def get_as_dtype(name: str) -> torch.Tensor | QuantizedWeight:
+            weight = get(name)
+            if isinstance(weight, QuantizedWeight):  # only ever loaded for the CPU
+                return weight
+            return weight.to(device=self.device, dtype=dtype).contiguous()
 
         def get_norm(name: str) -> torch.Tensor:
             weight = get(name).to(device=self.device, dtype=torch.float32) + spec.norm_offset
@@ -308,7 +319,7 @@ class LlamaDecoder(nn.Module):
             if layer.moe is not None:
                 matrices += [layer.moe.shared_gate_up, layer.moe.shared_down]
         present = [w for w in matrices if w is not None]
-        tensors = [w.panels if isinstance(w, PackedWeight) else w for w in present]
+        tensors = [weight_storage(w) for w in present]
         return list({id(t): t for t in (*tensors, *self.buffers())}.values())
 
     @property
@@ -322,7 +333,9 @@ class LlamaDecoder(nn.Module):
         """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``, scaled as the
         architecture scales them, plus the position embeddings of ``positions`` ``[T]``
         for an architecture that learned them (GPT-2)."""
-        if isinstance(self.embed_tokens, PackedWeight):
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            rows = self.embed_tokens.rows(input_ids).to(self.dtype)
+        elif isinstance(self.embed_tokens, PackedWeight):
             rows = self.embed_tokens.rows(input_ids)
         else:
             rows = F.embedding(input_ids, self.embed_tokens)

@@ -39,6 +39,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_format: str = "auto",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load ``model`` onto ``device``; nothing is downloaded.
 
@@ -49,6 +50,10 @@ def load_model(
     (prompts are token ids); see :mod:`pagedllm.models.dummy`.
     ``dtype``: float32, bfloat16 or float16 (on the CPU, float16 runs torch's operators
     and the attention kernel widens it to float32; the AVX-512 kernels take the others).
+    ``quantization``: ``"auto"`` keeps a GGUF file's quantized matrices in their block
+    formats on the CPU (see :mod:`pagedllm.models.loader_gguf`), ``"none"`` expands them
+    to ``dtype``; ``"int8"`` rounds a safetensors checkpoint's matrices to int8 per output
+    channel (CPU only).
     """
     device = torch.device(device)
     _check_dtype(dtype)
@@ -57,15 +62,17 @@ def load_model(
             f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
         )
     if load_format == "dummy":
+        if quantization == "int8":
+            raise ModelLoadError("quantization='int8' needs a checkpoint, not dummy weights")
         config, decoder, source = load_dummy_model(model, dtype, device)
         return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        config, decoder, has_tokenizer = _load_gguf_weights(path, dtype, device)
+        config, decoder, has_tokenizer = _load_gguf_weights(path, dtype, device, quantization)
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
-        config, decoder = load_safetensors_model(path, dtype, device)
+        config, decoder = load_safetensors_model(path, dtype, device, quantization)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
         eos_ids = config.eos_token_ids + generation_eos_ids(path)
         tokenizer = Tokenizer.from_folder(path, eos_ids) if has_tokenizer else None
@@ -87,10 +94,10 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def _load_gguf_weights(
-    path: Path, dtype: torch.dtype, device: torch.device
+    path: Path, dtype: torch.dtype, device: torch.device, quantization: str
 ) -> tuple[ModelConfig, LlamaDecoder, bool]:
     """Config, decoder and whether the file holds a tokenizer; the parsed file is
     released before the tokenizer parses it again, to keep peak memory down."""
     reader = open_gguf(path)
-    config, decoder = load_gguf_model(path, dtype, reader, device)
+    config, decoder = load_gguf_model(path, dtype, reader, device, quantization)
     return config, decoder, "tokenizer.ggml.model" in reader.fields

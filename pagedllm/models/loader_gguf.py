@@ -1,4 +1,9 @@
-"""Load a GGUF file: metadata to :class:`ModelConfig`, tensors dequantized to torch.
+"""Load a GGUF file: metadata to :class:`ModelConfig`, tensors to torch.
+
+Matrices the file stores in a block format the CPU kernels run
+(:data:`~pagedllm.models.quantized_weight.KERNEL_TYPES`) stay in it by default
+(:class:`~pagedllm.models.quantized_weight.QuantizedWeight`); every other tensor is
+dequantized to float32 and converted to the model's dtype.
 
 llama.cpp stores a Llama model's Q and K projection rows in an interleaved
 order (its RoPE rotates adjacent pairs, Hugging Face's rotates halves); the
@@ -8,6 +13,7 @@ layout whatever the source.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,15 @@ from pagedllm.models.gguf_layernorm import (
     layernorm_fields,
 )
 from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.quantized_weight import (
+    KERNEL_TYPES,
+    QuantizedWeight,
+    is_quantizable,
+    why_kernels_cannot_run,
+)
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
+
+logger = logging.getLogger("pagedllm")
 
 # GGUF architecture -> (our architecture, whether Q/K rows are interleaved).
 GGUF_ARCHITECTURES = {
@@ -110,6 +124,14 @@ EXPERT_TENSOR_NAMES = {
     "up_proj": "ffn_up_exps",
     "down_proj": "ffn_down_exps",
 }
+# GGUF tensors the decoder fuses into one matrix: kept quantized only if they share a type.
+FUSED_GGUF_TENSORS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+# Tensor types that are not quantized: expanding them is no loss.
+UNQUANTIZED_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
 GLOBAL_TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -324,15 +346,56 @@ def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
     return per_head.transpose(1, 2).reshape(weight.shape)
 
 
+def quantized(tensor: Any) -> QuantizedWeight:
+    """A GGUF tensor of a :data:`KERNEL_TYPES` type, its blocks copied out of the file."""
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+    return QuantizedWeight(blocks, kind, int(tensor.shape[0]))
+
+
+def fused_types(stored: str, tensors: dict[str, Any]) -> set[Any]:
+    """The types of the GGUF tensors the decoder fuses with ``stored`` (itself included)."""
+    parts = stored.split(".")
+    group = next((g for g in FUSED_GGUF_TENSORS if len(parts) == 4 and parts[2] in g), None)
+    if group is None:
+        return {tensors[stored].tensor_type}
+    names = (f"{parts[0]}.{parts[1]}.{kind}.{parts[3]}" for kind in group)
+    return {tensors[n].tensor_type for n in names if n in tensors}
+
+
+def keeps_quantization(
+    quantization: str, dtype: torch.dtype, device: torch.device, path: Path
+) -> bool:
+    """Whether quantized matrices stay in their block formats: ``quantization="auto"`` on
+    the CPU with the C++ kernels built and a float32 or bfloat16 model; otherwise one log
+    line says why they are expanded."""
+    if quantization == "none":
+        return False
+    if quantization != "auto":
+        raise ModelLoadError(
+            f"quantization={quantization!r} is for safetensors checkpoints; a GGUF file "
+            "takes 'auto' (keep its block formats) or 'none' (expand them)"
+        )
+    reason = why_kernels_cannot_run(dtype, device)
+    if reason is not None:
+        logger.info("Expanding the quantized weights of %s to %s: %s", path.name, dtype, reason)
+    return reason is None
+
+
 def load_gguf_model(
     path: Path,
     dtype: torch.dtype,
     reader: gguf.GGUFReader | None = None,
     device: torch.device | str = "cpu",
+    quantization: str = "auto",
 ) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from a GGUF file, dequantized (one float32 tensor at a time, on
-    the CPU) and converted to ``dtype`` on ``device``."""
+    """Build the decoder from a GGUF file. With ``quantization="auto"`` on the CPU, each
+    matrix stored in a :data:`KERNEL_TYPES` format stays in it; every other tensor (all of
+    them with ``"none"``) is dequantized (one float32 tensor at a time, on the CPU) and
+    converted to ``dtype`` on ``device``."""
     reader = reader or open_gguf(path)
+    keep = keeps_quantization(quantization, dtype, torch.device(device), path)
+    expanded: set[str] = set()  # quantized types dequantized although they could stay
     config = gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     gguf_arch = metadata_value(reader, "general.architecture")
@@ -353,7 +416,20 @@ def load_gguf_model(
                     del stacks[old]
                 stacks[stored] = dequantized(tensors[stored])
             return stacks[stored][expert]
-        weight = dequantized(tensors[stored])
+        tensor = tensors[stored]
+        quantizable = keep and is_quantizable(name)
+        if quantizable and tensor.tensor_type in KERNEL_TYPES:
+            if len(fused_types(stored, tensors)) == 1:
+                weight = quantized(tensor)
+                projection = name.split(".")[-2]
+                if interleaved and projection in heads_of:
+                    rows = torch.arange(weight.out_features)
+                    weight = weight.reorder_rows(deinterleave_rope_rows(rows, heads_of[projection]))
+                return weight
+            expanded.add(f"{tensor.tensor_type.name} (fused with another type)")
+        elif quantizable and tensor.tensor_type not in UNQUANTIZED_TYPES:
+            expanded.add(tensor.tensor_type.name)
+        weight = dequantized(tensor)
         if gguf_arch in NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
             weight -= 1
         projection = name.split(".")[-2]
@@ -363,6 +439,12 @@ def load_gguf_model(
 
     tracked = TrackedSource(get)
     decoder = LlamaDecoder(config, tracked, dtype, device)
+    if expanded:
+        logger.info(
+            "Dequantized to %s at load (no kernels keep them quantized): %s tensors",
+            dtype,
+            ", ".join(sorted(expanded)),
+        )
     # rope_freqs.weight was read into the config's rope scaling.
     refuse_unread(
         tensors,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -13,6 +14,12 @@ from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
+from pagedllm.models.quantized_weight import (
+    QuantizedWeight,
+    int8_per_channel,
+    is_quantizable,
+    why_kernels_cannot_run,
+)
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
 
 SHARD_INDEX = "model.safetensors.index.json"
@@ -54,14 +61,39 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
+def int8_source(
+    read: Callable[[str], torch.Tensor],
+) -> Callable[[str], torch.Tensor | QuantizedWeight]:
+    """``read`` with each matrix the decoder may keep quantized (rows a multiple of 32
+    weights) rounded by :func:`~pagedllm.models.quantized_weight.int8_per_channel`."""
+
+    def read_int8(name: str) -> torch.Tensor | QuantizedWeight:
+        tensor = read(name)
+        if is_quantizable(name) and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+            return int8_per_channel(tensor)
+        return tensor
+
+    return read_int8
+
+
 def load_safetensors_model(
-    folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    quantization: str = "auto",
 ) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from the folder's weights, converted to ``dtype`` on ``device``.
+    """Build the decoder from the folder's weights, converted to ``dtype`` on ``device``;
+    with ``quantization="int8"``, the projections, embedding and LM head (those whose rows
+    are a multiple of 32 weights) are rounded to int8 per output channel instead
+    (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only).
 
     The files are memory-mapped and each tensor is moved and converted as the decoder
     reads it, so the host never holds a converted copy of the whole model."""
     config = read_hf_config(folder)
+    int8 = quantization == "int8"
+    reason = why_kernels_cannot_run(dtype, torch.device(device)) if int8 else None
+    if reason is not None:
+        raise ModelLoadError(f"quantization='int8' is not available: {reason}")
     with ExitStack() as stack:
         handle_of_tensor = {}
         for path in shard_files(folder):
@@ -77,7 +109,8 @@ def load_safetensors_model(
             return handle_of_tensor[name].get_tensor(name)
 
         tracked = TrackedSource(get)
-        decoder = LlamaDecoder(config, checkpoint_source(config, tracked), dtype, device)
+        source = checkpoint_source(config, tracked)
+        decoder = LlamaDecoder(config, int8_source(source) if int8 else source, dtype, device)
         # A tied checkpoint may still store its LM head; transformers ignores it too. Old
         # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
         head = stored_name(config, "lm_head.weight")

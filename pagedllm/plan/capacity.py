@@ -7,7 +7,8 @@ so an unquantized plan holds exactly the blocks the engine allocates for that bu
 
 Quantized caches (fp8, int8) are assumed to carry one float32 scale per layer, K/V,
 block and KV head: ``4 / (block_size x head_dim)`` bytes per element, 0.2 % at block
-size 16 and head_dim 128. Weights take ``parameters x bytes per weight``; the
+size 16 and head_dim 128. Weights take ``parameters x bytes per weight`` (quantized
+formats with their block scales, as the engine holds them); the
 activation reserve is a fraction of the weight bytes (10-20 % is the usual rule of thumb).
 
 Sliding windows: when every layer of a model slides over ``W`` tokens, a sequence holds
@@ -54,14 +55,27 @@ KV_DTYPES: dict[str, KVDtype] = {
     "int8": KVDtype("int8", torch.int8, "int8", quantized=True),
 }
 
-# Bytes per weight by storage type (int4: two weights per byte, scales ignored).
+# Bytes per weight by storage type. The GGUF block formats are what the engine holds when
+# it runs a GGUF file's quantized matrices (bytes per block / weights per block, scales
+# included); int8 and int4 stand for Q8_0 and Q4_0, its 8- and 4-bit formats.
+GGUF_WEIGHT_BYTES: dict[str, float] = {
+    "q8_0": 34 / 32,
+    "q6_k": 210 / 256,
+    "q5_k": 176 / 256,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_k": 144 / 256,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+}
 WEIGHT_BYTES: dict[str, float] = {
     "float32": 4,
     "bfloat16": 2,
     "float16": 2,
     "fp8": 1,
-    "int8": 1,
-    "int4": 0.5,
+    "int8": GGUF_WEIGHT_BYTES["q8_0"],
+    "int4": GGUF_WEIGHT_BYTES["q4_0"],
+    **GGUF_WEIGHT_BYTES,
 }
 
 

@@ -1,0 +1,120 @@
+"""The default model run on its file's Q4_1 / Q8_0 blocks against the same model expanded
+to float32 (``quantization="none"``): same weights, so the same answers up to float32
+rounding, at the file's size in memory."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_models_gguf import QType, write_gguf
+from test_models_logits import write_checkpoint
+from test_models_smollm2 import CHAT_PROMPTS, chat_ids, greedy_cached
+
+from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
+from pagedllm.config import EngineConfig
+from pagedllm.cpu.extension import kernels_built
+from pagedllm.models import load_model
+from pagedllm.models.linear import PackedWeight
+from pagedllm.models.quantized_weight import Q, QuantizedWeight
+from pagedllm.models.weight_bytes import weight_bytes_by_format
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not kernels_built(), reason="needs the C++ kernels"),
+]
+
+PROMPTS = [
+    *CHAT_PROMPTS,
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "What does a compiler do?",
+    "Name the planets of the solar system.",
+]
+TEXT = (
+    "The operating system divides memory into fixed-size pages. A page table maps each "
+    "virtual page of a process to a physical frame, so that a process sees one contiguous "
+    "address space while its pages lie scattered across physical memory. When a page is "
+    "not resident, the hardware raises a fault and the kernel loads it from disk, evicting "
+    "another page if no frame is free. Pages shared between processes are marked "
+    "copy-on-write: the first write to such a page gives the writer a private copy."
+)
+
+
+def nll_per_token(model, ids: list[int]) -> float:
+    """Mean negative log-likelihood (nats) of ``ids[1:]`` given the tokens before each."""
+    hidden = model.forward(
+        torch.tensor(ids),
+        torch.arange(len(ids)),
+        DenseAttentionBackend(),
+        dense_metadata([len(ids)]),
+    )
+    logits = model.compute_logits(hidden[:-1])
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()
+
+
+def test_matrices_stay_in_the_file_formats_at_the_file_size(default_model):
+    model = default_model.model
+    layer = model.layers[0]
+    for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
+        assert isinstance(weight, QuantizedWeight) and weight.ggml_type == Q.Q4_1
+    assert model.lm_head is model.embed_tokens and model.lm_head.ggml_type == Q.Q8_0
+    resident = sum(t.numel() * t.element_size() for t in model.weights())
+    assert resident <= 1.1 * default_model.source.stat().st_size
+    by_format = weight_bytes_by_format(model)  # what the start-up log reports
+    assert set(by_format) == {"Q4_1", "Q8_0", "float32"} and sum(by_format.values()) == resident
+    assert by_format["Q8_0"] == 49152 * 576 // 32 * 34  # the tied embedding, once
+
+
+def test_logits_equal_the_expanded_model(default_model, expanded_default_model):
+    ids = chat_ids(default_model.tokenizer, CHAT_PROMPTS[0])
+    logits = []
+    for loaded in (default_model, expanded_default_model):
+        hidden = loaded.model.forward(
+            torch.tensor(ids), torch.arange(len(ids)), DenseAttentionBackend(),
+            dense_metadata([len(ids)]),
+        )  # fmt: skip
+        logits.append(loaded.model.compute_logits(hidden))
+    # float32 rounding through 30 layers, as test_models_smollm2 allows against transformers
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-4, rtol=0)
+
+
+def test_greedy_tokens_equal_the_expanded_model(default_model, expanded_default_model):
+    prompts = [chat_ids(default_model.tokenizer, p) for p in PROMPTS]
+    eos = default_model.tokenizer.eos_token_id
+    quantized = greedy_cached(default_model.model, prompts, 32, eos)
+    expanded = greedy_cached(expanded_default_model.model, prompts, 32, eos)
+    same = sum(q == e for q, e in zip(quantized, expanded, strict=True))
+    # a near-tie between two logits may flip under float32 rounding: allow one of eight
+    assert same >= len(prompts) - 1
+
+
+def test_perplexity_within_half_a_percent_of_the_expanded_model(
+    default_model, expanded_default_model
+):
+    ids = default_model.tokenizer.encode(TEXT)
+    assert len(ids) > 80
+    quantized = nll_per_token(default_model.model, ids)
+    expanded = nll_per_token(expanded_default_model.model, ids)
+    assert abs(torch.tensor(quantized - expanded).exp().item() - 1) < 0.005
+
+
+def test_types_without_kernels_are_expanded_with_one_log_line(tmp_path, caplog):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-gqa-untied")
+    path = write_gguf(tmp_path / "mxfp4.gguf", hf_model, QType.MXFP4)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        model = load_model(path).model
+    lines = [r.getMessage() for r in caplog.records if "MXFP4" in r.getMessage()]
+    assert len(lines) == 1 and "Dequantized to torch.float32 at load" in lines[0]
+    assert isinstance(model.layers[0].qkv_weight, PackedWeight | torch.Tensor)
+
+
+def test_quantization_none_expands_and_unknown_values_are_refused(tmp_path):
+    hf_model = write_checkpoint(tmp_path / "hf", "llama-gqa-untied")
+    path = write_gguf(tmp_path / "q8.gguf", hf_model, QType.Q8_0)
+    assert isinstance(load_model(path).model.layers[0].o_weight, QuantizedWeight)
+    expanded = load_model(path, quantization="none").model
+    assert not any(w.dtype == torch.uint8 for w in expanded.weights())
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
+        EngineConfig(quantization="int4")
