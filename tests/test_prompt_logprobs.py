@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoints import tiny_engine, write_tiny_llama
+from tiny_checkpoints import run_outputs, tiny_engine, write_tiny_llama
 
 from pagedllm import SamplingParams
 from pagedllm.models.loader import load_model
@@ -35,18 +35,6 @@ def reference(checkpoint):
         return [model(torch.tensor([ids])).logits[0].log_softmax(-1) for ids in PROMPTS]
 
 
-def run(engine, prompts, params) -> dict[str, object]:
-    for index, ids in enumerate(prompts):
-        engine.add_request(str(index), {"prompt_token_ids": ids}, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    assert engine.block_manager.pool.num_used == 0
-    return finished
-
-
 def assert_matches_reference(prompt_logprobs, ids, ref: torch.Tensor) -> None:
     assert len(prompt_logprobs) == len(ids)
     assert prompt_logprobs[0] is None
@@ -71,26 +59,26 @@ def params(**overrides) -> SamplingParams:
 def test_equal_to_transformers_through_chunked_prefill(checkpoint, reference):
     # 8 tokens per step: the 45-token prompt is scored over six chunks
     engine = tiny_engine(checkpoint[1], num_blocks=256, max_num_batched_tokens=8, max_num_seqs=4)
-    outputs = run(engine, PROMPTS, params())
+    outputs = run_outputs(engine, PROMPTS, params())
     for index, ids in enumerate(PROMPTS):
         assert_matches_reference(outputs[str(index)].prompt_logprobs, ids, reference[index])
 
 
 def test_without_the_field_there_are_none(checkpoint):
     engine = tiny_engine(checkpoint[1], num_blocks=256)
-    outputs = run(engine, PROMPTS, params(prompt_logprobs=None))
+    outputs = run_outputs(engine, PROMPTS, params(prompt_logprobs=None))
     assert all(output.prompt_logprobs is None for output in outputs.values())
 
 
 def test_a_cached_prompt_is_scored_in_full_and_still_fills_the_cache(checkpoint, reference):
     engine = tiny_engine(checkpoint[1], num_blocks=256)
     long_prompt = [PROMPTS[2]]
-    run(engine, long_prompt, params(prompt_logprobs=None))  # warms the cache
+    run_outputs(engine, long_prompt, params(prompt_logprobs=None))  # warms the cache
     hits = engine.get_stats().prefix_cache_hits
-    scored = run(engine, long_prompt, params())["0"]
+    scored = run_outputs(engine, long_prompt, params())["0"]
     assert engine.get_stats().prefix_cache_hits == hits  # computed, not read from cache
     assert_matches_reference(scored.prompt_logprobs, PROMPTS[2], reference[2])
-    run(engine, long_prompt, params(prompt_logprobs=None))
+    run_outputs(engine, long_prompt, params(prompt_logprobs=None))
     assert engine.get_stats().prefix_cache_hits > hits  # the cache still serves others
 
 
@@ -105,7 +93,7 @@ def test_preemption_by_recompute_scores_each_position_once(checkpoint, reference
         preemption_mode="recompute",
     )
     prompts = PROMPTS[1:] * 3
-    outputs = run(engine, prompts, params(max_tokens=24))
+    outputs = run_outputs(engine, prompts, params(max_tokens=24))
     assert engine.get_stats().num_preemptions_total > 0
     for index, ids in enumerate(prompts):
         ref = reference[1 + index % 2]
@@ -114,7 +102,7 @@ def test_preemption_by_recompute_scores_each_position_once(checkpoint, reference
 
 def test_parallel_samples_share_one_scoring(checkpoint, reference):
     engine = tiny_engine(checkpoint[1], num_blocks=256)
-    output = run(engine, [PROMPTS[1]], params(n=3, temperature=1.0, seed=5))["0"]
+    output = run_outputs(engine, [PROMPTS[1]], params(n=3, temperature=1.0, seed=5))["0"]
     assert len(output.outputs) == 3
     assert_matches_reference(output.prompt_logprobs, PROMPTS[1], reference[1])
 

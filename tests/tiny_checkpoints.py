@@ -55,15 +55,21 @@ def tiny_engine(loaded, num_blocks: int, block_size: int = 4, swap_blocks: int =
     return LLMEngine(EngineConfig(**settings), loaded)
 
 
-def run_token_ids(engine, prompts: list[list[int]], params) -> dict[str, list[list[int]]]:
-    """Every sample's token ids by request id (the prompt's index), after running the
-    engine dry; checks that every block is back in the pool."""
+def run_outputs(engine, prompts: list[list[int]], params) -> dict[str, object]:
+    """Each request's final ``RequestOutput`` by request id (the prompt's index), after
+    running the engine dry; checks that every block is back in the pool."""
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [o.token_ids for o in out.outputs]
+                done[out.request_id] = out
     assert engine.block_manager.pool.num_used == 0
     return done
+
+
+def run_token_ids(engine, prompts: list[list[int]], params) -> dict[str, list[list[int]]]:
+    """Every sample's token ids by request id, as :func:`run_outputs` runs them."""
+    outputs = run_outputs(engine, prompts, params)
+    return {rid: [o.token_ids for o in out.outputs] for rid, out in outputs.items()}
