@@ -31,10 +31,12 @@ using namespace pagedllm::quant;
 
 constexpr int kChannels = 4;   // output features per group of the few-rows kernel
 constexpr int kMaxRows = 4;    // rows of x per pass of the few-rows kernel
-// From this many rows of x on, decode into panels: on a 2-core AMD EPYC Zen 4 (Q4_1,
-// 3,072 x 576) panels cost 1.05-1.13x a float32 packed_linear at 128-1,024 rows where
-// decoding in registers costs 1.1-1.5x, and up to 20x more at 1-32 rows.
-constexpr int64_t kPanelRows = 128;
+// From this many rows of x on, decode into panels. Measured on an idle 2-core AMD EPYC
+// Zen 4 (Q4_1, 3,072 x 576; 576 x 1,536 and 960 x 576 alike): decoding in registers
+// 1.0 ms at 32 rows against 1.2 ms for panels, even at 48 rows (1.5 ms), panels ahead
+// from 64 rows (1.8 ms against 2.1 ms) and at 96 (2.0 against 2.9); at 8 rows panels
+// cost 2.8x.
+constexpr int64_t kPanelRows = 48;
 constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one thread
 
 // y[m, n .. n + C) for rows m < MR of x, output features n .. n + C.
