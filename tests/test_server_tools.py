@@ -177,7 +177,7 @@ def test_templates_that_render_tools_get_them_as_transformers_passes_them(tmp_pa
     folder = write_tiny_chat_llama(tmp_path / "with-tools", chat_template=TOOLS_TEMPLATE)
     ours = Tokenizer.from_folder(folder)
     body = ChatCompletionRequest(messages=HISTORY, tools=TOOLS)
-    prompt = chat_prompt(ours, body.template_messages(), body.tool_plan().template_tools())
+    prompt = chat_prompt(ours, body.template_messages(), body.tool_plan.template_tools())
     theirs = AutoTokenizer.from_pretrained(folder)
     history = json.loads(json.dumps(HISTORY))
     history[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "unit": "celsius"}
@@ -186,7 +186,7 @@ def test_templates_that_render_tools_get_them_as_transformers_passes_them(tmp_pa
     )
     assert ours.apply_chat_template(prompt.messages, tools=prompt.tools) == list(expected)
     plain = Tokenizer.from_folder(write_tiny_chat_llama(tmp_path / "plain"))
-    fallback = chat_prompt(plain, body.template_messages(), body.tool_plan().template_tools())
+    fallback = chat_prompt(plain, body.template_messages(), body.tool_plan.template_tools())
     ids = plain.apply_chat_template(fallback.messages)
     text = plain.decode(ids, skip_special_tokens=False)
     assert fallback.tools is None and '"get_time"' in text

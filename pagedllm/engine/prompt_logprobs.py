@@ -36,7 +36,7 @@ def score_prompt_positions(
     holds their final hidden states in span order; ``compute_logits`` is the model's
     projection to float32 logits."""
     targets = torch.tensor(
-        [seq.all_token_ids[p + 1] for seq, positions in spans for p in positions],
+        [t for seq, span in spans for t in seq.all_token_ids[span.start + 1 : span.stop + 1]],
         dtype=torch.int64,
         device=hidden.device,
     )

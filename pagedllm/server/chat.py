@@ -18,7 +18,6 @@ from pagedllm.server.serving import (
     ServingContext,
     admit,
     final_outputs,
-    invalid_as_400,
     parse_request,
     response_json,
 )
@@ -32,7 +31,7 @@ from pagedllm.tokenizer import Tokenizer
 async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
     parsed = await parse_request(raw, ctx, ChatCompletionRequest)
     body = parsed.body
-    plan = invalid_as_400(body.tool_plan)
+    plan = body.tool_plan  # checked with the sampling parameters
     prompt = chat_prompt(ctx.tokenizer, body.template_messages(), plan.template_tools())
     admitted = await admit(ctx, "chatcmpl", [prompt], parsed)
     if body.stream:

@@ -15,6 +15,7 @@ token ids written as JSON strings, as OpenAI's.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Literal
 
@@ -220,6 +221,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @functools.cached_property
     def tool_plan(self) -> ToolPlan:
         """Raises InvalidRequestError for a ``tool_choice`` the tools cannot serve."""
         return ToolPlan(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -228,7 +230,7 @@ class ChatCompletionRequest(SamplingFields):
         """The tool choice's grammar, or the one structured output asked for; both at
         once are refused."""
         asked = super().structured()
-        tool_grammar = self.tool_plan().constraint()
+        tool_grammar = self.tool_plan.constraint()
         if tool_grammar is not None and asked is not None:
             raise InvalidRequestError(
                 "tool_choice 'required' or a named function cannot be combined with "

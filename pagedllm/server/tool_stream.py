@@ -33,7 +33,6 @@ class ToolCallStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.content_sent = 0
-        self.arguments_sent: int | None = None
         self.calls: list[ParsedToolCall] = []
 
     def update(self, text: str, finished: bool) -> tuple[str, list[dict[str, object]]]:
@@ -52,13 +51,11 @@ class ToolCallStream:
         return self._auto(text, finished)
 
     def _arguments_delta(self, name: str, text: str) -> list[dict[str, object]]:
-        if self.arguments_sent is None:
-            self.arguments_sent = len(text)
-            self.calls = [ParsedToolCall(name, text)]
-            return [call_json(self.calls[0], 0)]
-        delta = text[self.arguments_sent :]
-        self.arguments_sent = len(text)
+        first = not self.calls
+        delta = text if first else text[len(self.calls[0].arguments) :]
         self.calls = [ParsedToolCall(name, text)]
+        if first:
+            return [call_json(self.calls[0], 0)]
         return [{"index": 0, "function": {"arguments": delta}}] if delta else []
 
     def _auto(self, text: str, finished: bool) -> tuple[str, list[dict[str, object]]]:
