@@ -1,0 +1,1 @@
+"""Tensor parallelism: how a decoder splits over ranks, and the processes that run them."""
