@@ -174,6 +174,30 @@ class EngineConfig:
     )
     swap_space: int | str = knob(0, "bytes of the second KV tier for swap, e.g. 1GiB")
     swap_path: str | None = knob(None, "memory-map the second KV tier to this file")
+    tensor_parallel_size: int = knob(
+        1,
+        "ranks (processes) that split every layer's heads and MLP, and the vocabulary, "
+        "over torch.distributed (gloo on the CPU, NCCL on CUDA); kv_cache_memory is per rank",
+    )
+    nnodes: int = knob(
+        1, "machines the tensor-parallel ranks span (each runs tensor_parallel_size / nnodes)"
+    )
+    node_rank: int = knob(
+        0,
+        "this machine's index among nnodes: 0 runs the engine (and the API), the others "
+        "only their ranks' share of every step",
+    )
+    master_addr: str = knob(
+        "127.0.0.1", "address of node 0, where the ranks meet (tensor parallelism)"
+    )
+    master_port: int | None = knob(
+        None, "port on master_addr where the ranks meet; default: a free one (one node only)"
+    )
+    distributed_timeout: float = knob(
+        60.0,
+        "seconds the engine waits for a tensor-parallel rank inside one step before it "
+        "declares the rank dead and fails",
+    )
     seed: int = knob(0, "seed of the global random generator (unseeded requests draw from it)")
     log_stats_interval: float = knob(
         5.0, "seconds between throughput and pool log lines (0: never)"
@@ -232,7 +256,26 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                 f"{self.quantization!r}"
             )
+        self._check_parallel()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+
+    def _check_parallel(self) -> None:
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1 or nodes < 1:
+            raise ValueError(f"tensor_parallel_size and nnodes must be >= 1, got {tp} and {nodes}")
+        if tp % nodes:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must be a multiple of nnodes={nodes} (every "
+                "node runs the same number of ranks)"
+            )
+        if not 0 <= self.node_rank < nodes:
+            raise ValueError(f"node_rank must be in [0, {nodes}), got {self.node_rank}")
+        if nodes > 1 and self.master_port is None:
+            raise ValueError("more than one node needs master_port (and master_addr: node 0)")
+        if self.distributed_timeout <= 0:
+            raise ValueError(
+                f"distributed_timeout must be positive, got {self.distributed_timeout}"
             )

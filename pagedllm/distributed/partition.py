@@ -64,11 +64,6 @@ class TensorPartition:
                 "tensor parallelism does not split mixture-of-experts layers yet; run this "
                 "model with tensor_parallel_size=1"
             )
-        if c.qkv_layout is not None:
-            raise PartitionError(
-                f"tensor parallelism does not split q/k/v stored as one {c.qkv_layout!r} "
-                f"tensor ({c.architecture}); run this model with tensor_parallel_size=1"
-            )
         if c.qk_norm == "projection":
             raise PartitionError(
                 f"{c.architecture} norms q and k over every head at once, which tensor "

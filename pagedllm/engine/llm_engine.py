@@ -14,19 +14,23 @@ had not been there.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig
 from pagedllm.cpu.allocator import keep_freed_memory
+from pagedllm.distributed.executor import TensorParallelExecutor
+from pagedllm.distributed.worker import StepWork, WorkerSetup
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.engine.memory_profile import profile_memory
-from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompt_logprobs import score_prompt_positions
@@ -37,10 +41,10 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
+from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.kv.block_manager import BlockManager, max_window_blocks
 from pagedllm.kv.block_pool import num_reserved_blocks
-from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
-from pagedllm.kv.swap_space import SwapSpace
+from pagedllm.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from pagedllm.models.loader import LoadedModel, load_model
 from pagedllm.models.weight_bytes import describe_weight_bytes
 
@@ -56,7 +60,26 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """``loaded``: a model already loaded for ``config`` (one rank only)."""
         self.config = config
+        self.executor: TensorParallelExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a preloaded model cannot be split over tensor-parallel ranks")
+            if config.device.type == "cuda":
+                raise ValueError(
+                    "tensor parallelism runs on the CPU (gloo) only for now; use "
+                    "tensor_parallel_size=1 on CUDA"
+                )
+            self.executor = TensorParallelExecutor(config)
+        try:
+            self._start(loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, loaded: LoadedModel | None) -> None:
+        config = self.config
         torch.manual_seed(config.seed)
         keep_freed_memory()
         start = time.monotonic()
@@ -67,6 +90,7 @@ class LLMEngine:
             device=self.device,
             load_format=config.load_format,
             quantization=config.quantization,
+            parallel=self.executor.group if self.executor else None,
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -78,7 +102,7 @@ class LLMEngine:
             describe_weight_bytes(self.loaded.model),
         )
         self.kv_budget = self._kv_budget()
-        mc = self.model_config
+        mc = self.loaded.model.layer_config  # this rank's heads: rank 0 holds the most
         contiguous = config.kv_allocation == "contiguous"
         # With every layer sliding, blocks out of the window go back to the pool, and the
         # cache keeps one block more than the pool for the tables' null entries.
@@ -106,11 +130,17 @@ class LLMEngine:
             sliding_window=window,
         )
         self._log_pool()
-        self.kv_cache = self._make_cache(self.num_blocks + (window is not None))
-        attn = attention_backend_for(self.kv_cache)
-        self.runner = ModelRunner(
-            self.loaded.model, attn, config.block_size, self.max_model_len, self.device
+        cache_blocks = self.num_blocks + (window is not None)
+        swap_blocks = self._swap_blocks()
+        self.worker = ModelWorker(
+            config, self.loaded.model, cache_blocks, self.max_model_len, swap_blocks
         )
+        self.kv_cache, self.runner = self.worker.kv_cache, self.worker.runner
+        self.swap_space = self.worker.swap_space
+        if self.executor is not None:
+            setup = WorkerSetup(config.model, cache_blocks, self.max_model_len, swap_blocks)
+            self.executor.start_ranks(setup)
+        attn = self.runner.attn
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.loaded.model.supports_cuda_graphs:
                 self.runner.graphs = DecodeGraphs(
@@ -123,7 +153,6 @@ class LLMEngine:
                 )
             else:
                 logger.info("Decode steps run eagerly: this model's layers cannot be captured")
-        self.swap_space = self._make_swap_space()
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -143,17 +172,7 @@ class LLMEngine:
         self._stats_logger = StatsLogger(config.log_stats_interval)
 
     def _make_cache(self, num_blocks: int) -> KVCache:
-        mc, config = self.model_config, self.config
-        return KVCache(
-            mc.num_layers,
-            num_blocks,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.dtype,
-            device=self.device,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
+        return make_kv_cache(self.config, self.loaded.model, num_blocks)
 
     def _kv_budget(self) -> int:
         """Bytes for the KV pool: the configured size, or on CUDA what the memory
@@ -173,18 +192,32 @@ class LLMEngine:
         profile.log()
         return profile.kv_budget
 
-    def _make_swap_space(self) -> SwapSpace | None:
-        config = self.config
+    def _swap_blocks(self) -> int:
+        """Blocks of the swap space (``swap_space`` bytes, per rank); 0 for none."""
+        config, mc = self.config, self.loaded.model.layer_config
         if config.preemption_mode == "recompute" or config.swap_space == 0:
-            return None
-        block_bytes = self.kv_cache.nbytes // max(self.kv_cache.num_blocks, 1)
+            return 0
+        block_bytes = bytes_per_block(
+            mc.num_layers,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.dtype,
+            config.kv_cache_dtype,
+        )
         num_blocks = config.swap_space // block_bytes
         if num_blocks == 0:
             raise ValueError(
                 f"swap_space={config.swap_space} bytes holds no block of {block_bytes} bytes"
             )
         logger.info("Swap space: %d blocks (%d bytes)", num_blocks, num_blocks * block_bytes)
-        return SwapSpace(self.kv_cache, num_blocks, config.swap_path)
+        return num_blocks
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing to do without
+        them); the engine cannot step afterwards. Idempotent; also run at exit."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- start-up checks -------------------------------------------------------------
 
@@ -463,12 +496,16 @@ class LLMEngine:
         """
         times = self.step_times
         t0 = time.perf_counter()
-        self._apply_copies(plan)
+        copies = BlockCopies(plan.swap_out, plan.swap_in, plan.block_copies)
         batch = self.runner.build_batch(plan)
         t1 = time.perf_counter()
-        output = self.runner.forward(batch)
-        if batch.prompt_spans:
-            self._record_prompt_logprobs(batch.prompt_spans, output.prompt_hidden)
+        executor = self.executor
+        with executor.guard() if executor else nullcontext():
+            if executor is not None:
+                executor.send_step(StepWork(copies, dataclasses.replace(batch, prompt_spans=[])))
+            output = self.worker.execute(copies, batch)
+            if batch.prompt_spans:
+                self._record_prompt_logprobs(batch.prompt_spans, output.prompt_hidden)
         times.prepare += t1 - t0
         times.forward += time.perf_counter() - t1
         return self.scheduler.update_from_output(plan), output.logits
@@ -480,16 +517,6 @@ class LLMEngine:
         compute_logits = self.loaded.model.compute_logits
         for seq, entries in score_prompt_positions(compute_logits, hidden, spans):
             self._requests[seq.request_id].prompt_logprobs.extend(entries)
-
-    def _apply_copies(self, plan: SchedulerOutput) -> None:
-        """Every block copy of a plan, in the order its invariants need: blocks leave the
-        pool (swap-out) before they are reused, come back (swap-in), then are copied on
-        write."""
-        if self.swap_space is not None:
-            self.swap_space.copy_out(plan.swap_out)
-            self.swap_space.copy_in(plan.swap_in)
-        if plan.block_copies:
-            self.kv_cache.copy_blocks(plan.block_copies)
 
     def _fork_parallel_samples(
         self, sampling: list[TokenSequence], logits: torch.Tensor

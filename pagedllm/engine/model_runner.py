@@ -143,7 +143,7 @@ class ModelRunner:
     def forward(self, batch: ModelInput) -> ModelOutput:
         """The sampling rows' logits and the owed prompt rows' hidden states."""
         num_samples, metadata = len(batch.sample_rows), batch.metadata
-        if not batch.prompt_spans:
+        if not len(batch.prompt_rows):
             if self.graphs is not None and self.graphs.can_run(metadata, num_samples):
                 logits = self.graphs.run(batch.input_ids, batch.positions, metadata)
                 return ModelOutput(logits, logits.new_empty(0))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.checkpoint_names import checkpoint_source, stored_shapes
 from pagedllm.models.config import ModelConfig
@@ -190,9 +191,11 @@ def load_dummy_model(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = DEFAULT_SEED,
+    parallel: TensorParallelGroup | None = None,
 ) -> tuple[ModelConfig, LlamaDecoder, Path]:
     """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
-    random weights, its config, and its source (the preset name or the config's path)."""
+    random weights (``parallel``: this rank's slice of them), its config, and its source
+    (the preset name or the config's path)."""
     config, source = dummy_config(model)
     get = checkpoint_source(config, dummy_weight_source(config, dtype, device, seed))
-    return config, LlamaDecoder(config, get, dtype, device), source
+    return config, LlamaDecoder(config, get, dtype, device, parallel), source

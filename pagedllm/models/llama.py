@@ -24,6 +24,9 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.partition import TensorPartition
+from pagedllm.distributed.sharded_weights import ShardedWeights
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
@@ -98,11 +101,17 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, get: WeightSource, get_norm: WeightSource
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        get: WeightSource,
+        get_norm: WeightSource,
+        parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
+        self.parallel = parallel
         spec = config.spec
         windows = config.sliding_windows
         window = windows[layer_idx] if windows else None
@@ -159,6 +168,18 @@ class DecoderLayer(nn.Module):
         c = self.config
         weight, bias = getattr(self, name), getattr(self, name + "_bias", None)
         return normalize(x, weight, bias, c.spec.norm, c.rms_norm_eps)
+
+    def _row_parallel(
+        self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``linear(x, weight, bias)`` of a row-parallel product (output projection,
+        down): under tensor parallelism each rank's partial sum is all-reduced, and the
+        bias added once, after."""
+        if self.parallel is None:
+            return linear(x, weight, bias)
+        out = linear(x, weight)
+        self.parallel.all_reduce(out)
+        return out if bias is None else out.add_(bias)
 
     def _add(self, hidden: torch.Tensor, branch: torch.Tensor) -> None:
         multiplier = self.config.residual_multiplier
@@ -220,7 +241,8 @@ class DecoderLayer(nn.Module):
         # Parallel layouts: the MLP reads the residual stream from before attention's add.
         if layout == "parallel":
             normed = self._norm("post_attention_layernorm", hidden)
-        out = linear(attended.reshape(hidden.shape[0], c.q_size), self.o_weight, self.o_bias)
+        attended = attended.reshape(hidden.shape[0], c.q_size)
+        out = self._row_parallel(attended, self.o_weight, self.o_bias)
         if layout in ("sandwich", "post"):
             out = self._norm("post_attention_layernorm", out)
         self._add(hidden, out)
@@ -239,7 +261,7 @@ class DecoderLayer(nn.Module):
                 activated = gated_activation(gate_up, c.hidden_act)
             else:
                 activated = activation(gate_up, c.hidden_act)
-            out = linear(activated, self.down_weight, self.down_bias)
+            out = self._row_parallel(activated, self.down_weight, self.down_bias)
         if layout in ("sandwich", "post"):
             out = self._norm("post_feedforward_layernorm", out)
         self._add(hidden, out)
@@ -257,6 +279,12 @@ class LlamaDecoder(nn.Module):
     ``offset + weight`` (computed in float32, then converted). The LM head is the embedding
     matrix when the config ties them; then one copy is kept, in the LM head's form, and
     embedding lookups read its rows.
+
+    With ``parallel``, the decoder holds rank ``parallel.rank``'s slice of every weight
+    (:mod:`pagedllm.distributed.sharded_weights`): its layers run ``layer_config``, the
+    rank's heads and MLP width; embedding rows and logits are those of its vocabulary
+    shard (``vocab_rows``, padded), summed and gathered across the ranks. ``config``
+    stays the whole model's.
     """
 
     def __init__(
@@ -265,11 +293,21 @@ class LlamaDecoder(nn.Module):
         get: WeightSource,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.parallel = parallel
+        self.layer_config = config
+        self.vocab_rows = range(config.vocab_size)
+        if parallel is not None:
+            partition = TensorPartition(config, parallel.world_size)
+            self.layer_config = partition.local_config(parallel.rank)
+            shard = partition.rank_slice(parallel.rank).vocab
+            self.vocab_rows = range(shard.start, shard.start + partition.vocab_shard)
+            get = ShardedWeights(get, partition, parallel.rank)
         spec = config.spec
 
         def get_as_dtype(name: str) -> torch.Tensor | QuantizedWeight:
@@ -284,7 +322,8 @@ class LlamaDecoder(nn.Module):
 
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, get_as_dtype, get_norm) for i in range(config.num_layers)
+            DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, parallel)
+            for i in range(config.num_layers)
         )
         weighted = spec.norm != "layer_plain"
         self.register_buffer("final_norm", get_norm("model.norm.weight") if weighted else None)
@@ -333,17 +372,26 @@ class LlamaDecoder(nn.Module):
         """Embedding rows ``[T, hidden_size]`` of ``input_ids`` ``[T]``, scaled as the
         architecture scales them, plus the position embeddings of ``positions`` ``[T]``
         for an architecture that learned them (GPT-2)."""
-        if isinstance(self.embed_tokens, QuantizedWeight):
-            rows = self.embed_tokens.rows(input_ids).to(self.dtype)
-        elif isinstance(self.embed_tokens, PackedWeight):
-            rows = self.embed_tokens.rows(input_ids)
-        else:
-            rows = F.embedding(input_ids, self.embed_tokens)
+        if self.parallel is None:
+            rows = self._embedding_rows(input_ids)
+        else:  # each id's row lives on one rank; the others add zeros
+            local = input_ids - self.vocab_rows.start
+            outside = (local < 0) | (local >= len(self.vocab_rows))
+            rows = self._embedding_rows(local.masked_fill(outside, 0)).contiguous()
+            rows[outside] = 0
+            self.parallel.all_reduce(rows)
         if self.embed_positions is not None:
             if positions is None:
                 raise ValueError("this architecture's embeddings need the token positions")
             rows = rows + F.embedding(positions, self.embed_positions)
         return rows if self.embedding_scale is None else rows * self.embedding_scale
+
+    def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            return self.embed_tokens.rows(ids).to(self.dtype)
+        if isinstance(self.embed_tokens, PackedWeight):
+            return self.embed_tokens.rows(ids)
+        return F.embedding(ids, self.embed_tokens)
 
     @torch.inference_mode()
     def forward(
@@ -369,11 +417,18 @@ class LlamaDecoder(nn.Module):
         return normalize(hidden, self.final_norm, self.final_norm_bias, c.spec.norm, c.rms_norm_eps)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[N, vocab_size]`` for the ``N`` hidden rows to be sampled,
-        divided by ``logits_divisor`` and soft-capped as the config says."""
-        logits = linear(hidden, self.lm_head).float()
+        divided by ``logits_divisor`` and soft-capped as the config says. Under tensor
+        parallelism every rank calls it with the same ``N``; rank 0 gets the gathered
+        logits, the others ``None``."""
         c = self.config
+        logits = linear(hidden, self.lm_head)
+        if self.parallel is not None and len(hidden):
+            logits = self.parallel.gather_columns(logits)
+            if logits is None:
+                return None
+        logits = logits[:, : c.vocab_size].float()
         if c.logits_divisor != 1.0:
             logits = logits / c.logits_divisor
         if c.final_logit_softcap:

@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 import torch
 
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
@@ -388,8 +389,10 @@ def load_gguf_model(
     reader: gguf.GGUFReader | None = None,
     device: torch.device | str = "cpu",
     quantization: str = "auto",
+    parallel: TensorParallelGroup | None = None,
 ) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from a GGUF file. With ``quantization="auto"`` on the CPU, each
+    """Build the decoder (``parallel``: this rank's slice of it) from a GGUF file.
+    With ``quantization="auto"`` on the CPU, each
     matrix stored in a :data:`KERNEL_TYPES` format stays in it; every other tensor (all of
     them with ``"none"``) is dequantized (one float32 tensor at a time, on the CPU) and
     converted to ``dtype`` on ``device``."""
@@ -438,7 +441,7 @@ def load_gguf_model(
         return weight
 
     tracked = TrackedSource(get)
-    decoder = LlamaDecoder(config, tracked, dtype, device)
+    decoder = LlamaDecoder(config, tracked, dtype, device, parallel)
     if expanded:
         logger.info(
             "Dequantized to %s at load (no kernels keep them quantized): %s tensors",

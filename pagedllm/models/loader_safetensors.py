@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.errors import ModelLoadError
@@ -81,8 +82,10 @@ def load_safetensors_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     quantization: str = "auto",
+    parallel: TensorParallelGroup | None = None,
 ) -> tuple[ModelConfig, LlamaDecoder]:
-    """Build the decoder from the folder's weights, converted to ``dtype`` on ``device``;
+    """Build the decoder (``parallel``: this rank's slice of it) from the folder's
+    weights, converted to ``dtype`` on ``device``;
     with ``quantization="int8"``, the projections, embedding and LM head (those whose rows
     are a multiple of 32 weights) are rounded to int8 per output channel instead
     (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only).
@@ -110,7 +113,8 @@ def load_safetensors_model(
 
         tracked = TrackedSource(get)
         source = checkpoint_source(config, tracked)
-        decoder = LlamaDecoder(config, int8_source(source) if int8 else source, dtype, device)
+        weights = int8_source(source) if int8 else source
+        decoder = LlamaDecoder(config, weights, dtype, device, parallel)
         # A tied checkpoint may still store its LM head; transformers ignores it too. Old
         # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
         head = stored_name(config, "lm_head.weight")

@@ -115,3 +115,30 @@ def int8_per_channel(weight: torch.Tensor) -> QuantizedWeight:
     blocks[:, :, :2] = scale.view(torch.uint8).reshape(out_features, 1, 2)
     blocks[:, :, 2:] = codes.view(torch.uint8).reshape(out_features, -1, 32)
     return QuantizedWeight(blocks.reshape(out_features, -1), Q.Q8_0, in_features)
+
+
+def slice_rows(weight: QuantizedWeight, rows: range) -> QuantizedWeight:
+    """Rows ``rows`` of ``weight`` (each row is whole blocks, so any range cuts cleanly)."""
+    blocks = weight.blocks[rows.start : rows.stop].contiguous()
+    return QuantizedWeight(blocks, weight.ggml_type, weight.in_features)
+
+
+def slice_columns(weight: QuantizedWeight, columns: range) -> QuantizedWeight | None:
+    """Columns ``columns`` of ``weight`` as whole blocks, or ``None`` when the range does
+    not start and end on a block boundary (32 or 256 weights, by format)."""
+    values, nbytes = gguf.GGML_QUANT_SIZES[weight.ggml_type]
+    if columns.start % values or columns.stop % values:
+        return None
+    first, last = columns.start // values * nbytes, columns.stop // values * nbytes
+    blocks = weight.blocks[:, first:last].contiguous()
+    return QuantizedWeight(blocks, weight.ggml_type, len(columns))
+
+
+def pad_rows(weight: QuantizedWeight, num_rows: int) -> QuantizedWeight:
+    """``weight`` with zero rows appended up to ``num_rows`` (all-zero blocks decode to
+    zero weights in every format)."""
+    missing = num_rows - weight.out_features
+    if missing <= 0:
+        return weight
+    zeros = weight.blocks.new_zeros(missing, weight.blocks.shape[1])
+    return QuantizedWeight(torch.cat([weight.blocks, zeros]), weight.ggml_type, weight.in_features)

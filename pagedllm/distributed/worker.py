@@ -1,0 +1,133 @@
+"""A tensor-parallel rank other than 0: it loads its slice of the model, then runs its
+share of every step rank 0 sends, until rank 0 says stop.
+
+Per step it receives a :class:`StepWork` (the block moves and the flattened batch rank 0
+built), applies the moves to its cache, runs the same forward pass over its heads, and
+joins the collectives: the all-reduces of every layer and the gathers of logits (the
+sampling rows', then the prompt-logprob rows' in ``ROWS_PER_SLICE`` slices, as rank 0
+scores them). It never samples, and holds no scheduler or block manager.
+
+A rank started by the engine dies with it (``PR_SET_PDEATHSIG`` on Linux), ignores
+SIGINT (the engine's process handles Ctrl-C and stops its ranks), and exits non-zero on
+any error, which the engine's next collective sees at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.engine.model_runner import ModelInput
+from pagedllm.engine.model_worker import ModelWorker
+from pagedllm.engine.prompt_logprobs import ROWS_PER_SLICE
+from pagedllm.kv.block_copies import BlockCopies
+from pagedllm.models.loader import load_model
+
+logger = logging.getLogger("pagedllm")
+
+WAIT_FOR_STEPS = timedelta(days=365)
+"""How long a rank waits for rank 0's next step: an idle engine sends none."""
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Sent once by rank 0 after it sized the pool: the cache every rank allocates
+    (blocks, window null block included), the runner's table width, swap blocks."""
+
+    model: str | None
+    num_cache_blocks: int
+    max_model_len: int
+    swap_blocks: int
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step for every rank: block moves, then the batch (its prompt spans left out;
+    the prompt rows say how many logprob rows are gathered)."""
+
+    copies: BlockCopies
+    batch: ModelInput
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when its parent dies, then make sure it has not
+    already died (the request races with the parent's exit)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def run_rank(
+    config: EngineConfig,
+    rank: int,
+    init_method: str,
+    threads: int,
+    parent_pid: int | None = None,
+    log_level: int = logging.WARNING,
+) -> None:
+    """Run rank ``rank`` (> 0) of ``config.tensor_parallel_size`` until rank 0 stops it;
+    ``parent_pid``: the engine process that started it, if one did."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_format = f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=log_level, format=log_format)
+    torch.set_num_threads(threads)
+    world = config.tensor_parallel_size
+    backend = "nccl" if config.device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=WAIT_FOR_STEPS
+    )
+    try:
+        _serve(config, TensorParallelGroup(rank, world))
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
+    loaded = load_model(
+        config.model,
+        config.dtype,
+        device=config.device,
+        load_format=config.load_format,
+        quantization=config.quantization,
+        parallel=group,
+    )
+    setup = group.broadcast_object()
+    if not isinstance(setup, WorkerSetup):
+        return  # rank 0 failed before it sized the pool, and says stop
+    if setup.model != config.model:
+        raise ValueError(
+            f"rank {group.rank} loaded {config.model!r}, but rank 0 runs {setup.model!r}: "
+            "give every node the same model options"
+        )
+    worker = ModelWorker(
+        config,
+        loaded.model,
+        setup.num_cache_blocks,
+        setup.max_model_len,
+        setup.swap_blocks,
+        group.rank,
+    )
+    compute_logits = loaded.model.compute_logits
+    with torch.inference_mode():
+        while isinstance(work := group.broadcast_object(), StepWork):
+            output = worker.execute(work.copies, work.batch)
+            hidden = output.prompt_hidden
+            for start in range(0, len(hidden), ROWS_PER_SLICE):
+                compute_logits(hidden[start : start + ROWS_PER_SLICE])

@@ -1,0 +1,28 @@
+"""A step's block moves, applied to one cache (and its swap space) in the order the
+scheduler's invariants need: blocks leave the pool (swap-out) before they are reused,
+come back (swap-in), then are copied on write. Under tensor parallelism every rank
+applies the same moves to its own slice of the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.swap_space import SwapSpace
+
+
+@dataclass(frozen=True)
+class BlockCopies:
+    """``(src, dst)`` block pairs: pool -> swap space, swap space -> pool, and within the
+    pool (copy-on-write)."""
+
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copy_on_write: list[tuple[int, int]]
+
+    def apply(self, cache: KVCache, swap_space: SwapSpace | None) -> None:
+        if swap_space is not None:
+            swap_space.copy_out(self.swap_out)
+            swap_space.copy_in(self.swap_in)
+        if self.copy_on_write:
+            cache.copy_blocks(self.copy_on_write)
