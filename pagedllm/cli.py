@@ -151,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if hasattr(args, "tensor_parallel_size"):
+            from pagedllm.distributed.node import run_ranks_unless_engine
+
+            status = run_ranks_unless_engine(config_from_flags(args))
+            if status is not None:
+                return status
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -12,11 +12,11 @@ and killed by the kernel if the engine's process dies (see
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
 import signal
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -60,7 +60,8 @@ class TensorParallelExecutor:
         for process in self.processes:
             process.start()
         self.failure: WorkerFailedError | None = None
-        self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
+        self._stopped = False
+        atexit.register(self.shutdown)
         backend = "nccl" if config.device.type == "cuda" else "gloo"
         with self.guard():
             dist.init_process_group(
@@ -122,7 +123,11 @@ class TensorParallelExecutor:
 
     def shutdown(self) -> None:
         """Stop every rank (politely when they can still hear, then by force) and leave
-        the process group. Idempotent."""
+        the process group. Idempotent; registered to run at interpreter exit."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.shutdown)
         if self.failure is None and dist.is_initialized():
             try:
                 self.group.broadcast_object(None)
@@ -132,7 +137,7 @@ class TensorParallelExecutor:
             for process in self.processes:
                 if process.is_alive():
                     process.kill()
-        self._finalizer()
+        _stop_processes(self.processes)
         if dist.is_initialized():
             dist.destroy_process_group()
 

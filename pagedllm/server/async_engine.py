@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
+from pagedllm.distributed.errors import WorkerFailedError
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_errors import InvalidRequestError
@@ -145,6 +146,7 @@ class AsyncEngine:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -275,6 +277,8 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except WorkerFailedError:
+                    raise  # a lost rank ends the engine: the loop dies, the server exits
                 except Exception:
                     logger.exception("engine step failed; failing the requests in flight")
                     self.metrics.step_failed()

@@ -1,0 +1,50 @@
+"""A process that is not the engine's: it runs its node's ranks and no engine.
+
+That is node ``r > 0`` of a multi-node launch (``--node-rank r``), or a process torchrun
+started with ``RANK > 0``. Its ranks run until node 0's engine stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.launch import placement, threads_per_rank
+from pagedllm.distributed.worker import run_rank
+
+logger = logging.getLogger("pagedllm")
+
+
+def run_ranks_unless_engine(config: EngineConfig) -> int | None:
+    """``None`` when this process is rank 0 (it goes on to build the engine); otherwise
+    run this process's ranks until the engine stops them, and return the exit status."""
+    if config.tensor_parallel_size == 1:
+        return None
+    place = placement(config)
+    if place.rank == 0:
+        return None
+    threads = threads_per_rank(place.ranks_here)
+    level = logger.getEffectiveLevel()
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(
+            target=run_rank,
+            args=(config, rank, place.init_method, threads, os.getpid(), level),
+            name=f"pagedllm-rank{rank}",
+            daemon=True,
+        )
+        for rank in place.children
+    ]
+    for child in children:
+        child.start()
+    try:
+        run_rank(config, place.rank, place.init_method, threads, log_level=level)
+    except Exception:
+        logger.exception("rank %d failed", place.rank)
+        return 1
+    finally:
+        for child in children:
+            child.join()
+    return max([0, *(abs(child.exitcode or 0) for child in children)])
