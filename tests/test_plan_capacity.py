@@ -138,14 +138,14 @@ def test_paged_layout_under_a_window_keeps_the_last_window():
 
 def test_memory_budget_takes_weights_and_activation_reserve_first():
     params = PRESETS["llama-3-8b"].num_parameters
-    budget = memory_budget(params, "bfloat16", 0.2, total_bytes=80 * 10**9)
+    budget = memory_budget([params], "bfloat16", 0.2, total_bytes=80 * 10**9)
     assert budget.weight_bytes == 2 * params
     assert budget.activation_reserve_bytes == pytest.approx(0.4 * params, abs=1)
     assert budget.kv_bytes == 80 * 10**9 - budget.weight_bytes - budget.activation_reserve_bytes
     with pytest.raises(ValueError, match="do not hold the weights"):
-        memory_budget(params, "bfloat16", 0.2, total_bytes=16 * 10**9)
+        memory_budget([params], "bfloat16", 0.2, total_bytes=16 * 10**9)
     with pytest.raises(ValueError, match="either"):
-        memory_budget(params, "bfloat16", 0.2)
+        memory_budget([params], "bfloat16", 0.2)
 
 
 def test_paged_layout_counts_like_the_worked_example():
@@ -175,6 +175,6 @@ def test_kv_dtypes_use_the_torch_element_sizes():
 
 def test_quantized_weights_count_their_block_scales():
     # the engine holds Q4_0 as 18-byte blocks of 32 weights, Q4_K as 144 bytes per 256
-    assert memory_budget(3200, "int4", 0.0, kv_bytes=1).weight_bytes == 1800
-    assert memory_budget(3200, "int8", 0.0, kv_bytes=1).weight_bytes == 3400
-    assert memory_budget(2560, "q4_k", 0.0, kv_bytes=1).weight_bytes == 1440
+    assert memory_budget([3200], "int4", 0.0, kv_bytes=1).weight_bytes == 1800
+    assert memory_budget([3200], "int8", 0.0, kv_bytes=1).weight_bytes == 3400
+    assert memory_budget([2560], "q4_k", 0.0, kv_bytes=1).weight_bytes == 1440
