@@ -5,9 +5,9 @@ K and V for every layer and KV head: ``2 x layers x kv_heads x head_dim`` elemen
 Blocks are counted with the engine's own :func:`~pagedllm.kv.kv_cache.bytes_per_block`,
 so an unquantized plan holds exactly the blocks the engine allocates for that budget.
 
-Quantized caches (fp8, int8) are assumed to carry one float32 scale per layer, K/V,
-block and KV head: ``4 / (block_size x head_dim)`` bytes per element, 0.2 % at block
-size 16 and head_dim 128. Weights take ``parameters x bytes per weight`` (quantized
+Quantized caches (fp8, int8) carry one bfloat16 scale per token, layer, K/V and KV
+head, as the engine stores them: ``2 / head_dim`` bytes per element, 1.6 % at head_dim
+128. Weights take ``parameters x bytes per weight`` (quantized
 formats with their block scales, as the engine holds them); the
 activation reserve is a fraction of the weight bytes (10-20 % is the usual rule of thumb).
 

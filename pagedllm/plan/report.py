@@ -86,7 +86,7 @@ def _parallel_line(plan: CapacityPlan) -> str:
     if config.num_kv_heads < n:
         line += f" (each KV head replicated on {n // config.num_kv_heads} devices)"
     return line + (
-        f"; the device with the most holds {device.num_heads} query heads and "
+        f"; the device with the most KV heads holds {device.num_heads} query heads and "
         f"{device.intermediate_size:,} of {config.intermediate_size:,} MLP features; "
         f"vocabulary shards of {TensorPartition(config, n).vocab_shard:,} rows"
     )
@@ -98,7 +98,7 @@ def _weights(plan: CapacityPlan) -> str:
     if n > 1:
         params = (
             f"{budget.device_parameters / 1e9:.3g} B of the {params}; "
-            f"{decimal_bytes(budget.weight_bytes_all_devices)} on all {n} devices"
+            f"{decimal_bytes(budget.weight_bytes_all_devices)} on the {n} devices"
         )
     return f"weights {decimal_bytes(budget.weight_bytes)} ({params})"
 
@@ -119,10 +119,8 @@ def _memory_line(plan: CapacityPlan) -> str:
             f"KV cache budget {decimal_bytes(budget.kv_bytes)} ({budget.kv_bytes:,} bytes), "
             f"given directly; {weights} and {reserve} come on top"
         )
-    return (
-        f"{decimal_bytes(budget.total_bytes)} total = {weights} + {reserve} "
-        f"+ KV cache {decimal_bytes(budget.kv_bytes)}"
-    )
+    memory = f"{decimal_bytes(budget.total_bytes)}{_per_device(plan) or ' total'}"
+    return f"{memory} = {weights} + {reserve} + KV cache {decimal_bytes(budget.kv_bytes)}"
 
 
 def _workload_line(plan: CapacityPlan) -> str:
