@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from pagedllm.distributed.partition import PartitionError
 from pagedllm.kv.fragmentation import fragmentation_stats
-from pagedllm.kv.kv_cache import num_blocks_for_budget
+from pagedllm.kv.kv_cache import bytes_per_block, num_blocks_for_budget
+from pagedllm.models.config import ModelConfig
 from pagedllm.plan.capacity import (
     KV_DTYPES,
+    WEIGHT_BYTES,
     Workload,
     block_bytes,
     block_elements_per_layer,
+    blocks_for_tokens,
     blocks_held,
+    blocks_per_rank,
     dtype_capacity,
     hidden_size_estimate,
     kv_bytes_per_token,
@@ -21,7 +28,7 @@ from pagedllm.plan.capacity import (
     memory_budget,
 )
 from pagedllm.plan.layout import SHARED_OWNER, paged_layout
-from pagedllm.plan.model_shape import count_parameters, resolve_model
+from pagedllm.plan.model_shape import count_parameters, rank_parameters, resolve_model
 from pagedllm.plan.presets import PRESETS
 from pagedllm.plan.report import binary_bytes, decimal_bytes
 
@@ -138,14 +145,14 @@ def test_paged_layout_under_a_window_keeps_the_last_window():
 
 def test_memory_budget_takes_weights_and_activation_reserve_first():
     params = PRESETS["llama-3-8b"].num_parameters
-    budget = memory_budget(params, "bfloat16", 0.2, total_bytes=80 * 10**9)
+    budget = memory_budget([params], "bfloat16", 0.2, total_bytes=80 * 10**9)
     assert budget.weight_bytes == 2 * params
     assert budget.activation_reserve_bytes == pytest.approx(0.4 * params, abs=1)
     assert budget.kv_bytes == 80 * 10**9 - budget.weight_bytes - budget.activation_reserve_bytes
     with pytest.raises(ValueError, match="do not hold the weights"):
-        memory_budget(params, "bfloat16", 0.2, total_bytes=16 * 10**9)
+        memory_budget([params], "bfloat16", 0.2, total_bytes=16 * 10**9)
     with pytest.raises(ValueError, match="either"):
-        memory_budget(params, "bfloat16", 0.2)
+        memory_budget([params], "bfloat16", 0.2)
 
 
 def test_paged_layout_counts_like_the_worked_example():
@@ -175,6 +182,142 @@ def test_kv_dtypes_use_the_torch_element_sizes():
 
 def test_quantized_weights_count_their_block_scales():
     # the engine holds Q4_0 as 18-byte blocks of 32 weights, Q4_K as 144 bytes per 256
-    assert memory_budget(3200, "int4", 0.0, kv_bytes=1).weight_bytes == 1800
-    assert memory_budget(3200, "int8", 0.0, kv_bytes=1).weight_bytes == 3400
-    assert memory_budget(2560, "q4_k", 0.0, kv_bytes=1).weight_bytes == 1440
+    assert memory_budget([3200], "int4", 0.0, kv_bytes=1).weight_bytes == 1800
+    assert memory_budget([3200], "int8", 0.0, kv_bytes=1).weight_bytes == 3400
+    assert memory_budget([2560], "q4_k", 0.0, kv_bytes=1).weight_bytes == 1440
+
+
+# Tensor parallelism: per-device figures, checked against counts made here from the shapes.
+
+
+def llama_like_parameters(
+    config: ModelConfig, q_heads: int, kv_heads: int, intermediate: int, vocab_rows: int
+) -> int:
+    """Parameters of a Llama-like decoder's share holding ``q_heads`` query heads,
+    ``kv_heads`` KV heads, ``intermediate`` MLP features and ``vocab_rows`` vocabulary rows:
+    q/k/v rows and o columns of those heads (q/k/v biases when the model has them),
+    gate/up rows and down columns of those features, those rows of the embedding (and of
+    the LM head unless tied), and the two norms of each layer and the final norm whole."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    attention = hidden * head_dim * (2 * q_heads + 2 * kv_heads)
+    biases = head_dim * (q_heads + 2 * kv_heads) if config.attention_bias else 0
+    layer = attention + biases + 3 * hidden * intermediate + 2 * hidden
+    vocab = vocab_rows * hidden * (1 if config.tie_word_embeddings else 2)
+    return config.num_layers * layer + vocab + hidden
+
+
+def smollm2_variant(**hf_fields) -> ModelConfig:
+    """SmolLM2-135M's shape (9 query heads, 3 KV heads, tied embeddings) with some fields
+    changed."""
+    return ModelConfig.from_hf_dict({**PRESETS["smollm2-135m"].hf_config, **hf_fields})
+
+
+ONE_KV_HEAD = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 1}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_shape_count_matches_the_published_sizes_on_one_device(name):
+    config = resolve_model(name).config
+    whole = llama_like_parameters(
+        config, config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
+    )
+    assert rank_parameters(config, 1) == (whole,) == (PRESETS[name].num_parameters,)
+
+
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - {"smollm2-135m"}))
+def test_two_devices_each_hold_half_of_every_split_tensor_and_every_norm(name):
+    config = resolve_model(name).config
+    half = llama_like_parameters(
+        config,
+        config.num_heads // 2,
+        config.num_kv_heads // 2,
+        config.intermediate_size // 2,
+        config.vocab_size // 2,
+    )
+    assert rank_parameters(config, 2) == (half, half)
+    assert 2 * half > PRESETS[name].num_parameters  # norms are on both devices
+    budget = memory_budget(rank_parameters(config, 2), "bfloat16", 0.1, kv_bytes=1)
+    assert (budget.device_parameters, budget.weight_bytes) == (half, 2 * half)
+    assert budget.weight_bytes_all_devices == 4 * half
+
+
+def test_three_kv_heads_over_two_devices_split_two_and_one_with_short_last_shards():
+    """9 query heads in 3 groups: 6 + 3; 1,537 MLP features: 769 + 768; 1,001 vocabulary
+    rows (embedding and LM head): 501 + 500."""
+    config = smollm2_variant(vocab_size=1001, intermediate_size=1537, tie_word_embeddings=False)
+    first = llama_like_parameters(config, 6, 2, 769, 501)
+    second = llama_like_parameters(config, 3, 1, 768, 500)
+    assert rank_parameters(config, 2) == (first, second)
+    budget = memory_budget((first, second), "q4_k", 0.0, total_bytes=10**9)
+    assert budget.weight_bytes == math.ceil(first * WEIGHT_BYTES["q4_k"])
+    assert budget.weight_bytes_all_devices == budget.weight_bytes + math.ceil(
+        second * WEIGHT_BYTES["q4_k"]
+    )
+    assert budget.kv_bytes == 10**9 - budget.weight_bytes
+
+
+def test_one_kv_head_is_replicated_on_both_devices():
+    config = smollm2_variant(**ONE_KV_HEAD)
+    share = llama_like_parameters(config, 4, 1, config.intermediate_size // 2, 49152 // 2)
+    assert rank_parameters(config, 2) == (share, share)
+
+
+@pytest.mark.parametrize(
+    ("config", "device_kv_heads", "null_blocks"),
+    [
+        (resolve_model("llama-3-8b").config, 4, 0),
+        (resolve_model("smollm2-135m").config, 2, 0),
+        (smollm2_variant(**ONE_KV_HEAD), 1, 0),
+        (resolve_model("mistral-7b").config, 4, 1),
+    ],
+    ids=["8-kv-heads", "3-kv-heads", "1-kv-head", "sliding"],
+)
+@pytest.mark.parametrize("kv_dtype", sorted(KV_DTYPES))
+def test_blocks_per_device_are_the_engine_pool_of_the_rank_with_most_kv_heads(
+    config, device_kv_heads, null_blocks, kv_dtype
+):
+    budget = 10**9 + 12345
+    layers, head_dim = config.num_layers, config.head_dim
+    cache_format = KV_DTYPES[kv_dtype].cache_format
+    engine_blocks = num_blocks_for_budget(
+        budget, layers, 16, device_kv_heads, head_dim, torch.float32, cache_format
+    )
+    assert blocks_per_rank(config, 2, budget, 16, kv_dtype) == engine_blocks - null_blocks
+    workload = Workload(100, 1000, prefix_len=40)
+    row = dtype_capacity(config, 16, budget, workload, KV_DTYPES[kv_dtype], 2)
+    element_bytes = KV_DTYPES[kv_dtype].element_bytes
+    assert row.num_blocks == engine_blocks - null_blocks
+    assert row.num_tokens == 16 * row.num_blocks
+    assert row.kv_bytes_per_token == 2 * layers * device_kv_heads * head_dim * element_bytes
+    assert row.block_bytes_per_layer == 2 * 16 * device_kv_heads * head_dim * element_bytes
+    assert row.block_bytes == bytes_per_block(
+        layers, 16, device_kv_heads, head_dim, torch.float32, cache_format
+    )
+    window = config.kv_window
+    assert row.paged_seqs == max_seqs_paged(row.num_blocks, 16, 100, window=window)
+    assert row.paged_seqs_with_prefix == max_seqs_paged(row.num_blocks, 16, 100, 40, window)
+    assert row.contiguous_seqs == row.num_blocks // blocks_for_tokens(1000, 16)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_one_device_keeps_the_whole_model_pool(name):
+    config = resolve_model(name).config
+    budget = 3 * 10**9 + 1
+    engine_blocks = num_blocks_for_budget(
+        budget, config.num_layers, 16, config.num_kv_heads, config.head_dim, torch.float32
+    )
+    null_blocks = config.kv_window is not None
+    assert blocks_per_rank(config, 1, budget, 16) == engine_blocks - null_blocks
+    workload = Workload(100, 1000)
+    row = dtype_capacity(config, 16, budget, workload, KV_DTYPES["float32"], 1)
+    assert row == dtype_capacity(config, 16, budget, workload, KV_DTYPES["float32"])
+
+
+@pytest.mark.parametrize("size", [0, 4])
+def test_a_model_the_partition_refuses_has_no_per_device_figures(size):
+    """SmolLM2's 3 KV heads do not split over 4 devices (4 is no multiple of 3)."""
+    config = resolve_model("smollm2-135m").config
+    with pytest.raises(PartitionError):
+        rank_parameters(config, size)
+    with pytest.raises(PartitionError):
+        blocks_per_rank(config, size, 10**9, 16)

@@ -137,3 +137,50 @@ def test_default_model_blocks_equal_what_the_engine_allocates(capsys, default_mo
     assert engine.config.dtype == torch.float32
     assert rows["float32"]["num_blocks"] == engine.num_blocks == engine.kv_cache.num_blocks
     assert rows["float32"]["block_bytes"] * engine.num_blocks == engine.kv_cache.nbytes
+
+
+def test_one_device_is_the_default_plan(capsys):
+    for argv in (["llama-3-8b"], ["llama-3-8b", "--json"]):
+        default = run_plan(capsys, *argv)
+        assert run_plan(capsys, *argv, "--tensor-parallel-size", "1") == default
+    assert "Devices" not in default and json.loads(default)["tensor_parallel_size"] == 1
+
+
+def test_two_devices_json_is_per_device(capsys):
+    """Llama-3-8B over 2 devices: each holds half of every split tensor plus all 65 norms
+    of 4,096 weights: (8,030,261,248 + 65 x 4,096) / 2 parameters."""
+    argv = ("llama-3-8b", "--json", "--memory", "40GB", "--activation-reserve", "0.1")
+    one = json.loads(run_plan(capsys, *argv))
+    two = json.loads(run_plan(capsys, *argv, "--tensor-parallel-size", "2"))
+    assert two["tensor_parallel_size"] == 2 and two["kv_heads_per_device"] == [4, 4]
+    assert "per device" in two["per_device"]
+    budget = two["budget"]
+    assert budget["device_parameters"] == 4_015_263_744
+    assert budget["weight_bytes"] == 2 * 4_015_263_744
+    assert budget["weight_bytes_all_devices"] == 4 * 4_015_263_744
+    assert (
+        budget["kv_bytes"]
+        == 40 * 10**9 - budget["weight_bytes"] - budget["activation_reserve_bytes"]
+    )
+    assert two["block_elements_per_layer"] == one["block_elements_per_layer"] // 2
+    for row_one, row_two in zip(one["kv_dtypes"], two["kv_dtypes"], strict=True):
+        assert row_two["kv_bytes_per_token"] == row_one["kv_bytes_per_token"] // 2
+        assert row_two["num_blocks"] == budget["kv_bytes"] // row_two["block_bytes"]
+
+
+def test_two_devices_text_says_per_device_and_the_kv_split(capsys, tmp_path):
+    out = run_plan(capsys, "smollm2-135m", "--tensor-parallel-size", "2", "--kv-dtype", "bfloat16")
+    assert "tensor parallel over 2 devices; every figure below is per device" in out
+    assert "KV heads per device 2+1;" in out and "6 query heads" in out
+    assert "Capacity of 2.15 GB of KV cache on each device" in out
+    one_kv_head = {**PRESETS["smollm2-135m"].hf_config, "num_key_value_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps(one_kv_head))
+    out = run_plan(capsys, str(tmp_path), "--tensor-parallel-size", "3")
+    assert "KV heads per device 1+1+1 (each KV head replicated on 3 devices)" in out
+
+
+def test_a_split_the_partition_refuses_is_a_clear_error(capsys):
+    assert main(["plan", "smollm2-135m", "--tensor-parallel-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "3 KV heads and 9 query heads cannot be split over 4 ranks" in err
+    assert "Traceback" not in err

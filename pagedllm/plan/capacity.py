@@ -5,9 +5,9 @@ K and V for every layer and KV head: ``2 x layers x kv_heads x head_dim`` elemen
 Blocks are counted with the engine's own :func:`~pagedllm.kv.kv_cache.bytes_per_block`,
 so an unquantized plan holds exactly the blocks the engine allocates for that budget.
 
-Quantized caches (fp8, int8) are assumed to carry one float32 scale per layer, K/V,
-block and KV head: ``4 / (block_size x head_dim)`` bytes per element, 0.2 % at block
-size 16 and head_dim 128. Weights take ``parameters x bytes per weight`` (quantized
+Quantized caches (fp8, int8) carry one bfloat16 scale per token, layer, K/V and KV
+head, as the engine stores them: ``2 / head_dim`` bytes per element, 1.6 % at head_dim
+128. Weights take ``parameters x bytes per weight`` (quantized
 formats with their block scales, as the engine holds them); the
 activation reserve is a fraction of the weight bytes (10-20 % is the usual rule of thumb).
 
@@ -17,15 +17,24 @@ while decoding), as the engine releases the others, and the engine's pool is one
 smaller (the null block its tables point at). A model with any global layer holds every
 block of every sequence: all layers share one pool, so a block is kept while any layer
 may read it.
+
+Tensor parallelism (``tensor_parallel_size`` ranks, one per device, split as
+:class:`~pagedllm.distributed.partition.TensorPartition` says): weights, budgets, blocks
+and sequences are per device. A device's weights are those of the rank holding the most
+(:func:`~pagedllm.plan.model_shape.rank_parameters`); every rank's pool has as many
+blocks as the pool of the rank with the most KV heads, since all ranks hold the same
+block ids, so a budget's blocks and a block's bytes are that rank's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pagedllm.distributed.partition import TensorPartition
 from pagedllm.kv.block_manager import max_window_blocks
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
@@ -114,6 +123,32 @@ def block_bytes(config: ModelConfig, block_size: int, kv_dtype: KVDtype) -> int:
     )
 
 
+def kv_rank_config(config: ModelConfig, tensor_parallel_size: int = 1) -> ModelConfig:
+    """The layers of the rank holding the most KV heads
+    (:attr:`~pagedllm.distributed.partition.TensorPartition.max_kv_heads`): its KV bytes
+    per token and per block are a device's (the model's own config on one rank)."""
+    partition = TensorPartition(config, tensor_parallel_size)
+    rank = max(range(tensor_parallel_size), key=lambda r: len(partition.rank_slice(r).kv_heads))
+    return partition.local_config(rank)
+
+
+def blocks_per_rank(
+    config: ModelConfig,
+    tensor_parallel_size: int,
+    kv_bytes: int,
+    block_size: int,
+    kv_dtype: str = "float32",
+) -> int:
+    """Blocks each rank's pool offers sequences for a KV budget of ``kv_bytes`` bytes per
+    rank: the blocks of ``block_size`` tokens ``kv_bytes`` holds on the rank with the most
+    KV heads (:func:`~pagedllm.kv.kv_cache.num_blocks_for_budget`, as the engine sizes
+    every rank's pool), less the null block when every layer slides. ``kv_dtype`` is a
+    :data:`KV_DTYPES` name."""
+    rank_config = kv_rank_config(config, tensor_parallel_size)
+    per_block = block_bytes(rank_config, block_size, KV_DTYPES[kv_dtype])
+    return max(0, kv_bytes // per_block - (config.kv_window is not None))
+
+
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks a sequence of ``num_tokens`` tokens holds: ``ceil(num_tokens / block_size)``."""
     return -(-num_tokens // block_size)
@@ -162,32 +197,45 @@ def max_seqs_contiguous(num_blocks: int, block_size: int, max_model_len: int) ->
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Where memory goes, in bytes. ``total_bytes`` is ``None`` when the KV budget was
-    given directly; otherwise ``kv_bytes = total - weights - activation reserve``, the
-    reserve being ``activation_reserve`` (a fraction) of the weight bytes."""
+    """Where one device's memory goes, in bytes. ``total_bytes`` is ``None`` when the KV
+    budget was given directly; otherwise ``kv_bytes = total - weights - activation
+    reserve``, the reserve being ``activation_reserve`` (a fraction) of the weight bytes.
+    ``device_parameters`` and ``weight_bytes`` are the device holding the most's;
+    ``weight_bytes_all_devices`` sums every device's weights."""
 
     total_bytes: int | None
     weight_dtype: str
+    device_parameters: int
     weight_bytes: int
+    weight_bytes_all_devices: int
     activation_reserve: float
     activation_reserve_bytes: int
     kv_bytes: int
 
 
+def weight_bytes(num_parameters: int, weight_dtype: str) -> int:
+    """Bytes of ``num_parameters`` weights stored as ``weight_dtype`` (a
+    :data:`WEIGHT_BYTES` name; block formats with their scales), rounded up."""
+    return math.ceil(num_parameters * WEIGHT_BYTES[weight_dtype])
+
+
 def memory_budget(
-    num_parameters: int,
+    rank_parameters: Sequence[int],
     weight_dtype: str,
     activation_reserve: float,
     total_bytes: int | None = None,
     kv_bytes: int | None = None,
 ) -> MemoryBudget:
-    """Split ``total_bytes`` into weights, activation reserve (a fraction of the weights)
-    and KV cache, or take ``kv_bytes`` as the KV budget. Exactly one must be given."""
+    """Split one device's ``total_bytes`` into weights, activation reserve (a fraction of
+    the weights) and KV cache, or take ``kv_bytes`` as its KV budget. Exactly one must be
+    given. ``rank_parameters``: the parameters each device holds (one entry without tensor
+    parallelism); the device holding the most sets the weights."""
     if (total_bytes is None) == (kv_bytes is None):
         raise ValueError("give either a total memory size or a KV cache budget, not both")
     if activation_reserve < 0:
         raise ValueError(f"activation reserve must be a fraction >= 0, got {activation_reserve}")
-    weights = math.ceil(num_parameters * WEIGHT_BYTES[weight_dtype])
+    device_parameters = max(rank_parameters)
+    weights = weight_bytes(device_parameters, weight_dtype)
     reserve = math.ceil(weights * activation_reserve)
     if kv_bytes is None:
         kv_bytes = total_bytes - weights - reserve
@@ -196,7 +244,16 @@ def memory_budget(
                 f"{total_bytes:,} bytes do not hold the weights ({weights:,} bytes in "
                 f"{weight_dtype}) and the activation reserve ({reserve:,} bytes)"
             )
-    return MemoryBudget(total_bytes, weight_dtype, weights, activation_reserve, reserve, kv_bytes)
+    return MemoryBudget(
+        total_bytes=total_bytes,
+        weight_dtype=weight_dtype,
+        device_parameters=device_parameters,
+        weight_bytes=weights,
+        weight_bytes_all_devices=sum(weight_bytes(p, weight_dtype) for p in rank_parameters),
+        activation_reserve=activation_reserve,
+        activation_reserve_bytes=reserve,
+        kv_bytes=kv_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -241,29 +298,44 @@ class DtypeCapacity:
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """A model's memory plan for one block size, budget and workload, per KV dtype."""
+    """A model's memory plan for one block size, budget and workload, per KV dtype, on
+    each of ``tensor_parallel_size`` devices (every figure but the model's is per device)."""
 
     model: ModelShape
     block_size: int
     budget: MemoryBudget
     workload: Workload
     rows: tuple[DtypeCapacity, ...]
+    tensor_parallel_size: int = 1
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The layers whose KV cache sizes a device's pool (:func:`kv_rank_config`)."""
+        return kv_rank_config(self.model.config, self.tensor_parallel_size)
 
 
 def dtype_capacity(
-    config: ModelConfig, block_size: int, kv_bytes: int, workload: Workload, kv_dtype: KVDtype
+    config: ModelConfig,
+    block_size: int,
+    kv_bytes: int,
+    workload: Workload,
+    kv_dtype: KVDtype,
+    tensor_parallel_size: int = 1,
 ) -> DtypeCapacity:
-    """The figures of one KV dtype for a budget of ``kv_bytes`` bytes."""
-    per_token = kv_bytes_per_token(config, kv_dtype)
-    per_block = block_bytes(config, block_size, kv_dtype)
+    """The figures of one KV dtype for a budget of ``kv_bytes`` bytes per device, on each
+    of ``tensor_parallel_size`` devices (see :func:`blocks_per_rank`)."""
+    rank_config = kv_rank_config(config, tensor_parallel_size)
+    per_token = kv_bytes_per_token(rank_config, kv_dtype)
     window = config.kv_window
-    num_blocks = max(0, kv_bytes // per_block - (window is not None))
+    num_blocks = blocks_per_rank(config, tensor_parallel_size, kv_bytes, block_size, kv_dtype.name)
     return DtypeCapacity(
         kv_dtype=kv_dtype.name,
         element_bytes=kv_dtype.element_bytes,
         kv_bytes_per_token=per_token,
-        block_bytes_per_layer=block_elements_per_layer(config, block_size) * kv_dtype.element_bytes,
-        block_bytes=per_block,
+        block_bytes_per_layer=(
+            block_elements_per_layer(rank_config, block_size) * kv_dtype.element_bytes
+        ),
+        block_bytes=block_bytes(rank_config, block_size, kv_dtype),
         batch_kv_bytes=workload.batch * workload.avg_len * per_token,
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
@@ -281,10 +353,19 @@ def plan_capacity(
     budget: MemoryBudget,
     workload: Workload,
     kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES),
+    tensor_parallel_size: int = 1,
 ) -> CapacityPlan:
-    """Every figure of the plan, one row per name in ``kv_dtypes``."""
+    """Every figure of the plan, one row per name in ``kv_dtypes``; ``budget`` is per
+    device, on each of ``tensor_parallel_size`` devices."""
     rows = tuple(
-        dtype_capacity(model.config, block_size, budget.kv_bytes, workload, KV_DTYPES[name])
+        dtype_capacity(
+            model.config,
+            block_size,
+            budget.kv_bytes,
+            workload,
+            KV_DTYPES[name],
+            tensor_parallel_size,
+        )
         for name in kv_dtypes
     )
-    return CapacityPlan(model, block_size, budget, workload, rows)
+    return CapacityPlan(model, block_size, budget, workload, rows, tensor_parallel_size)

@@ -15,7 +15,7 @@ from pagedllm.plan.capacity import (
     memory_budget,
     plan_capacity,
 )
-from pagedllm.plan.model_shape import resolve_model
+from pagedllm.plan.model_shape import rank_parameters, resolve_model
 from pagedllm.plan.presets import PRESETS
 from pagedllm.plan.report import format_text, to_json
 
@@ -48,14 +48,21 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     memory.add_argument(
         "--memory",
         default=None,
-        help="total device memory, e.g. 80GB: weights and the "
+        help="memory of each device, e.g. 80GB: its weights and "
         "activation reserve are taken out first",
     )
     memory.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="the KV cache budget itself, as the engine's option (default "
+        help="the KV cache budget of each device itself, as the engine's option (default "
         "2GiB, the engine's CPU default, when --memory is not given)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="devices the model is split over (default 1); figures are per device",
     )
     parser.add_argument(
         "--weight-dtype",
@@ -124,14 +131,16 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
     kv_memory = args.kv_cache_memory
     if args.memory is None and kv_memory is None:
         kv_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+    tensor_parallel_size = args.tensor_parallel_size
     budget = memory_budget(
-        model.num_parameters,
+        rank_parameters(model.config, tensor_parallel_size),
         args.weight_dtype,
         args.activation_reserve,
         total_bytes=None if args.memory is None else parse_bytes(args.memory),
         kv_bytes=None if kv_memory is None else parse_bytes(kv_memory),
     )
-    return plan_capacity(model, validate_block_size(args.block_size), budget, workload, kv_dtypes)
+    block_size = validate_block_size(args.block_size)
+    return plan_capacity(model, block_size, budget, workload, kv_dtypes, tensor_parallel_size)
 
 
 def run_plan(args: argparse.Namespace) -> int:

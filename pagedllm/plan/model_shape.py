@@ -6,11 +6,13 @@ only, no tensor data), so the planner sees the shape the engine would load.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.distributed.partition import TensorPartition
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
 from pagedllm.models.dummy import parameter_shapes
@@ -41,12 +43,39 @@ class ModelShape:
         return self.config.num_kv_heads / self.config.num_heads
 
 
+def shard_config(partition: TensorPartition, rank: int) -> ModelConfig:
+    """The shape of what rank ``rank`` stores: its layers
+    (:meth:`~pagedllm.distributed.partition.TensorPartition.local_config`) with its
+    vocabulary shard as the vocabulary (its rows of the embedding and of the LM head)."""
+    vocab_rows = len(partition.rank_slice(rank).vocab)
+    return dataclasses.replace(partition.local_config(rank), vocab_size=vocab_rows)
+
+
+def rank_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple[int, ...]:
+    """Parameters each of ``tensor_parallel_size`` ranks holds, rank by rank: the tensors
+    of :func:`~pagedllm.models.dummy.parameter_shapes` for its :func:`shard_config`.
+
+    A rank holds the q/k/v rows and o columns of its heads (q/k/v biases and per-head
+    norms with them), the gate/up rows and down columns of its MLP range (gate/up biases
+    with them), its vocabulary shard of the embedding and of the LM head (one shard when
+    tied), and every other norm and bias (o and down biases included) whole. Raises
+    :class:`~pagedllm.distributed.partition.PartitionError` for a model the partition
+    cannot split.
+    """
+    partition = TensorPartition(config, tensor_parallel_size)
+    return tuple(
+        sum(math.prod(shape) for shape in parameter_shapes(shard_config(partition, rank)).values())
+        for rank in range(tensor_parallel_size)
+    )
+
+
 def count_parameters(config: ModelConfig) -> int:
     """Parameters of the decoder: every tensor its checkpoint holds (see
     :func:`~pagedllm.models.dummy.parameter_shapes`: embeddings, attention and its
     biases and norms, the MLP or every expert of a mixture, norms, and the output head
-    unless tied)."""
-    return sum(math.prod(shape) for shape in parameter_shapes(config).values())
+    unless tied): :func:`rank_parameters` on one rank."""
+    (total,) = rank_parameters(config)
+    return total
 
 
 def resolve_model(model: str | None) -> ModelShape:

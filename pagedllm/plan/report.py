@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pagedllm.distributed.partition import TensorPartition
 from pagedllm.kv.kv_quant import SCALE_BYTES
 from pagedllm.plan.capacity import (
     KV_DTYPES,
@@ -13,6 +14,7 @@ from pagedllm.plan.capacity import (
     block_elements_per_layer,
     blocks_held,
     hidden_size_estimate,
+    kv_bytes_per_token,
 )
 
 QUANTIZED_SCALES = (
@@ -39,7 +41,7 @@ def binary_bytes(num_bytes: float) -> str:
 
 def gqa_explanation(plan: CapacityPlan) -> str:
     """Why the KV width is ``kv_heads x head_dim``, and what the textbook formula (with the
-    hidden size as the width) gets wrong."""
+    hidden size as the width) gets wrong, for the whole model (all devices)."""
     config = plan.model.config
     kv_width = config.num_kv_heads * config.head_dim
     ratio = f"{config.num_kv_heads}/{config.num_heads}"
@@ -49,23 +51,65 @@ def gqa_explanation(plan: CapacityPlan) -> str:
             f"kv_heads x head_dim = {kv_width:,} equals the hidden size and the formula "
             "2 x layers x tokens x hidden x bytes is exact."
         )
-    workload, row = plan.workload, plan.rows[0]
-    naive = hidden_size_estimate(config, workload.batch * workload.avg_len, row.element_bytes)
+    workload, kv_dtype = plan.workload, KV_DTYPES[plan.rows[0].kv_dtype]
+    num_tokens = workload.batch * workload.avg_len
+    batch_bytes = num_tokens * kv_bytes_per_token(config, kv_dtype)
+    naive = hidden_size_estimate(config, num_tokens, kv_dtype.element_bytes)
     return (
         f"kv_heads/heads = {ratio}: the K/V width is kv_heads x head_dim = {kv_width:,}, "
         f"not the hidden size {config.hidden_size:,}. The formula 2 x layers x tokens x "
         f"hidden x bytes assumes kv_heads == heads; multiply it by {ratio} "
-        f"(batch {workload.batch} x {workload.avg_len:,} tokens in {row.kv_dtype}: "
-        f"{decimal_bytes(row.batch_kv_bytes)}, not {decimal_bytes(naive)})."
+        f"(batch {workload.batch} x {workload.avg_len:,} tokens in {kv_dtype.name}: "
+        f"{decimal_bytes(batch_bytes)}, not {decimal_bytes(naive)})."
     )
+
+
+PER_DEVICE = (
+    "budget, kv_dtypes and block_elements_per_layer are per device: the weights of the "
+    "device holding the most, the KV cache of the device with the most KV heads (all "
+    "devices hold the same blocks); budget.weight_bytes_all_devices sums every device"
+)
+
+
+def kv_heads_per_device(plan: CapacityPlan) -> list[int]:
+    """KV heads each device holds, device by device (a replicated head on each of its devices)."""
+    partition = TensorPartition(plan.model.config, plan.tensor_parallel_size)
+    return [len(partition.rank_slice(r).kv_heads) for r in range(plan.tensor_parallel_size)]
+
+
+def _parallel_line(plan: CapacityPlan) -> str:
+    n, config, device = plan.tensor_parallel_size, plan.model.config, plan.kv_config
+    line = (
+        f"tensor parallel over {n} devices; every figure below is per device. KV heads per "
+        f"device {'+'.join(map(str, kv_heads_per_device(plan)))}"
+    )
+    if config.num_kv_heads < n:
+        line += f" (each KV head replicated on {n // config.num_kv_heads} devices)"
+    return line + (
+        f"; the device with the most KV heads holds {device.num_heads} query heads and "
+        f"{device.intermediate_size:,} of {config.intermediate_size:,} MLP features; "
+        f"vocabulary shards of {TensorPartition(config, n).vocab_shard:,} rows"
+    )
+
+
+def _weights(plan: CapacityPlan) -> str:
+    budget, n = plan.budget, plan.tensor_parallel_size
+    params = f"{plan.model.num_parameters / 1e9:.3g} B params in {budget.weight_dtype}"
+    if n > 1:
+        params = (
+            f"{budget.device_parameters / 1e9:.3g} B of the {params}; "
+            f"{decimal_bytes(budget.weight_bytes_all_devices)} on the {n} devices"
+        )
+    return f"weights {decimal_bytes(budget.weight_bytes)} ({params})"
+
+
+def _per_device(plan: CapacityPlan) -> str:
+    return " on each device" if plan.tensor_parallel_size > 1 else ""
 
 
 def _memory_line(plan: CapacityPlan) -> str:
     budget = plan.budget
-    weights = (
-        f"weights {decimal_bytes(budget.weight_bytes)} "
-        f"({plan.model.num_parameters / 1e9:.3g} B params in {budget.weight_dtype})"
-    )
+    weights = _weights(plan)
     reserve = (
         f"activation reserve {decimal_bytes(budget.activation_reserve_bytes)} "
         f"({budget.activation_reserve:.0%} of weights)"
@@ -75,10 +119,8 @@ def _memory_line(plan: CapacityPlan) -> str:
             f"KV cache budget {decimal_bytes(budget.kv_bytes)} ({budget.kv_bytes:,} bytes), "
             f"given directly; {weights} and {reserve} come on top"
         )
-    return (
-        f"{decimal_bytes(budget.total_bytes)} total = {weights} + {reserve} "
-        f"+ KV cache {decimal_bytes(budget.kv_bytes)}"
-    )
+    memory = f"{decimal_bytes(budget.total_bytes)}{_per_device(plan) or ' total'}"
+    return f"{memory} = {weights} + {reserve} + KV cache {decimal_bytes(budget.kv_bytes)}"
 
 
 def _workload_line(plan: CapacityPlan) -> str:
@@ -110,7 +152,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _per_token_rows(plan: CapacityPlan) -> list[str]:
-    elements = block_elements_per_layer(plan.model.config, plan.block_size)
+    elements = block_elements_per_layer(plan.kv_config, plan.block_size)
     workload = plan.workload
     header = [
         "KV dtype",
@@ -178,13 +220,15 @@ def format_text(plan: CapacityPlan) -> str:
     lines = [
         f"Model     {model}",
         f"GQA       {gqa_explanation(plan)}",
-        f"Memory    {_memory_line(plan)}",
-        f"Workload  {_workload_line(plan)}",
     ]
+    if plan.tensor_parallel_size > 1:
+        lines.append(f"Devices   {_parallel_line(plan)}")
+    lines += [f"Memory    {_memory_line(plan)}", f"Workload  {_workload_line(plan)}"]
     if any(KV_DTYPES[row.kv_dtype].quantized for row in plan.rows):
         lines.append(f"Scales    {QUANTIZED_SCALES} (in 'block, all layers' and the counts)")
-    lines += ["", "KV cache per token and per block", *_per_token_rows(plan)]
-    lines += ["", f"Capacity of {decimal_bytes(plan.budget.kv_bytes)} of KV cache"]
+    lines += ["", f"KV cache per token and per block{_per_device(plan)}", *_per_token_rows(plan)]
+    kv_budget = decimal_bytes(plan.budget.kv_bytes)
+    lines += ["", f"Capacity of {kv_budget} of KV cache{_per_device(plan)}"]
     lines += _capacity_rows(plan)
     return "\n".join(lines)
 
@@ -204,8 +248,11 @@ def to_json(plan: CapacityPlan) -> dict[str, Any]:
             "max_context": plan.model.max_context,
             "gqa_ratio": plan.model.gqa_ratio,
         },
+        "tensor_parallel_size": plan.tensor_parallel_size,
+        "kv_heads_per_device": kv_heads_per_device(plan),
+        "per_device": PER_DEVICE,
         "block_size": plan.block_size,
-        "block_elements_per_layer": block_elements_per_layer(config, plan.block_size),
+        "block_elements_per_layer": block_elements_per_layer(plan.kv_config, plan.block_size),
         "budget": dataclasses.asdict(plan.budget),
         "workload": dataclasses.asdict(plan.workload),
         "assumptions": {"quantized_scales": QUANTIZED_SCALES},
