@@ -82,7 +82,8 @@ def test_ranks_hold_whole_groups(heads, kv_heads, world, q_heads, kv):
         assert {h // group for h in s.q_heads} <= set(s.kv_heads)
     assert partition.max_kv_heads == max(len(s.kv_heads) for s in slices)
     local = partition.local_config(0)
-    assert (local.num_heads, local.num_kv_heads) == (len(slices[0].q_heads), len(slices[0].kv_heads))
+    assert local.num_heads == len(slices[0].q_heads)
+    assert local.num_kv_heads == len(slices[0].kv_heads)
     assert sum(len(s.intermediate) for s in slices) == 300
 
 
@@ -173,6 +174,31 @@ def test_two_ranks_generate_what_one_does(folders, name):
             assert_close(one[rid].prompt_logprobs[1:], two[rid].prompt_logprobs[1:])
 
 
+def test_each_rank_holds_the_blocks_the_planner_counts(folders):
+    from pagedllm.plan.capacity import blocks_per_rank
+
+    budget = 3 << 20
+    engine = make_engine(folders["kv3"], 2, kv_cache_memory=budget)
+    try:
+        assert engine.num_blocks == blocks_per_rank(engine.model_config, 2, budget, 4)
+        assert engine.kv_cache.nbytes <= budget  # rank 0 holds the most KV heads (2 of 3)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_default_model_on_two_ranks_generates_what_one_does():
+    prompts = [[1, 504, 3458, 282, 4182, 314] + [(97 * i + 13 * j) % 49000 + 17 for j in range(i)]
+               for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    results = {}
+    for tp in (1, 2):
+        engine = LLMEngine(EngineConfig(tensor_parallel_size=tp, kv_cache_memory="64MiB",
+                                        log_stats_interval=0))
+        results[tp] = outputs_of(engine, prompts, params)
+    assert_same(results[1], results[2])
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_sharing_preemption_and_parallel_samples_across_ranks(folders, mode):
     prefix = list(range(2, 34))
@@ -216,9 +242,10 @@ def test_beam_search_across_ranks(folders):
     for tp in (1, 2):
         llm = LLM.from_engine(make_engine(folders["kv3"], tp))
         try:
-            found[tp] = [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, params)]
+            outputs = llm.beam_search(prompts, params)
         finally:
             llm.llm_engine.shutdown()
+        found[tp] = [[s.token_ids for s in out.sequences] for out in outputs]
     assert found[1] == found[2]
 
 
