@@ -1,0 +1,133 @@
+"""Tensor parallelism on one machine: two ranks of one thread each against one rank of
+two threads, side by side (JSON lines).
+
+Both split the same cores; the two ranks add what tensor parallelism costs on a CPU:
+an all-reduce after every output projection and MLP (two per layer), a gather of the
+sampled rows' logits and the step's broadcast to the other rank, and, when heads do not
+split evenly (the default model's 3 KV heads go 2 + 1), the wait for the busier rank.
+
+Records (one JSON line each):
+- ``machine``: CPU model and flags that matter here, cores, load average.
+- ``run``: per run and ``tensor_parallel_size``, ``pagedllm bench``'s workload (greedy,
+  ``ignore_eos``) then one sequence decoding alone: output tokens/s, steps, and per step
+  the milliseconds rank 0 spent in each kind of collective (waiting included).
+- ``summary``: medians over the runs (alternating 1 and 2 ranks, so background load
+  hits both alike) and the ratio two ranks / one rank.
+
+    python benchmarks/tensor_parallel.py [--runs 3] [--num-requests 64] [--model M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.throughput import run_engine
+from pagedllm.bench.workload import BenchRequest, length_range, synthetic_workload
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def emit(record: dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def machine() -> dict[str, object]:
+    """CPU model, the flags that choose kernels, cores and load."""
+    name, flags = "unknown", set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    return {
+        "measure": "machine",
+        "cpu": name,
+        "flags": [f for f in FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average": os.getloadavg(),
+    }
+
+
+def measure(
+    config: EngineConfig, requests: list[BenchRequest], threads: int
+) -> dict[str, object]:
+    """One engine of ``config`` over ``requests``: throughput and collectives per step."""
+    torch.set_num_threads(threads)  # a tensor-parallel engine sets its own share
+    engine = LLMEngine(config)
+    try:
+        result = run_engine(requests, config, engine)
+        steps = engine.step_times.steps
+        record = {
+            "output_tokens_per_s": result["output_tokens_per_s"],
+            "steps": steps,
+            "seconds": result["elapsed_s"],
+        }
+        if engine.executor is not None:
+            group = engine.executor.group
+            record["collective_ms_per_step"] = {
+                kind: 1e3 * seconds / steps for kind, seconds in group.seconds.items()
+            }
+            record["collectives_per_step"] = {
+                kind: calls / steps for kind, calls in group.calls.items()
+            }
+        return record
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
+    parser.add_argument("--output-len", type=length_range, default=(16, 256))
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    emit(machine())
+    threads = len(os.sched_getaffinity(0))
+    workloads = {
+        "bench": synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len),
+        "decode_1": synthetic_workload(1, 1, (32, 32), (args.decode_tokens, args.decode_tokens)),
+    }
+    rates: dict[tuple[str, int], list[float]] = {}
+    for run in range(args.runs):
+        for tp in (1, 2):
+            config = EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                tensor_parallel_size=tp,
+                log_stats_interval=0,
+                enable_prefix_caching=False,
+            )
+            for name, requests in workloads.items():
+                record = measure(config, requests, threads)
+                emit({"measure": "run", "workload": name, "run": run,
+                      "tensor_parallel_size": tp, **record})
+                rates.setdefault((name, tp), []).append(record["output_tokens_per_s"])
+    for name in workloads:
+        one, two = (statistics.median(rates[name, tp]) for tp in (1, 2))
+        emit({
+            "measure": "summary",
+            "workload": name,
+            "tp1_threads": threads,
+            "tp2_threads_per_rank": max(1, threads // 2),
+            "tp1_output_tokens_per_s": one,
+            "tp2_output_tokens_per_s": two,
+            "ratio_tp2_over_tp1": two / one,
+        })
+
+
+if __name__ == "__main__":
+    main()
