@@ -95,11 +95,12 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         logger.info(
-            "Loaded %s (%s) in %.2f s; weights %s",
+            "Loaded %s (%s) in %.2f s; weights %s%s",
             self.loaded.source.name,
             self.model_config.architecture,
             time.monotonic() - start,
             describe_weight_bytes(self.loaded.model),
+            f" on rank 0 of {config.tensor_parallel_size}" if self.executor else "",
         )
         self.kv_budget = self._kv_budget()
         mc = self.loaded.model.layer_config  # this rank's heads: rank 0 holds the most

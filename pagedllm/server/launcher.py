@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,14 +13,9 @@ from types import TracebackType
 
 import httpx
 
+from pagedllm.distributed.launch import free_port
+
 LOCALHOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOCALHOST, 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
