@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedllm.config_flags import add_config_flags, config_from_flags
+from pagedllm.distributed.errors import WorkerFailedError
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if status is not None:
                 return status
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -402,3 +402,18 @@ def test_torchrun_starts_one_process_per_rank(chat_folder):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected
+
+
+def test_a_node_started_with_other_options_is_refused_at_start(chat_folder):
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(free_port())]
+    second = subprocess.Popen(
+        cli(*generate_command(chat_folder, *nodes, "--node-rank", "1", "--dtype", "bfloat16")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    first = subprocess.run(cli(*generate_command(chat_folder, *nodes, "--node-rank", "0")),
+                           capture_output=True, text=True, timeout=300)
+    _, err = second.communicate(timeout=60)
+    assert first.returncode != 0
+    assert "error: a tensor-parallel rank was started with engine options" in first.stderr
+    assert second.returncode != 0 and "'dtype'" in err

@@ -82,9 +82,15 @@ class TensorParallelExecutor:
         )
 
     def start_ranks(self, setup: WorkerSetup) -> None:
-        """Tell every rank the pool's size; they allocate their caches."""
+        """Tell every rank the pool's size and rank 0's settings; they check the settings
+        and allocate their caches. Raises :class:`WorkerFailedError` if a rank refuses."""
         with self.guard():
             self.group.broadcast_object(setup)
+            if not self.group.all_agree(True):
+                raise WorkerFailedError(
+                    "a tensor-parallel rank was started with engine options other than "
+                    "rank 0's (its log names them); give every node the same options"
+                )
 
     def send_step(self, work: StepWork) -> None:
         self.group.broadcast_object(work)
@@ -98,7 +104,10 @@ class TensorParallelExecutor:
         try:
             yield
         except Exception as error:
-            self.failure = WorkerFailedError(self._describe_failure(error))
+            if isinstance(error, WorkerFailedError):
+                self.failure = error
+            else:
+                self.failure = WorkerFailedError(self._describe_failure(error))
             logger.error("%s", self.failure)
             self.shutdown()
             raise self.failure from error

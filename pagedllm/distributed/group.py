@@ -54,3 +54,9 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0)
         self._timed("broadcast", start)
         return box[0]
+
+    def all_agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok`` (each learns it)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())

@@ -41,6 +41,9 @@ def run_ranks_unless_engine(config: EngineConfig) -> int | None:
         child.start()
     try:
         run_rank(config, place.rank, place.init_method, threads, log_level=level)
+    except ValueError as error:
+        logger.error("rank %d: %s", place.rank, error)
+        return 2
     except Exception:
         logger.exception("rank %d failed", place.rank)
         return 1

@@ -41,15 +41,32 @@ WAIT_FOR_STEPS = timedelta(days=365)
 PR_SET_PDEATHSIG = 1
 
 
+SHARED_SETTINGS = (
+    "model",
+    "load_format",
+    "quantization",
+    "dtype",
+    "kv_cache_dtype",
+    "block_size",
+    "tensor_parallel_size",
+)
+"""Engine settings every rank must share (each node reads its own command line)."""
+
+
 @dataclass(frozen=True)
 class WorkerSetup:
-    """Sent once by rank 0 after it sized the pool: the cache every rank allocates
-    (blocks, window null block included), the runner's table width, swap blocks."""
+    """Sent once by rank 0 after it sized the pool: its :data:`SHARED_SETTINGS`, the
+    cache every rank allocates (blocks, window null block included), the runner's table
+    width, swap blocks."""
 
-    model: str | None
+    settings: dict[str, object]
     num_cache_blocks: int
     max_model_len: int
     swap_blocks: int
+
+
+def shared_settings(config: EngineConfig) -> dict[str, object]:
+    return {name: getattr(config, name) for name in SHARED_SETTINGS}
 
 
 @dataclass(frozen=True)
@@ -111,10 +128,17 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
     setup = group.broadcast_object()
     if not isinstance(setup, WorkerSetup):
         return  # rank 0 failed before it sized the pool, and says stop
-    if setup.model != config.model:
+    differ = {
+        name: (value, setup.settings[name])
+        for name, value in shared_settings(config).items()
+        if value != setup.settings[name]
+    }
+    if not group.all_agree(not differ):
+        if not differ:
+            return  # another rank refused: rank 0 stops
         raise ValueError(
-            f"rank {group.rank} loaded {config.model!r}, but rank 0 runs {setup.model!r}: "
-            "give every node the same model options"
+            f"rank {group.rank} was started with other settings than rank 0 "
+            f"(this rank's, rank 0's): {differ}; give every node the same engine options"
         )
     worker = ModelWorker(
         config,

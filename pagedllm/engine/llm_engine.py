@@ -27,7 +27,7 @@ from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig
 from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.distributed.executor import TensorParallelExecutor
-from pagedllm.distributed.worker import StepWork, WorkerSetup
+from pagedllm.distributed.worker import StepWork, WorkerSetup, shared_settings
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
@@ -139,7 +139,8 @@ class LLMEngine:
         self.kv_cache, self.runner = self.worker.kv_cache, self.worker.runner
         self.swap_space = self.worker.swap_space
         if self.executor is not None:
-            setup = WorkerSetup(config.model, cache_blocks, self.max_model_len, swap_blocks)
+            settings = shared_settings(config)
+            setup = WorkerSetup(settings, cache_blocks, self.max_model_len, swap_blocks)
             self.executor.start_ranks(setup)
         attn = self.runner.attn
         if self.device.type == "cuda" and not config.enforce_eager:
