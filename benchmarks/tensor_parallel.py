@@ -1,18 +1,20 @@
-"""Tensor parallelism on one machine: two ranks of one thread each against one rank of
-two threads, side by side (JSON lines).
+"""Tensor parallelism on one machine: two ranks of one thread each (all-reduces through
+shared memory, and through gloo alone) against one rank of two threads, side by side
+(JSON lines).
 
-Both split the same cores; the two ranks add what tensor parallelism costs on a CPU:
+All split the same cores; the two ranks add what tensor parallelism costs on a CPU:
 an all-reduce after every output projection and MLP (two per layer), a gather of the
 sampled rows' logits and the step's broadcast to the other rank, and, when heads do not
 split evenly (the default model's 3 KV heads go 2 + 1), the wait for the busier rank.
 
 Records (one JSON line each):
 - ``machine``: CPU model and flags that matter here, cores, load average.
-- ``run``: per run and ``tensor_parallel_size``, ``pagedllm bench``'s workload (greedy,
-  ``ignore_eos``) then one sequence decoding alone: output tokens/s, steps, and per step
-  the milliseconds rank 0 spent in each kind of collective (waiting included).
-- ``summary``: medians over the runs (alternating 1 and 2 ranks, so background load
-  hits both alike) and the ratio two ranks / one rank.
+- ``run``: per run and variant (``tp1``, ``tp2``, ``tp2_gloo``), ``pagedllm bench``'s
+  workload (greedy, ``ignore_eos``) then one sequence decoding alone: output tokens/s,
+  steps, and per step the milliseconds rank 0 spent in each kind of collective (waiting
+  included).
+- ``summary``: medians over the runs (the variants alternate, so background load hits
+  all alike) and each variant's ratio to one rank.
 
     python benchmarks/tensor_parallel.py [--runs 3] [--num-requests 64] [--model M]
 """
@@ -101,31 +103,32 @@ def main() -> None:
         "bench": synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len),
         "decode_1": synthetic_workload(1, 1, (32, 32), (args.decode_tokens, args.decode_tokens)),
     }
-    rates: dict[tuple[str, int], list[float]] = {}
+    variants = {"tp1": (1, False), "tp2": (2, False), "tp2_gloo": (2, True)}
+    rates: dict[tuple[str, str], list[float]] = {}
     for run in range(args.runs):
-        for tp in (1, 2):
+        for variant, (tp, gloo) in variants.items():
             config = EngineConfig(
                 model=args.model,
                 dtype=args.dtype,
                 tensor_parallel_size=tp,
+                disable_custom_all_reduce=gloo,
                 log_stats_interval=0,
                 enable_prefix_caching=False,
             )
             for name, requests in workloads.items():
                 record = measure(config, requests, threads)
-                emit({"measure": "run", "workload": name, "run": run,
-                      "tensor_parallel_size": tp, **record})
-                rates.setdefault((name, tp), []).append(record["output_tokens_per_s"])
+                emit({"measure": "run", "workload": name, "run": run, "variant": variant,
+                      **record})
+                rates.setdefault((name, variant), []).append(record["output_tokens_per_s"])
     for name in workloads:
-        one, two = (statistics.median(rates[name, tp]) for tp in (1, 2))
+        medians = {variant: statistics.median(rates[name, variant]) for variant in variants}
         emit({
             "measure": "summary",
             "workload": name,
             "tp1_threads": threads,
             "tp2_threads_per_rank": max(1, threads // 2),
-            "tp1_output_tokens_per_s": one,
-            "tp2_output_tokens_per_s": two,
-            "ratio_tp2_over_tp1": two / one,
+            "output_tokens_per_s": medians,
+            "ratio_to_tp1": {v: rate / medians["tp1"] for v, rate in medians.items()},
         })
 
 

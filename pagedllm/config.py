@@ -193,6 +193,11 @@ class EngineConfig:
     master_port: int | None = knob(
         None, "port on master_addr where the ranks meet; default: a free one (one node only)"
     )
+    disable_custom_all_reduce: bool = knob(
+        False,
+        "tensor parallelism: all-reduce through gloo only, not through shared memory "
+        "between the ranks of one machine",
+    )
     distributed_timeout: float = knob(
         60.0,
         "seconds the engine waits for a tensor-parallel rank inside one step before it "

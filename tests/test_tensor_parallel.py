@@ -161,11 +161,15 @@ def assert_same(one: dict, two: dict) -> None:
             assert_close(a.logprobs or [], b.logprobs or [])
 
 
-@pytest.mark.parametrize("name", ["kv1", "kv2", "kv3", "kv4"])
-def test_two_ranks_generate_what_one_does(folders, name):
+@pytest.mark.parametrize(
+    ("name", "gloo"),
+    [("kv1", False), ("kv2", False), ("kv2", True), ("kv3", False), ("kv4", False)],
+)
+def test_two_ranks_generate_what_one_does(folders, name, gloo):
     params = dataclasses.replace(GREEDY, prompt_logprobs=1) if name == "kv3" else GREEDY
     one = outputs_of(make_engine(folders[name], 1), PROMPTS, params)
-    engine = make_engine(folders[name], 2)
+    engine = make_engine(folders[name], 2, disable_custom_all_reduce=gloo)
+    assert (engine.executor.group.shared is None) == gloo
     assert engine.kv_cache.num_kv_heads == TensorPartition(engine.model_config, 2).max_kv_heads
     two = outputs_of(engine, PROMPTS, params)
     assert_same(one, two)
@@ -417,3 +421,44 @@ def test_a_node_started_with_other_options_is_refused_at_start(chat_folder):
     assert first.returncode != 0
     assert "error: a tensor-parallel rank was started with engine options" in first.stderr
     assert second.returncode != 0 and "'dtype'" in err
+
+
+def reduce_on_rank(rank: int, address: str, results) -> None:
+    import torch.distributed as dist
+
+    from pagedllm.distributed.group import TensorParallelGroup
+
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
+    group = TensorParallelGroup(rank, 2)
+    group.use_shared_memory(slot_bytes=4096, timeout_s=30.0)
+    out = []
+    for dtype, n in [(torch.float32, 1000), (torch.bfloat16, 2000), (torch.float32, 5000)]:
+        x = torch.arange(n, dtype=torch.float32).mul(0.25 * (rank + 1)).to(dtype)
+        group.all_reduce(x)
+        out.append(x)
+    results[rank] = (group.shared is not None, out)
+    dist.destroy_process_group()
+
+
+def test_shared_memory_all_reduce_sums_like_gloo():
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        ranks = [context.Process(target=reduce_on_rank, args=(r, address, results))
+                 for r in range(2)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(120)
+        assert [p.exitcode for p in ranks] == [0, 0]
+        (shared0, first), (shared1, second) = results[0], results[1]
+    assert shared0 and shared1
+    for x, y, (dtype, n) in zip(first, second, [(torch.float32, 1000), (torch.bfloat16, 2000),
+                                                (torch.float32, 5000)], strict=True):
+        expected = (torch.arange(n, dtype=torch.float32) * 0.25).to(dtype).float()
+        expected = expected + (torch.arange(n, dtype=torch.float32) * 0.5).to(dtype).float()
+        assert x.dtype == dtype and torch.equal(x, y)  # every rank the same bits
+        assert torch.equal(x, expected.to(dtype))  # 5000 floats exceed the slot: gloo

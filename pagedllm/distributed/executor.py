@@ -91,6 +91,10 @@ class TensorParallelExecutor:
                     "a tensor-parallel rank was started with engine options other than "
                     "rank 0's (its log names them); give every node the same options"
                 )
+            if setup.all_reduce_bytes is not None:
+                self.group.use_shared_memory(setup.all_reduce_bytes, self.timeout)
+                how = "shared memory" if self.group.shared else "gloo (ranks on several machines)"
+                logger.info("Tensor-parallel all-reduces run through %s", how)
 
     def send_step(self, work: StepWork) -> None:
         self.group.broadcast_object(work)

@@ -15,16 +15,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pagedllm.distributed.shm_all_reduce import SharedMemoryAllReduce
+
 
 @dataclass
 class TensorParallelGroup:
     """Rank ``rank`` of ``world_size`` in the default process group (gloo on the CPU);
-    rank 0 schedules, samples and answers, the others follow it."""
+    rank 0 schedules, samples and answers, the others follow it. ``shared``: the
+    shared-memory all-reduce of ranks on one machine, once set up."""
 
     rank: int
     world_size: int
     seconds: Counter[str] = field(default_factory=Counter)
     calls: Counter[str] = field(default_factory=Counter)
+    shared: SharedMemoryAllReduce | None = None
+
+    def use_shared_memory(self, slot_bytes: int, timeout_s: float | None) -> None:
+        """Collective: all-reduce tensors of up to ``slot_bytes`` through shared memory
+        when every rank is on this machine (else gloo goes on doing them)."""
+        self.shared = SharedMemoryAllReduce.create(
+            self.rank, self.world_size, slot_bytes, timeout_s
+        )
 
     def _timed(self, kind: str, start: float) -> None:
         self.seconds[kind] += time.perf_counter() - start
@@ -33,7 +44,10 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum ``x`` over the ranks, in place (after a row-parallel product)."""
         start = time.perf_counter()
-        dist.all_reduce(x)
+        if self.shared is not None and self.shared.fits(x):
+            self.shared.all_reduce(x)
+        else:
+            dist.all_reduce(x)
         self._timed("all_reduce", start)
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:

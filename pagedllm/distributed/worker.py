@@ -57,12 +57,14 @@ SHARED_SETTINGS = (
 class WorkerSetup:
     """Sent once by rank 0 after it sized the pool: its :data:`SHARED_SETTINGS`, the
     cache every rank allocates (blocks, window null block included), the runner's table
-    width, swap blocks."""
+    width, swap blocks, and the largest all-reduce (bytes) to run through shared memory
+    (``None``: gloo only)."""
 
     settings: dict[str, object]
     num_cache_blocks: int
     max_model_len: int
     swap_blocks: int
+    all_reduce_bytes: int | None
 
 
 def shared_settings(config: EngineConfig) -> dict[str, object]:
@@ -140,6 +142,8 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
             f"rank {group.rank} was started with other settings than rank 0 "
             f"(this rank's, rank 0's): {differ}; give every node the same engine options"
         )
+    if setup.all_reduce_bytes is not None:
+        group.use_shared_memory(setup.all_reduce_bytes, timeout_s=None)
     worker = ModelWorker(
         config,
         loaded.model,

@@ -140,7 +140,12 @@ class LLMEngine:
         self.swap_space = self.worker.swap_space
         if self.executor is not None:
             settings = shared_settings(config)
-            setup = WorkerSetup(settings, cache_blocks, self.max_model_len, swap_blocks)
+            largest = None
+            if not config.disable_custom_all_reduce:  # the embedding's rows, in float32 at most
+                largest = config.max_num_batched_tokens * self.model_config.hidden_size * 4
+            setup = WorkerSetup(
+                settings, cache_blocks, self.max_model_len, swap_blocks, largest
+            )
             self.executor.start_ranks(setup)
         attn = self.runner.attn
         if self.device.type == "cuda" and not config.enforce_eager:
