@@ -1,0 +1,121 @@
+"""Where a step's time goes: matrix products, attention, elementwise kernels, sampling and
+Python, on ``pagedllm bench``'s workload (JSON lines).
+
+The engine's own clocks split each step into scheduling, batch preparation, the forward
+pass, sampling and output processing. Inside the forward pass and the sampler, torch's
+profiler attributes each operator's own CPU time to a kind (the C++ kernels are torch
+operators: ``packed_linear``, ``quant_linear``, ``paged_attention``, ...); what the
+operators do not account for is Python and the framework around them. The profiler adds
+some overhead of its own, so the shares, not the absolute times, are the result.
+
+Records: ``machine``; ``phases`` (ms per step in each part of the step, from the
+engine's clocks); ``operators`` (ms per step and share by kind, the top operators of
+each); run it once per dtype and kernel setting to compare.
+
+    python benchmarks/step_profile.py [--dtype bfloat16] [--num-requests 64]
+        [--steps 40] [--model M] [--quantization none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pagedllm.bench.workload import length_range, synthetic_workload
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.sampling_params import SamplingParams
+
+KINDS = {
+    "matrix products": ("packed_linear", "quant_linear", "linear", "addmm", "mm", "matmul",
+                        "bmm", "mkldnn"),
+    "attention": ("paged_attention", "write_kv", "scaled_dot_product", "copy_blocks"),
+    "elementwise": ("rms_norm", "rotary", "silu_and_mul", "gelu", "add", "mul", "layer_norm",
+                    "embedding", "index", "cat", "copy_", "to", "clamp", "div", "tanh"),
+    "sampling": ("softmax", "log_softmax", "topk", "sort", "multinomial", "argmax",
+                 "exponential", "cumsum", "gather", "scatter", "max", "where", "masked_fill"),
+}
+
+
+def kind_of(name: str) -> str:
+    short = name.split("::")[-1]
+    for kind, words in KINDS.items():
+        if any(short == w or short.startswith(w) for w in words):
+            return kind
+    return "other operators"
+
+
+def emit(record: dict[str, object]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def machine() -> dict[str, object]:
+    name, flags = "unknown", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    return {"measure": "machine", "cpu": name, "flags": [f for f in wanted if f in flags],
+            "cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
+    parser.add_argument("--output-len", type=length_range, default=(16, 256))
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    emit(machine())
+    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          log_stats_interval=0, enable_prefix_caching=False)
+    engine = LLMEngine(config)
+    requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
+    for index, request in enumerate(requests):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=request.output_len)
+        engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids}, params)
+    for _ in range(args.warmup_steps):
+        engine.step()
+    before = dict(vars(engine.step_times))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    after = vars(engine.step_times)
+    steps = after["steps"] - before["steps"]
+    phases = {k: 1e3 * (after[k] - before[k]) / steps for k in after if k != "steps"}
+    emit({"measure": "phases", "dtype": args.dtype, "steps": steps,
+          "ms_per_step": phases, "total_ms_per_step": sum(phases.values())})
+    by_kind: dict[str, float] = defaultdict(float)
+    top: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for event in prof.key_averages():
+        if not event.key.startswith(("aten::", "pagedllm_cpu::", "pagedllm_shm::")):
+            continue
+        ms = event.self_cpu_time_total / 1e3 / steps
+        kind = kind_of(event.key)
+        by_kind[kind] += ms
+        top[kind].append((event.key, round(ms, 3)))
+    total = sum(phases.values())
+    by_kind["python and framework"] = total - sum(by_kind.values())
+    emit({
+        "measure": "operators",
+        "dtype": args.dtype,
+        "ms_per_step": dict(by_kind),
+        "share": {k: v / total for k, v in by_kind.items()},
+        "top": {k: sorted(v, key=lambda kv: -kv[1])[:4] for k, v in top.items()},
+    })
+
+
+if __name__ == "__main__":
+    main()
