@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import defaultdict
-from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
+from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import length_range, synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -55,18 +53,6 @@ def emit(record: dict[str, object]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def machine() -> dict[str, object]:
-    name, flags = "unknown", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    return {"measure": "machine", "cpu": name, "flags": [f for f in wanted if f in flags],
-            "cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
@@ -78,7 +64,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    emit(machine())
+    emit(machine_record())
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           log_stats_interval=0, enable_prefix_caching=False)
     engine = LLMEngine(config)

@@ -25,39 +25,18 @@ import argparse
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
 
+from pagedllm.bench.machine import machine_record
 from pagedllm.bench.throughput import run_engine
 from pagedllm.bench.workload import BenchRequest, length_range, synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-
 
 def emit(record: dict[str, object]) -> None:
     print(json.dumps(record), flush=True)
-
-
-def machine() -> dict[str, object]:
-    """CPU model, the flags that choose kernels, cores and load."""
-    name, flags = "unknown", set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    return {
-        "measure": "machine",
-        "cpu": name,
-        "flags": [f for f in FLAGS if f in flags],
-        "cores": len(os.sched_getaffinity(0)),
-        "load_average": os.getloadavg(),
-    }
 
 
 def measure(
@@ -97,7 +76,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    emit(machine())
+    emit(machine_record())
     threads = len(os.sched_getaffinity(0))
     workloads = {
         "bench": synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len),

@@ -32,6 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import length_range, synthetic_workload
 
 PAGEDLLM_RUN = """
@@ -67,18 +68,6 @@ print("RESULT", json.dumps({"output_tokens_per_s": tokens / elapsed, "elapsed_s"
 
 def emit(record: dict[str, object]) -> None:
     print(json.dumps(record), flush=True)
-
-
-def machine() -> dict[str, object]:
-    name, flags = "unknown", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    return {"measure": "machine", "cpu": name, "flags": [f for f in wanted if f in flags],
-            "cores": len(os.sched_getaffinity(0)), "load_average": os.getloadavg()}
 
 
 def export_default_model(folder: Path) -> Path:
@@ -124,7 +113,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=length_range, default=(16, 256))
     parser.add_argument("--work-dir", type=Path, default=Path("bench-vllm"))
     args = parser.parse_args()
-    emit(machine())
+    emit(machine_record())
     args.work_dir.mkdir(parents=True, exist_ok=True)
     folder = export_default_model(args.work_dir / "smollm2-hf").resolve()
     requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
-import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.errors import WorkerFailedError
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.distributed.launch import placement, threads_per_rank
-from pagedllm.distributed.worker import StepWork, WorkerSetup, run_rank
+from pagedllm.distributed.worker import StepWork, WorkerSetup, start_ranks
 
 logger = logging.getLogger("pagedllm")
 
@@ -46,19 +45,7 @@ class TensorParallelExecutor:
         self.timeout = config.distributed_timeout
         threads = threads_per_rank(place.ranks_here)
         torch.set_num_threads(threads)
-        context = multiprocessing.get_context("spawn")
-        log_level = logger.getEffectiveLevel()
-        self.processes = [
-            context.Process(
-                target=run_rank,
-                args=(config, rank, place.init_method, threads, os.getpid(), log_level),
-                name=f"pagedllm-rank{rank}",
-                daemon=True,
-            )
-            for rank in place.children
-        ]
-        for process in self.processes:
-            process.start()
+        self.processes = start_ranks(config, place.children, place.init_method, threads)
         self.failure: WorkerFailedError | None = None
         self._stopped = False
         atexit.register(self.shutdown)

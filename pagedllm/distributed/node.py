@@ -7,12 +7,10 @@ started with ``RANK > 0``. Its ranks run until node 0's engine stops them.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.launch import placement, threads_per_rank
-from pagedllm.distributed.worker import run_rank
+from pagedllm.distributed.worker import run_rank, start_ranks
 
 logger = logging.getLogger("pagedllm")
 
@@ -26,19 +24,8 @@ def run_ranks_unless_engine(config: EngineConfig) -> int | None:
     if place.rank == 0:
         return None
     threads = threads_per_rank(place.ranks_here)
+    children = start_ranks(config, place.children, place.init_method, threads)
     level = logger.getEffectiveLevel()
-    context = multiprocessing.get_context("spawn")
-    children = [
-        context.Process(
-            target=run_rank,
-            args=(config, rank, place.init_method, threads, os.getpid(), level),
-            name=f"pagedllm-rank{rank}",
-            daemon=True,
-        )
-        for rank in place.children
-    ]
-    for child in children:
-        child.start()
     try:
         run_rank(config, place.rank, place.init_method, threads, log_level=level)
     except ValueError as error:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -159,3 +160,24 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
             hidden = output.prompt_hidden
             for start in range(0, len(hidden), ROWS_PER_SLICE):
                 compute_logits(hidden[start : start + ROWS_PER_SLICE])
+
+
+def start_ranks(
+    config: EngineConfig, ranks: tuple[int, ...], init_method: str, threads: int
+) -> list[multiprocessing.process.BaseProcess]:
+    """Start ``ranks`` as child processes of this one (spawned: a fresh interpreter
+    each), logging at this process's level; they die with it."""
+    context = multiprocessing.get_context("spawn")
+    level = logger.getEffectiveLevel()
+    processes = [
+        context.Process(
+            target=run_rank,
+            args=(config, rank, init_method, threads, os.getpid(), level),
+            name=f"pagedllm-rank{rank}",
+            daemon=True,
+        )
+        for rank in ranks
+    ]
+    for process in processes:
+        process.start()
+    return processes

@@ -44,7 +44,7 @@ from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
 from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.kv.block_manager import BlockManager, max_window_blocks
 from pagedllm.kv.block_pool import num_reserved_blocks
-from pagedllm.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from pagedllm.kv.kv_cache import KVCache, bytes_per_block
 from pagedllm.models.loader import LoadedModel, load_model
 from pagedllm.models.weight_bytes import describe_weight_bytes
 
@@ -103,13 +103,13 @@ class LLMEngine:
             f" on rank 0 of {config.tensor_parallel_size}" if self.executor else "",
         )
         self.kv_budget = self._kv_budget()
-        mc = self.loaded.model.layer_config  # this rank's heads: rank 0 holds the most
+        # this rank's heads (rank 0 holds the most); block_bytes: one block, every layer
+        mc = self.loaded.model.layer_config
         contiguous = config.kv_allocation == "contiguous"
         # With every layer sliding, blocks out of the window go back to the pool, and the
         # cache keeps one block more than the pool for the tables' null entries.
         window = None if contiguous else mc.kv_window
-        physical_blocks = num_blocks_for_budget(
-            self.kv_budget,
+        self.block_bytes = bytes_per_block(
             mc.num_layers,
             config.block_size,
             mc.num_kv_heads,
@@ -117,6 +117,7 @@ class LLMEngine:
             config.dtype,
             config.kv_cache_dtype,
         )
+        physical_blocks = self.kv_budget // self.block_bytes
         self.num_blocks = max(0, physical_blocks - (window is not None))
         usable_blocks = self.num_blocks - num_reserved_blocks(
             self.num_blocks, config.reserved_fraction
@@ -201,17 +202,9 @@ class LLMEngine:
 
     def _swap_blocks(self) -> int:
         """Blocks of the swap space (``swap_space`` bytes, per rank); 0 for none."""
-        config, mc = self.config, self.loaded.model.layer_config
+        config, block_bytes = self.config, self.block_bytes
         if config.preemption_mode == "recompute" or config.swap_space == 0:
             return 0
-        block_bytes = bytes_per_block(
-            mc.num_layers,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.dtype,
-            config.kv_cache_dtype,
-        )
         num_blocks = config.swap_space // block_bytes
         if num_blocks == 0:
             raise ValueError(
