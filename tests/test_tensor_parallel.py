@@ -462,3 +462,17 @@ def test_shared_memory_all_reduce_sums_like_gloo():
         expected = expected + (torch.arange(n, dtype=torch.float32) * 0.5).to(dtype).float()
         assert x.dtype == dtype and torch.equal(x, y)  # every rank the same bits
         assert torch.equal(x, expected.to(dtype))  # 5000 floats exceed the slot: gloo
+
+
+def test_an_engine_failing_at_start_stops_its_ranks(folders, monkeypatch):
+    started = []
+    original = LLMEngine._start
+
+    def start_and_note(self, loaded):
+        started.extend(p.pid for p in self.executor.processes)
+        original(self, loaded)
+
+    monkeypatch.setattr(LLMEngine, "_start", start_and_note)
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        make_engine(folders["kv2"], 2, max_model_len=100_000)
+    assert started and wait_gone(started, timeout_s=30)

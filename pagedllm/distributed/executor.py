@@ -131,6 +131,7 @@ class TensorParallelExecutor:
         if self.failure is None and dist.is_initialized():
             try:
                 self.group.broadcast_object(None)
+                dist.barrier()  # every rank took it: connections close in order
             except Exception:  # a rank died meanwhile: it is killed below
                 logger.warning("a tensor-parallel rank did not take the stop command")
         if self.failure is not None:  # ranks still inside a collective never return

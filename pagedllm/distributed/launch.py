@@ -50,8 +50,8 @@ def placement(config: EngineConfig, env: Mapping[str, str] = os.environ) -> Plac
                 f"torchrun started {env['WORLD_SIZE']} processes, but tensor_parallel_size "
                 f"is {world}; start one process per rank"
             )
-        address = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-        return Placement(int(env["RANK"]), world, (), address)
+        # env:// meets at torchrun's own store (its agent already holds MASTER_PORT)
+        return Placement(int(env["RANK"]), world, (), "env://")
     per_node = world // config.nnodes
     first = config.node_rank * per_node
     port = config.master_port if config.master_port is not None else free_port()

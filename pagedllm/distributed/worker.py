@@ -115,6 +115,7 @@ def run_rank(
     )
     try:
         _serve(config, TensorParallelGroup(rank, world))
+        dist.barrier()  # rank 0's stop reached every rank: connections close in order
     finally:
         dist.destroy_process_group()
 
@@ -138,7 +139,7 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
     }
     if not group.all_agree(not differ):
         if not differ:
-            return  # another rank refused: rank 0 stops
+            raise ValueError("another rank was started with settings other than rank 0's")
         raise ValueError(
             f"rank {group.rank} was started with other settings than rank 0 "
             f"(this rank's, rank 0's): {differ}; give every node the same engine options"
