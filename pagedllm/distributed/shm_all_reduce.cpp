@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -39,22 +40,23 @@ void post(torch::Tensor x, torch::Tensor buffer, int64_t rank, int64_t world,
   __atomic_store_n(counter(buffer, rank), generation, __ATOMIC_RELEASE);
 }
 
+// out = slot 0 + slot 1 + ... in rank order, accumulated in float32.
 template <typename T>
 void sum_slots(torch::Tensor x, const torch::Tensor& buffer, int64_t world,
                int64_t generation, int64_t data_offset, int64_t slot_bytes) {
   const int64_t n = x.numel();
-  T* out = x.data_ptr<T>();
-  const T* first = reinterpret_cast<const T*>(
-      slot(buffer, data_offset, slot_bytes, world, generation, 0));
-  for (int64_t i = 0; i < n; ++i) {
-    float total = static_cast<float>(first[i]);
-    for (int64_t r = 1; r < world; ++r) {
-      const T* part = reinterpret_cast<const T*>(
-          slot(buffer, data_offset, slot_bytes, world, generation, r));
-      total += static_cast<float>(part[i]);
-    }
-    out[i] = static_cast<T>(total);
+  std::vector<const T*> parts(world);
+  for (int64_t r = 0; r < world; ++r) {
+    parts[r] = reinterpret_cast<const T*>(
+        slot(buffer, data_offset, slot_bytes, world, generation, r));
   }
+  std::vector<float> total(parts[0], parts[0] + n);
+  for (int64_t r = 1; r < world; ++r) {
+    const T* part = parts[r];
+    for (int64_t i = 0; i < n; ++i) total[i] += static_cast<float>(part[i]);
+  }
+  T* out = x.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(total[i]);
 }
 
 // Waits up to wait_s for every rank's post of `generation`; false when it did not come.
