@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.cpu.extension import avx512_kernels_available
+from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv.kv_quant import KV_CACHE_DTYPES, resolve_kv_format
 
@@ -115,6 +117,14 @@ class EngineConfig:
         "at load); none expands every weight to dtype; int8 rounds a safetensors "
         "checkpoint's matrices to int8 per output channel (CPU)",
         QUANTIZATIONS,
+    )
+    linear_kernel: str = knob(
+        "auto",
+        "CPU matrix products of float32/bfloat16 weights: auto times both kernels once per "
+        "weight shape (cached per CPU model) and keeps each weight in the faster one's "
+        "form; packed forces the C++ packed_linear kernel (AVX-512, batch invariant); "
+        "onednn forces torch's GEMM on the plain matrix",
+        LINEAR_KERNELS,
     )
     device: str | torch.device = knob(
         "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
@@ -232,7 +242,26 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                 f"{self.quantization!r}"
             )
+        self._check_linear_kernel()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )
+
+    def _check_linear_kernel(self) -> None:
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got "
+                f"{self.linear_kernel!r}"
+            )
+        if self.linear_kernel != "packed":
+            return
+        if self.device.type != "cpu":
+            reason = f"runs on the CPU, not {self.device.type}"
+        elif self.dtype not in (torch.float32, torch.bfloat16):
+            reason = f"takes float32 or bfloat16 weights, not {self.dtype}"
+        elif not avx512_kernels_available():
+            reason = "needs the C++ AVX-512 kernels, which this CPU (or this build) lacks"
+        else:
+            return
+        raise ValueError(f"linear_kernel='packed' {reason}; use auto or onednn")

@@ -67,6 +67,7 @@ class LLMEngine:
             device=self.device,
             load_format=config.load_format,
             quantization=config.quantization,
+            linear_kernel=config.linear_kernel,
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

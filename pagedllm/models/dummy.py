@@ -190,9 +190,11 @@ def load_dummy_model(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = DEFAULT_SEED,
+    linear_kernel: str = "auto",
 ) -> tuple[ModelConfig, LlamaDecoder, Path]:
     """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
-    random weights, its config, and its source (the preset name or the config's path)."""
+    random weights, its config, and its source (the preset name or the config's path);
+    ``linear_kernel`` as :class:`~pagedllm.models.llama.LlamaDecoder` takes it."""
     config, source = dummy_config(model)
     get = checkpoint_source(config, dummy_weight_source(config, dtype, device, seed))
-    return config, LlamaDecoder(config, get, dtype, device), source
+    return config, LlamaDecoder(config, get, dtype, device, linear_kernel), source

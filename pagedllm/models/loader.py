@@ -40,6 +40,7 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     quantization: str = "auto",
+    linear_kernel: str = "auto",
 ) -> LoadedModel:
     """Load ``model`` onto ``device``; nothing is downloaded.
 
@@ -54,6 +55,9 @@ def load_model(
     formats on the CPU (see :mod:`pagedllm.models.loader_gguf`), ``"none"`` expands them
     to ``dtype``; ``"int8"`` rounds a safetensors checkpoint's matrices to int8 per output
     channel (CPU only).
+    ``linear_kernel``: the form of the float matrices on the CPU, ``"auto"`` (packed for
+    ``packed_linear`` or plain for torch's GEMM, each shape by measurement, see
+    :mod:`pagedllm.cpu.kernel_choice`), ``"packed"`` or ``"onednn"``.
     """
     device = torch.device(device)
     _check_dtype(dtype)
@@ -64,15 +68,19 @@ def load_model(
     if load_format == "dummy":
         if quantization == "int8":
             raise ModelLoadError("quantization='int8' needs a checkpoint, not dummy weights")
-        config, decoder, source = load_dummy_model(model, dtype, device)
+        config, decoder, source = load_dummy_model(
+            model, dtype, device, linear_kernel=linear_kernel
+        )
         return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        config, decoder, has_tokenizer = _load_gguf_weights(path, dtype, device, quantization)
+        config, decoder, has_tokenizer = _load_gguf_weights(
+            path, dtype, device, quantization, linear_kernel
+        )
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
-        config, decoder = load_safetensors_model(path, dtype, device, quantization)
+        config, decoder = load_safetensors_model(path, dtype, device, quantization, linear_kernel)
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
         eos_ids = config.eos_token_ids + generation_eos_ids(path)
         tokenizer = Tokenizer.from_folder(path, eos_ids) if has_tokenizer else None
@@ -94,10 +102,10 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def _load_gguf_weights(
-    path: Path, dtype: torch.dtype, device: torch.device, quantization: str
+    path: Path, dtype: torch.dtype, device: torch.device, quantization: str, linear_kernel: str
 ) -> tuple[ModelConfig, LlamaDecoder, bool]:
     """Config, decoder and whether the file holds a tokenizer; the parsed file is
     released before the tokenizer parses it again, to keep peak memory down."""
     reader = open_gguf(path)
-    config, decoder = load_gguf_model(path, dtype, reader, device, quantization)
+    config, decoder = load_gguf_model(path, dtype, reader, device, quantization, linear_kernel)
     return config, decoder, "tokenizer.ggml.model" in reader.fields

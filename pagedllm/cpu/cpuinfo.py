@@ -1,0 +1,32 @@
+"""What this CPU is: its model name and instruction-set flags, read from ``/proc/cpuinfo``
+(Linux), else from the platform's processor string (with no flags)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+
+
+@functools.cache
+def cpuinfo_fields() -> dict[str, str]:
+    """The first processor's ``name: value`` lines of ``/proc/cpuinfo``; empty where there
+    is no such file."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if not line.strip():
+                break
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name, e.g. ``"AMD EPYC 9454"``."""
+    return cpuinfo_fields().get("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as Linux names them (``avx512f``, ``amx_bf16``)."""
+    return frozenset(cpuinfo_fields().get("flags", "").split())
