@@ -49,6 +49,7 @@ def fake_timer(monkeypatch, tmp_path):
         timer = FakeTimer(onednn_shapes)
         monkeypatch.setattr(kernel_choice, "time_kernels", timer)
         monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path / "pagedllm")
+        monkeypatch.setattr(kernel_choice, "contended", lambda cores: False)
         return timer
 
     return install
@@ -104,6 +105,7 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
         return REAL_TIMER(weight, kernels)
 
     monkeypatch.setattr(kernel_choice, "time_kernels", counted)
+    monkeypatch.setattr(kernel_choice, "contended", lambda cores: False)
     kernels = ("packed", "onednn") if avx512_kernels_available() else ("onednn",)
     weight = torch.randn(100, 64)
     first = TimingTable()
@@ -121,10 +123,36 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
     assert TimingTable(other_torch).entries == {}
 
 
+@needs_avx512
+def test_timings_under_contention_keep_the_preferred_kernel_uncached(
+    fake_timer, monkeypatch, caplog
+):
+    timer = fake_timer(onednn_shapes={(96, 64)})
+    monkeypatch.setattr(kernel_choice, "contended", lambda cores: True)
+    choice = KernelChoice("auto")
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert isinstance(prepare_weight(torch.randn(96, 64), choice), PackedWeight)
+        assert isinstance(prepare_weight(torch.randn(96, 64), choice), PackedWeight)
+    assert timer.timed == [(96, 64), (96, 64)]  # not cached: timed again
+    assert caplog.text.count("cores busy while the matrix kernels were timed") == 1
+    assert not choice.table.path.exists()
+    assert "2 under contention (preferred kernel)" in choice.summary()
+
+
+def test_contention_counts_the_cores_torch_threads_need(monkeypatch):
+    monkeypatch.setattr(kernel_choice.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(kernel_choice.torch, "get_num_threads", lambda: 6)
+    assert not kernel_choice.contended(2.4)  # two cores spare, plus the margin
+    assert kernel_choice.contended(2.6)
+    # 2 s of wall time, 9 CPU seconds busy of which 4 ours: others kept 2.5 cores busy
+    assert kernel_choice.other_cores((10.0, 100.0, 1.0), (12.0, 109.0, 5.0)) == 2.5
+
+
 def test_a_cache_that_cannot_be_written_only_warns(monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setattr(kernel_choice, "cache_dir", lambda: blocker / "pagedllm")
+    monkeypatch.setattr(kernel_choice, "contended", lambda cores: False)
     table = TimingTable()
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
         table.timings(torch.randn(8, 8), ("onednn",))

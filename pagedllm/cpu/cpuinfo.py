@@ -1,10 +1,12 @@
 """What this CPU is: its model name and instruction-set flags, read from ``/proc/cpuinfo``
-(Linux), else from the platform's processor string (with no flags)."""
+(Linux), else from the platform's processor string (with no flags); and how busy its
+cores are (``/proc/stat``)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import platform
 
 
@@ -30,3 +32,15 @@ def cpu_model() -> str:
 def cpu_flags() -> frozenset[str]:
     """The CPU's instruction-set flags as Linux names them (``avx512f``, ``amx_bf16``)."""
     return frozenset(cpuinfo_fields().get("flags", "").split())
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process (and the hypervisor, as steal) has kept the cores busy
+    since boot, from ``/proc/stat``; ``None`` where there is no such file."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(t) for t in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")

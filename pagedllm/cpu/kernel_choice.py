@@ -22,6 +22,13 @@ the 2 shared cores of a Zen 4 VM), while it only ever adds time. A call above
 ``out_features / rows timed``: the product is then bound by arithmetic, linear in the
 output features. The default model (5 shapes) times in 1-2 s on 2 cores.
 
+Timings taken while other processes kept busy the cores torch's threads need
+(:func:`other_cores` above ``os.cpu_count() - torch threads + CONTENDED_CORES``) are not
+trusted: such a shape keeps the preferred kernel, its timings are not cached (the next
+start times it again), and one warning says so. On 2 cores shared with a busy process,
+every parallel call waits for a scheduler tick (4-8 ms), which no repetition averages
+away and which says nothing about the kernels.
+
 Timings are cached as JSON in ``$XDG_CACHE_HOME/pagedllm`` (else ``~/.cache/pagedllm``),
 one file per :func:`machine_key` (CPU model, its matrix-relevant flags, torch's version
 and thread count, the C++ kernels' digest), so a shape is timed once per CPU model and
@@ -43,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedllm.cpu.cpuinfo import cpu_flags, cpu_model
+from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
 
 LINEAR_KERNELS = ("auto", "packed", "onednn")
@@ -75,6 +82,11 @@ MATRIX_FLAGS = frozenset(
      "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16"}
 )  # fmt: skip
 """``/proc/cpuinfo`` flags that change which matrix kernel is fastest."""
+
+CONTENDED_CORES = 0.5
+"""Cores other processes may keep busy, beyond those torch's threads leave free, before
+timings are not trusted (a busy process takes a whole core; ``/proc/stat`` counts in
+10 ms ticks, an eighth of a core over one shape's 80 ms of timing at least)."""
 
 Timings = dict[str, dict[int, float]]
 """Kernel -> rows -> seconds of one product."""
@@ -112,6 +124,26 @@ def timed_rows(rows: int, out_features: int, in_features: int) -> int:
         return out_features
     panels = max(1, MAX_MULTIPLY_ADDS // (rows * in_features * PANEL_WIDTH))
     return min(out_features, panels * PANEL_WIDTH)
+
+
+def cpu_clock() -> tuple[float, float, float] | None:
+    """Now: (wall seconds, CPU seconds of every process, CPU seconds of this one); ``None``
+    where the system's busy time cannot be read."""
+    busy = busy_cpu_seconds()
+    return None if busy is None else (time.perf_counter(), busy, time.process_time())
+
+
+def other_cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """Cores that other processes kept busy, on average, between two :func:`cpu_clock`
+    readings (to the 10 ms of ``/proc/stat``)."""
+    wall, busy, own = (b - a for a, b in zip(start, end, strict=True))
+    return (busy - own) / max(wall, 1e-3)
+
+
+def contended(cores: float) -> bool:
+    """Whether other processes busy on ``cores`` took cores from torch's threads."""
+    spare = (os.cpu_count() or 1) - torch.get_num_threads()
+    return cores > spare + CONTENDED_CORES
 
 
 def product(kernel: str, x: torch.Tensor, operand: torch.Tensor, n: int) -> torch.Tensor:
@@ -174,6 +206,7 @@ class TimingTable:
         self.entries: dict[str, Timings] = {}
         self.seconds_timing = 0.0
         self.shapes_timed = 0
+        self.shapes_contended = 0
         with contextlib.suppress(OSError, ValueError):
             stored = json.loads(self.path.read_text())
             if stored.get("key") == self.key:
@@ -182,16 +215,30 @@ class TimingTable:
                     for shape, kernels in stored["timings"].items()
                 }
 
-    def timings(self, weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
-        """Timings of ``kernels`` for ``weight``'s dtype and shape, cached or measured."""
+    def timings(self, weight: torch.Tensor, kernels: Sequence[str]) -> Timings | None:
+        """Timings of ``kernels`` for ``weight``'s dtype and shape, cached or measured;
+        ``None`` when measured under contention (see the module's docstring)."""
         shape = f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
         known = self.entries.get(shape, {})
         if all(set(known.get(kernel, ())) == set(BUCKETS) for kernel in kernels):
             return {kernel: known[kernel] for kernel in kernels}
-        begin = time.perf_counter()
-        self.entries[shape] = {**known, **time_kernels(weight, kernels)}
+        begin, start = time.perf_counter(), cpu_clock()
+        measured = time_kernels(weight, kernels)
+        end = cpu_clock()
         self.seconds_timing += time.perf_counter() - begin
         self.shapes_timed += 1
+        others = other_cores(start, end) if start and end else 0.0
+        if contended(others):
+            if not self.shapes_contended:
+                logger.warning(
+                    "Other processes kept %.1f cores busy while the matrix kernels were "
+                    "timed; shapes timed so are kept in the preferred form and not cached "
+                    "(timed again at the next start)",
+                    others,
+                )
+            self.shapes_contended += 1
+            return None
+        self.entries[shape] = {**known, **measured}
         self.save()
         return {kernel: self.entries[shape][kernel] for kernel in kernels}
 
@@ -234,7 +281,8 @@ class KernelChoice:
             kernel = kernels[0]
         else:
             self.table = self.table or TimingTable()
-            kernel = winner(self.table.timings(weight, kernels))
+            timings = self.table.timings(weight, kernels)
+            kernel = kernels[0] if timings is None else winner(timings)
         if weight.device.type == "cpu":
             self.shapes[(weight.dtype, *weight.shape)] = kernel
         return kernel
@@ -253,6 +301,8 @@ class KernelChoice:
         timed = ""
         if self.table.shapes_timed:
             timed = f"; timed {self.table.shapes_timed} shapes in {self.table.seconds_timing:.2f} s"
+        if self.table.shapes_contended:
+            timed += f", {self.table.shapes_contended} under contention (preferred kernel)"
         return (
             f"Matrix kernels (timed on {self.table.key['cpu']}, cached at {self.table.path}"
             f"{timed}): {kernels}"
