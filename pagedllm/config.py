@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
+from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv.kv_quant import KV_CACHE_DTYPES, resolve_kv_format
 
 _DTYPES = {
-    "auto": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -75,8 +75,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a user's ``dtype`` option (float32 on CPU for ``auto``)."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The torch dtype for a user's ``dtype`` option on ``device``. ``auto``: bfloat16 on
+    CUDA and on a CPU that multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``),
+    float32 on other CPUs."""
+    if dtype == "auto":
+        native = device.type == "cuda" or multiplies_bfloat16()
+        return torch.bfloat16 if native else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
@@ -84,7 +89,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
             )
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+        choices = sorted(["auto", *_DTYPES])
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {choices}")
     return _DTYPES[dtype]
 
 
@@ -131,8 +137,9 @@ class EngineConfig:
     )
     dtype: str | torch.dtype = knob(
         "auto",
-        "weights and activations; auto is float32 on the CPU and bfloat16 on CUDA",
-        tuple(_DTYPES),
+        "weights and activations; auto is bfloat16 on CUDA and on a CPU with bfloat16 "
+        "instructions (avx512_bf16, amx_bf16), float32 on other CPUs",
+        ("auto", *_DTYPES),
     )
     kv_cache_dtype: str = knob(
         "auto",
@@ -191,9 +198,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
-        if self.dtype == "auto" and self.device.type == "cuda":
-            self.dtype = "bfloat16"
-        self.dtype = resolve_dtype(self.dtype)
+        self.dtype = resolve_dtype(self.dtype, self.device)
         resolve_kv_format(self.kv_cache_dtype, self.dtype)  # raises on an unknown name
         if self.kv_cache_memory is None and self.device.type == "cpu":
             self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
