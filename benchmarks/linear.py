@@ -17,7 +17,7 @@ same run.
 ``max_num_batched_tokens`` in a prefill step.
 
     python benchmarks/linear.py [--rows 1,4,8,16,32,64,128,256,1024] [--repeats 7]
-        [--records shapes,steps]
+        [--records shapes,steps] [--threads N]
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--records", default="shapes,steps")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps({"record": "setup", "threads": torch.get_num_threads()}), flush=True)
     records = args.records.split(",")
     for dtype_name in args.dtypes.split(","):
