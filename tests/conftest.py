@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session", autouse=True)
 def kernel_choice_without_timing(tmp_path_factory):
     """``linear_kernel="auto"`` picks packed wherever the AVX-512 kernels take a weight,
-    with no timing, so every test sees the same forms whatever the load on the machine
-    (batch invariance needs packed); timings live in a session folder, never the user's
-    cache. test_kernel_choice.py restores the real timer."""
+    with no timing (nor contention check), so every test sees the same forms whatever the
+    load on the machine (batch invariance needs packed); timings live in a session
+    folder, never the user's cache. test_kernel_choice.py restores the real timer."""
     from pagedllm.cpu import kernel_choice
 
     def packed_first(weight, kernels):
@@ -30,6 +30,7 @@ def kernel_choice_without_timing(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_choice, "time_kernels", packed_first)
         patch.setattr(kernel_choice, "cache_dir", lambda: folder)
+        patch.setattr(kernel_choice, "contended", lambda cores: False)
         yield
 
 

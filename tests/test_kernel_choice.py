@@ -28,8 +28,10 @@ from pagedllm.cpu.kernel_choice import BUCKETS, KernelChoice, TimingTable, winne
 from pagedllm.models.linear import PackedWeight, prepare_weight
 from pagedllm.models.loader import load_model
 
-# Read at collection, before conftest swaps in its fake timer and session cache folder.
+# Read at collection, before conftest swaps in its fake timer and session cache folder
+# (it also turns the contention check off: the tests below see every timing trusted).
 REAL_TIMER, REAL_CACHE_DIR = kernel_choice.time_kernels, kernel_choice.cache_dir
+REAL_CONTENDED = kernel_choice.contended
 needs_avx512 = pytest.mark.skipif(
     not avx512_kernels_available(), reason="the packed kernel needs AVX-512"
 )
@@ -49,7 +51,6 @@ def fake_timer(monkeypatch, tmp_path):
         timer = FakeTimer(onednn_shapes)
         monkeypatch.setattr(kernel_choice, "time_kernels", timer)
         monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path / "pagedllm")
-        monkeypatch.setattr(kernel_choice, "contended", lambda cores: False)
         return timer
 
     return install
@@ -105,7 +106,6 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
         return REAL_TIMER(weight, kernels)
 
     monkeypatch.setattr(kernel_choice, "time_kernels", counted)
-    monkeypatch.setattr(kernel_choice, "contended", lambda cores: False)
     kernels = ("packed", "onednn") if avx512_kernels_available() else ("onednn",)
     weight = torch.randn(100, 64)
     first = TimingTable()
@@ -142,8 +142,8 @@ def test_timings_under_contention_keep_the_preferred_kernel_uncached(
 def test_contention_counts_the_cores_torch_threads_need(monkeypatch):
     monkeypatch.setattr(kernel_choice.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(kernel_choice.torch, "get_num_threads", lambda: 6)
-    assert not kernel_choice.contended(2.4)  # two cores spare, plus the margin
-    assert kernel_choice.contended(2.6)
+    assert not REAL_CONTENDED(2.4)  # two cores spare, plus the margin
+    assert REAL_CONTENDED(2.6)
     # 2 s of wall time, 9 CPU seconds busy of which 4 ours: others kept 2.5 cores busy
     assert kernel_choice.other_cores((10.0, 100.0, 1.0), (12.0, 109.0, 5.0)) == 2.5
 
@@ -152,7 +152,6 @@ def test_a_cache_that_cannot_be_written_only_warns(monkeypatch, tmp_path, caplog
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setattr(kernel_choice, "cache_dir", lambda: blocker / "pagedllm")
-    monkeypatch.setattr(kernel_choice, "contended", lambda cores: False)
     table = TimingTable()
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
         table.timings(torch.randn(8, 8), ("onednn",))
