@@ -25,9 +25,9 @@ output features. The default model (5 shapes) times in 1-2 s on 2 cores.
 Timings taken while other processes kept busy the cores torch's threads need
 (:func:`other_cores` above ``os.cpu_count() - torch threads + CONTENDED_CORES``) are not
 trusted: such a shape keeps the preferred kernel, its timings are not cached (the next
-start times it again), and one warning says so. On 2 cores shared with a busy process,
-every parallel call waits for a scheduler tick (4-8 ms), which no repetition averages
-away and which says nothing about the kernels.
+start times it again; this one does not), and one warning says so. On 2 cores shared
+with a busy process, every parallel call waits for a scheduler tick (4-8 ms), which no
+repetition averages away and which says nothing about the kernels.
 
 Timings are cached as JSON in ``$XDG_CACHE_HOME/pagedllm`` (else ``~/.cache/pagedllm``),
 one file per :func:`machine_key` (CPU model, its matrix-relevant flags, torch's version
@@ -206,7 +206,7 @@ class TimingTable:
         self.entries: dict[str, Timings] = {}
         self.seconds_timing = 0.0
         self.shapes_timed = 0
-        self.shapes_contended = 0
+        self.contended_shapes: set[str] = set()  # not trusted, not timed again
         with contextlib.suppress(OSError, ValueError):
             stored = json.loads(self.path.read_text())
             if stored.get("key") == self.key:
@@ -220,6 +220,8 @@ class TimingTable:
         ``None`` when measured under contention (see the module's docstring)."""
         shape = f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
         known = self.entries.get(shape, {})
+        if shape in self.contended_shapes:
+            return None
         if all(set(known.get(kernel, ())) == set(BUCKETS) for kernel in kernels):
             return {kernel: known[kernel] for kernel in kernels}
         begin, start = time.perf_counter(), cpu_clock()
@@ -229,14 +231,14 @@ class TimingTable:
         self.shapes_timed += 1
         others = other_cores(start, end) if start and end else 0.0
         if contended(others):
-            if not self.shapes_contended:
+            if not self.contended_shapes:
                 logger.warning(
                     "Other processes kept %.1f cores busy while the matrix kernels were "
                     "timed; shapes timed so are kept in the preferred form and not cached "
                     "(timed again at the next start)",
                     others,
                 )
-            self.shapes_contended += 1
+            self.contended_shapes.add(shape)
             return None
         self.entries[shape] = {**known, **measured}
         self.save()
@@ -301,8 +303,8 @@ class KernelChoice:
         timed = ""
         if self.table.shapes_timed:
             timed = f"; timed {self.table.shapes_timed} shapes in {self.table.seconds_timing:.2f} s"
-        if self.table.shapes_contended:
-            timed += f", {self.table.shapes_contended} under contention (preferred kernel)"
+        if self.table.contended_shapes:
+            timed += f", {len(self.table.contended_shapes)} under contention (preferred kernel)"
         return (
             f"Matrix kernels (timed on {self.table.key['cpu']}, cached at {self.table.path}"
             f"{timed}): {kernels}"
