@@ -68,6 +68,7 @@ def main() -> None:
     )
     for name in args.dtypes.split(","):
         config = EngineConfig(
+            dtype="float32",
             kv_cache_dtype=name,
             kv_cache_memory=budget,
             max_model_len=128,

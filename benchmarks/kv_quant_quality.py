@@ -154,6 +154,7 @@ def agreement_records(args, loaded: LoadedModel, token_ids: list[int]) -> None:
     runs = {}
     for name in args.dtypes:
         config = EngineConfig(
+            dtype="float32",
             kv_cache_dtype=name,
             kv_cache_memory="1GiB",
             max_model_len=args.prompt_len + args.gen_tokens,

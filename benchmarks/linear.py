@@ -1,15 +1,23 @@
-"""Matrix products on the default model's weight shapes: torch's GEMM against
-``packed_linear``, side by side (JSON lines).
+"""Matrix products on the default model's weight shapes: torch's GEMM (``onednn``)
+against ``packed_linear`` (``packed``), side by side (JSON lines).
 
-One record per (dtype, rows, kernel): the median time of one pass over every matrix
-product of a step — 30 layers of q/k/v (576 -> 960), o (576 -> 576), gate/up
-(576 -> 3,072) and down (1,536 -> 576), each layer with its own weights so they come from
-memory as in the engine, then the LM head (576 -> 49,152) — with the weight bytes and the
-FLOPs per second that implies, and the speedup over torch's GEMM in the same run.
+``shape`` records: per dtype and weight shape, each candidate's seconds per row bucket
+and score as :mod:`pagedllm.cpu.kernel_choice` times them (afresh, not from its cache),
+then a ``shape_choice`` record with the kernel ``linear_kernel="auto"`` picks from them
+(the preferred, ``packed``, when other processes kept the cores busy meanwhile:
+``other_cores``), and the seconds the timing took.
+
+``step_matmuls`` records, one per (dtype, rows, kernel): the median time of one pass
+over every matrix product of a step — 30 layers of q/k/v (576 -> 960), o (576 -> 576),
+gate/up (576 -> 3,072) and down (1,536 -> 576), each layer with its own weights so they
+come from memory as in the engine, then the LM head (576 -> 49,152) — with the weight
+bytes and the FLOPs per second that implies, and the speedup over torch's GEMM in the
+same run.
 ``rows`` is the batch: one per sequence in a decode step, up to
 ``max_num_batched_tokens`` in a prefill step.
 
     python benchmarks/linear.py [--rows 1,4,8,16,32,64,128,256,1024] [--repeats 7]
+        [--records shapes,steps] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,6 +31,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedllm.cpu.kernel_choice import (
+    contended,
+    cpu_clock,
+    other_cores,
+    score,
+    time_kernels,
+    winner,
+)
 from pagedllm.models.linear import PackedWeight, linear
 
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
@@ -45,14 +61,55 @@ def step_time(
     return statistics.median(samples[1:])
 
 
+def shape_records(dtype_name: str) -> None:
+    """Each candidate's timings and the auto choice for every distinct weight shape."""
+    dtype = getattr(torch, dtype_name)
+    for k, out in [*LAYER_SHAPES, (HIDDEN, VOCAB)]:
+        weight = torch.randn(out, k, dtype=dtype)
+        begin, start = time.perf_counter(), cpu_clock()
+        timings = time_kernels(weight, ("packed", "onednn"))
+        seconds, end = time.perf_counter() - begin, cpu_clock()
+        others = other_cores(start, end) if start and end else 0.0
+        for kernel, per_rows in timings.items():
+            record = {
+                "record": "shape",
+                "dtype": dtype_name,
+                "out_features": out,
+                "in_features": k,
+                "kernel": kernel,
+                "ms_by_rows": {rows: round(1000 * s, 4) for rows, s in per_rows.items()},
+                "score_ms": round(1000 * score(per_rows), 3),
+            }
+            print(json.dumps(record), flush=True)
+        choice = {
+            "record": "shape_choice",
+            "dtype": dtype_name,
+            "out_features": out,
+            "in_features": k,
+            "auto": "packed" if contended(others) else winner(timings),
+            "other_cores": round(others, 2),
+            "timing_s": round(seconds, 3),
+        }
+        print(json.dumps(choice), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,8,16,32,64,128,256,1024")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--records", default="shapes,steps")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps({"record": "setup", "threads": torch.get_num_threads()}), flush=True)
+    records = args.records.split(",")
     for dtype_name in args.dtypes.split(","):
+        if "shapes" in records:
+            shape_records(dtype_name)
+        if "steps" not in records:
+            continue
         dtype = getattr(torch, dtype_name)
         shapes = [(k, out) for _ in range(NUM_LAYERS) for k, out in LAYER_SHAPES]
         shapes.append((HIDDEN, VOCAB))
@@ -60,7 +117,7 @@ def main() -> None:
         in_features = [k for k, _ in shapes]
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
         kernels: dict[str, tuple[list, Linear]] = {
-            "torch": (weights, F.linear),
+            "onednn": (weights, F.linear),
             "packed": ([PackedWeight.pack(w) for w in weights], linear),
         }
         for rows in (int(r) for r in args.rows.split(",")):
@@ -76,7 +133,7 @@ def main() -> None:
                     "rows": rows,
                     "kernel": name,
                     "ms": round(1000 * seconds, 2),
-                    "speedup_vs_torch": round(times["torch"] / seconds, 3),
+                    "speedup_vs_onednn": round(times["onednn"] / seconds, 3),
                     "weight_gb_per_s": round(weight_bytes / seconds / 1e9, 2),
                     "gflop_per_s": round(flop / seconds / 1e9, 1),
                 }

@@ -61,7 +61,10 @@ def part_a(loaded, rng: random.Random) -> None:
     results = {}
     for caching in (False, True):
         config = EngineConfig(
-            enable_prefix_caching=caching, max_num_batched_tokens=2048, log_stats_interval=0
+            dtype="float32",
+            enable_prefix_caching=caching,
+            max_num_batched_tokens=2048,
+            log_stats_interval=0,
         )
         engine = LLMEngine(config, loaded)
         cold = run_all(engine, [prompts[0]], [first])["mean_ttft_s"]
@@ -84,7 +87,7 @@ def part_b(loaded, rng: random.Random, num_prompts: int) -> None:
     prompts = [[rng.randrange(16, 49152) for _ in range(256)] for _ in range(num_prompts)]
     results = {}
     for forked in (True, False):
-        config = EngineConfig(enable_prefix_caching=False, log_stats_interval=0)
+        config = EngineConfig(dtype="float32", enable_prefix_caching=False, log_stats_interval=0)
         engine = LLMEngine(config, loaded)
         if forked:
             params = [

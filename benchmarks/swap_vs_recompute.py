@@ -47,6 +47,7 @@ def main() -> None:
     results = {}
     for mode in ("recompute", "swap"):
         config = EngineConfig(
+            dtype="float32",
             kv_cache_memory=args.kv_blocks * block_bytes,
             max_model_len=640,
             reserved_fraction=0.0,

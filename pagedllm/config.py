@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
+from pagedllm.cpu.cpuinfo import multiplies_bfloat16
+from pagedllm.cpu.extension import avx512_kernels_available
+from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv.kv_quant import KV_CACHE_DTYPES, resolve_kv_format
 
 _DTYPES = {
-    "auto": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -73,8 +75,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a user's ``dtype`` option (float32 on CPU for ``auto``)."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The torch dtype for a user's ``dtype`` option on ``device``. ``auto``: bfloat16 on
+    CUDA and on a CPU that multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``),
+    float32 on other CPUs."""
+    if dtype == "auto":
+        native = device.type == "cuda" or multiplies_bfloat16()
+        return torch.bfloat16 if native else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
@@ -82,7 +89,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
             )
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+        choices = sorted(["auto", *_DTYPES])
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {choices}")
     return _DTYPES[dtype]
 
 
@@ -116,13 +124,22 @@ class EngineConfig:
         "checkpoint's matrices to int8 per output channel (CPU)",
         QUANTIZATIONS,
     )
+    linear_kernel: str = knob(
+        "auto",
+        "CPU matrix products of float32/bfloat16 weights: auto times both kernels once per "
+        "weight shape (cached per CPU model) and keeps each weight in the faster one's "
+        "form; packed forces the C++ packed_linear kernel (AVX-512, batch invariant); "
+        "onednn forces torch's GEMM on the plain matrix",
+        LINEAR_KERNELS,
+    )
     device: str | torch.device = knob(
         "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
     )
     dtype: str | torch.dtype = knob(
         "auto",
-        "weights and activations; auto is float32 on the CPU and bfloat16 on CUDA",
-        tuple(_DTYPES),
+        "weights and activations; auto is bfloat16 on CUDA and on a CPU with bfloat16 "
+        "instructions (avx512_bf16, amx_bf16), float32 on other CPUs",
+        ("auto", *_DTYPES),
     )
     kv_cache_dtype: str = knob(
         "auto",
@@ -210,9 +227,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
-        if self.dtype == "auto" and self.device.type == "cuda":
-            self.dtype = "bfloat16"
-        self.dtype = resolve_dtype(self.dtype)
+        self.dtype = resolve_dtype(self.dtype, self.device)
         resolve_kv_format(self.kv_cache_dtype, self.dtype)  # raises on an unknown name
         if self.kv_cache_memory is None and self.device.type == "cpu":
             self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
@@ -262,6 +277,7 @@ class EngineConfig:
                 f"{self.quantization!r}"
             )
         self._check_parallel()
+        self._check_linear_kernel()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -284,3 +300,20 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_timeout must be positive, got {self.distributed_timeout}"
             )
+    def _check_linear_kernel(self) -> None:
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got "
+                f"{self.linear_kernel!r}"
+            )
+        if self.linear_kernel != "packed":
+            return
+        if self.device.type != "cpu":
+            reason = f"runs on the CPU, not {self.device.type}"
+        elif self.dtype not in (torch.float32, torch.bfloat16):
+            reason = f"takes float32 or bfloat16 weights, not {self.dtype}"
+        elif not avx512_kernels_available():
+            reason = "needs the C++ AVX-512 kernels, which this CPU (or this build) lacks"
+        else:
+            return
+        raise ValueError(f"linear_kernel='packed' {reason}; use auto or onednn")

@@ -15,6 +15,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_choice_without_timing(tmp_path_factory):
+    """``linear_kernel="auto"`` picks packed wherever the AVX-512 kernels take a weight,
+    with no timing (nor contention check), so every test sees the same forms whatever the
+    load on the machine (batch invariance needs packed); timings live in a session
+    folder, never the user's cache. test_kernel_choice.py restores the real timer."""
+    from pagedllm.cpu import kernel_choice
+
+    def packed_first(weight, kernels):
+        return {k: dict.fromkeys(kernel_choice.BUCKETS, i + 1.0) for i, k in enumerate(kernels)}
+
+    folder = tmp_path_factory.mktemp("pagedllm-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_choice, "time_kernels", packed_first)
+        patch.setattr(kernel_choice, "cache_dir", lambda: folder)
+        patch.setattr(kernel_choice, "contended", lambda cores: False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded default model (SmolLM2-135M-Instruct, float32 activations, its

@@ -21,6 +21,7 @@ def engine(tmp_path_factory) -> LLMEngine:
     folder = write_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
     config = EngineConfig(
         model=str(folder),
+        dtype="float32",
         block_size=BLOCK_SIZE,
         kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES,
         max_n=8,

@@ -52,6 +52,7 @@ def small_pool_llm() -> LLM:
     mc = default_model().config
     block_bytes = bytes_per_block(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
     config = EngineConfig(
+        dtype="float32",
         kv_cache_memory=POOL_BLOCKS * block_bytes,
         max_model_len=512,
         max_num_seqs=32,

@@ -24,7 +24,7 @@ VICTIM_LOGPROBS = 7
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory) -> LLM:
     folder = write_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
-    return LLM(str(folder), kv_cache_memory="8MiB", log_stats_interval=0)
+    return LLM(str(folder), dtype="float32", kv_cache_memory="8MiB", log_stats_interval=0)
 
 
 def params(index: int) -> SamplingParams:

@@ -28,7 +28,8 @@ def model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    args = ["--model", str(model_folder), "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+    args = ["--model", str(model_folder), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    args += ["--max-model-len", "512"]
     with ServerProcess([*args, "--log-stats-interval", "0"]) as process:
         yield process
 

@@ -100,7 +100,8 @@ def by_doc(results: dict, task: str) -> list:
 def test_server_scores_like_lm_evals_hf_model(model_folder, task_folder, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = ["--model", str(model_folder), "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+    args = ["--model", str(model_folder), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    args += ["--max-model-len", "512"]
     with ServerProcess([*args, "--log-stats-interval", "0"]) as server:
         served = evaluate(
             "local-completions",

@@ -124,7 +124,8 @@ def test_default_model_blocks_equal_what_the_engine_allocates(capsys, default_mo
     from pagedllm.engine.llm_engine import LLMEngine
 
     budget = 300_000_000
-    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, log_stats_interval=0), default_model)
+    config = EngineConfig(dtype="float32", kv_cache_memory=budget, log_stats_interval=0)
+    engine = LLMEngine(config, default_model)
     plan = json.loads(run_plan(capsys, "--json", "--kv-cache-memory", str(budget)))
     config = engine.model_config
     shape = (config.num_layers, config.num_kv_heads, config.head_dim)

@@ -74,6 +74,7 @@ def test_engine_run_records_every_step(tmp_path):
     folder = write_tiny_llama(tmp_path / "tiny")
     config = EngineConfig(
         model=str(folder),
+        dtype="float32",
         kv_cache_memory=64 * 2 * 2 * 2 * 64 * 4 * 16,
         max_model_len=128,
         max_num_seqs=8,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.server.launcher import ServerProcess
 
 openai = pytest.importorskip("openai")
@@ -14,7 +15,10 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-SERVE_ARGS = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--log-stats-interval", "0"]
+# The server's matrix kernels forced to the ones conftest gives the in-process engine.
+KERNEL = "packed" if avx512_kernels_available() else "onednn"
+SERVE_ARGS = ["--dtype", "float32", "--linear-kernel", KERNEL, "--kv-cache-memory", "64MiB"]
+SERVE_ARGS += ["--max-model-len", "512", "--log-stats-interval", "0"]
 CHAT_PROMPTS = ["What is the capital of France?", "Name three colours."]
 TEXT_PROMPTS = ["The quick brown fox", "Once upon a time, there was"]
 MAX_TOKENS = 16
@@ -37,7 +41,7 @@ def offline():
     from pagedllm.engine.llm import LLM
     from pagedllm.engine.sampling_params import SamplingParams
 
-    llm = LLM(kv_cache_memory="64MiB", max_model_len=512, log_stats_interval=0)
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, log_stats_interval=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     chat = [
         llm.chat([{"role": "user", "content": p}], greedy, use_tqdm=False)[0].outputs[0].text

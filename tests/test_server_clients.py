@@ -18,7 +18,8 @@ from pagedllm.server.launcher import ServerProcess
 
 openai = pytest.importorskip("openai")
 
-SERVE_ARGS = ["--kv-cache-memory", "4MiB", "--max-model-len", "256", "--log-stats-interval", "0"]
+SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "4MiB", "--max-model-len", "256"]
+SERVE_ARGS += ["--log-stats-interval", "0"]
 PROMPT = "The cat sat on"
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

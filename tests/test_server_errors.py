@@ -21,6 +21,7 @@ MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-test-key"
 MAX_BODY = 16 * 1024
 SERVE_ARGS = [
+    "--dtype", "float32",
     "--kv-cache-memory", "32MiB",
     "--max-model-len", "256",
     "--api-key", API_KEY,

@@ -33,7 +33,8 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model):
-    args = ["--model", str(model), "--kv-cache-memory", "4MiB", "--log-stats-interval", "0"]
+    args = ["--model", str(model), "--dtype", "float32", "--kv-cache-memory", "4MiB"]
+    args += ["--log-stats-interval", "0"]
     with ServerProcess(args, entry=ENTRY) as process:
         yield process
 
@@ -89,7 +90,7 @@ def test_health_and_generation_answer_503_once_the_loop_died(model, monkeypatch)
     """In process, where nothing exits, so the 503s stay observable."""
     from starlette.testclient import TestClient
 
-    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_memory="4MiB"))
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_memory="4MiB"))
     app = build_app(engine, ServerSettings(model_name="tiny"))
     exits: list[bool] = []
     app.state.lifecycle.request_exit = lambda: exits.append(True)

@@ -28,6 +28,7 @@ from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
 MAX_EXAMPLES = 500
 MAX_MODEL_LEN = 128
 SERVE_ARGS = [
+    "--dtype", "float32",
     "--kv-cache-memory", "2MiB",
     "--max-model-len", str(MAX_MODEL_LEN),
     "--max-body-size", "32KiB",

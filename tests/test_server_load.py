@@ -25,6 +25,7 @@ BLOCK_BYTES = 2 * 30 * BLOCK_SIZE * 3 * 64 * 4
 NUM_BLOCKS = 24
 """About six sequences of the longest request here (47 prompt + 15 output tokens)."""
 SERVE_ARGS = [
+    "--dtype", "float32",
     "--kv-cache-memory", str(NUM_BLOCKS * BLOCK_BYTES),
     "--block-size", str(BLOCK_SIZE),
     "--max-model-len", "160",

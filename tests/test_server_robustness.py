@@ -21,6 +21,7 @@ BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 1 * 64 * 4
 CAPACITY = NUM_BLOCKS - NUM_BLOCKS * 5 // 100
 """Blocks a normal-priority request may hold: the pool less the 5 % reserve."""
 SERVE_ARGS = [
+    "--dtype", "float32",
     "--kv-cache-memory", str(NUM_BLOCKS * BLOCK_BYTES),
     "--block-size", str(BLOCK_SIZE),
     "--api-key", API_KEY,

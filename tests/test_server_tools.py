@@ -20,7 +20,8 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 # the fallback rendering of the tools takes ~850 byte tokens
-SERVE_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "4096", "--log-stats-interval", "0"]
+SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "4096"]
+SERVE_ARGS += ["--log-stats-interval", "0"]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
     "type": "object",

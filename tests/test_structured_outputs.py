@@ -66,7 +66,9 @@ SCHEMAS = [
 @pytest.fixture(scope="module")
 def llm():
     engine = LLMEngine(
-        EngineConfig(kv_cache_memory="64MiB", max_model_len=512, log_stats_interval=0),
+        EngineConfig(
+            dtype="float32", kv_cache_memory="64MiB", max_model_len=512, log_stats_interval=0
+        ),
         default_model(),
     )
     return LLM.from_engine(engine)

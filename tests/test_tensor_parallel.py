@@ -125,6 +125,7 @@ def folders(tmp_path_factory):
 def make_engine(folder: Path, tp: int, **overrides) -> LLMEngine:
     settings = dict(
         model=str(folder),
+        dtype="float32",
         tensor_parallel_size=tp,
         kv_cache_memory="8MiB",
         block_size=4,
@@ -198,7 +199,7 @@ def test_default_model_on_two_ranks_generates_what_one_does():
     results = {}
     for tp in (1, 2):
         engine = LLMEngine(EngineConfig(tensor_parallel_size=tp, kv_cache_memory="64MiB",
-                                        log_stats_interval=0))
+                                        dtype="float32", log_stats_interval=0))
         results[tp] = outputs_of(engine, prompts, params)
     assert_same(results[1], results[2])
 
@@ -312,7 +313,7 @@ ENGINE_SCRIPT = """
 import sys, time
 from pagedllm import EngineConfig, LLMEngine
 if __name__ == "__main__":
-    engine = LLMEngine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2,
+    engine = LLMEngine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, dtype="float32",
                                     kv_cache_memory="8MiB", log_stats_interval=0))
     print(*[p.pid for p in engine.executor.processes], flush=True)
     time.sleep(600)
@@ -344,7 +345,7 @@ def chat_folder(tmp_path_factory):
 
 
 def one_rank_reply(folder: Path, prompt: str, max_tokens: int) -> str:
-    llm = LLM(str(folder), kv_cache_memory="8MiB", log_stats_interval=0)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB", log_stats_interval=0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return llm.generate([prompt], params)[0].outputs[0].text
 
@@ -352,7 +353,7 @@ def one_rank_reply(folder: Path, prompt: str, max_tokens: int) -> str:
 def test_server_with_two_ranks_answers_openai_and_stops_them_on_sigterm(chat_folder):
     openai = pytest.importorskip("openai")
     args = ["--model", str(chat_folder), "--tensor-parallel-size", "2"]
-    args += ["--kv-cache-memory", "8MiB", "--log-stats-interval", "0"]
+    args += ["--kv-cache-memory", "8MiB", "--log-stats-interval", "0", "--dtype", "float32"]
     with ServerProcess(args) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
         reply = client.completions.create(
@@ -370,7 +371,7 @@ def test_server_with_two_ranks_answers_openai_and_stops_them_on_sigterm(chat_fol
 def generate_command(folder: Path, *extra: str) -> list[str]:
     return [
         "generate", "--model", str(folder), "--prompt", "Hello", "--raw", "--max-tokens", "12",
-        "--kv-cache-memory", "8MiB", "--log-stats-interval", "0", *extra,
+        "--kv-cache-memory", "8MiB", "--log-stats-interval", "0", "--dtype", "float32", *extra,
     ]
 
 

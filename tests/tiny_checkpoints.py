@@ -45,6 +45,7 @@ def tiny_engine(loaded, num_blocks: int, block_size: int = 4, swap_blocks: int =
         mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, torch.float32
     )
     settings = dict(
+        dtype="float32",
         block_size=block_size,
         kv_cache_memory=num_blocks * block_bytes,
         swap_space=swap_blocks * block_bytes,

@@ -73,6 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
             device=device,
             load_format=args.load_format,
             quantization=args.quantization,
+            linear_kernel=args.linear_kernel,
         )
         peak = matmul_peak_gflops(dtype)
         emit({"measure": "matmul_peak", "dtype": dtype_name, "gflops": peak})

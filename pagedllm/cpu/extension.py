@@ -62,6 +62,12 @@ def headers_flag() -> str:
     return f"-DPAGEDLLM_HEADERS_{digest}"
 
 
+def sources_digest() -> str:
+    """Ten hex digits naming the C++ sources' and headers' contents: the kernels' version."""
+    paths = [*map(Path, SOURCES), *HEADERS]
+    return hashlib.sha1(b"".join(path.read_bytes() for path in paths)).hexdigest()[:10]
+
+
 @functools.cache
 def ops() -> Any | None:
     """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed; None,

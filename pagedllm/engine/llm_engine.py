@@ -90,8 +90,14 @@ class LLMEngine:
             device=self.device,
             load_format=config.load_format,
             quantization=config.quantization,
+            linear_kernel=config.linear_kernel,
             parallel=self.executor.group if self.executor else None,
         )
+        if self.loaded.model.dtype != config.dtype:
+            raise ValueError(
+                f"the model was loaded in {self.loaded.model.dtype} but the engine's dtype is "
+                f"{config.dtype}; pass the model's dtype to EngineConfig"
+            )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         logger.info(

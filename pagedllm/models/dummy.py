@@ -191,11 +191,14 @@ def load_dummy_model(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = DEFAULT_SEED,
+    linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
 ) -> tuple[ModelConfig, LlamaDecoder, Path]:
     """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
     random weights (``parallel``: this rank's slice of them), its config, and its source
-    (the preset name or the config's path)."""
+    (the preset name or the config's path); ``linear_kernel`` as
+    :class:`~pagedllm.models.llama.LlamaDecoder` takes it."""
     config, source = dummy_config(model)
     get = checkpoint_source(config, dummy_weight_source(config, dtype, device, seed))
-    return config, LlamaDecoder(config, get, dtype, device, parallel), source
+    decoder = LlamaDecoder(config, get, dtype, device, linear_kernel, parallel)
+    return config, decoder, source

@@ -1,13 +1,12 @@
 """The decoder's matrix products and the form its weights are kept in.
 
-On a CPU with AVX-512, weights are packed once, at load time, into panels
-(:class:`PackedWeight`) that ``packed_linear`` (C++) streams with no per-call re-packing:
-it beats torch's GEMM at every batch size of the default model, from a decode step's
-single row (bound by reading the weights) to a prefill step's thousand (bound by
-arithmetic); ``benchmarks/linear.py`` measures it. Elsewhere weights stay ``[out, in]``
-tensors and torch's GEMM runs them. Weights a GGUF file stores quantized may stay in its
-block format (:class:`~pagedllm.models.quantized_weight.QuantizedWeight`). All accumulate
-in float32.
+A float32 or bfloat16 weight on a CPU with AVX-512 may be packed once, at load time, into
+panels (:class:`PackedWeight`) that ``packed_linear`` (C++) streams with no per-call
+re-packing, or stay an ``[out, in]`` tensor that torch's GEMM (oneDNN) runs; which one
+is chosen per shape by capability and measurement
+(:mod:`pagedllm.cpu.kernel_choice`), or forced. Elsewhere weights stay tensors. Weights a
+GGUF file stores quantized may stay in its block format
+(:class:`~pagedllm.models.quantized_weight.QuantizedWeight`). All accumulate in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu.extension import PANEL_WIDTH, fits_avx512_kernels, pack_weight, packed_linear
+from pagedllm.cpu.kernel_choice import KernelChoice
 from pagedllm.models.quantized_weight import QuantizedWeight, concat_rows
 
 
@@ -45,13 +45,19 @@ class PackedWeight:
 Weight = torch.Tensor | PackedWeight | QuantizedWeight
 
 
-def prepare_weight(weight: torch.Tensor | QuantizedWeight) -> Weight:
-    """The form :func:`linear` runs fastest on: a quantized weight as it is; packed where
-    the AVX-512 kernels are built (float32 and bfloat16), the contiguous matrix otherwise."""
+def prepare_weight(
+    weight: torch.Tensor | QuantizedWeight, choice: KernelChoice | None = None
+) -> Weight:
+    """The form :func:`linear` runs ``weight`` in: a quantized weight as it is; else packed
+    or the contiguous matrix, as ``choice`` picks among the kernels able to run it
+    (``packed`` only where the AVX-512 kernels take the weight); without ``choice``, packed
+    wherever it can be."""
     if isinstance(weight, QuantizedWeight):
         return weight
     weight = weight.contiguous()
-    return PackedWeight.pack(weight) if fits_avx512_kernels(weight) else weight
+    kernels = ("packed", "onednn") if fits_avx512_kernels(weight) else ("onednn",)
+    kernel = choice.choose(weight, kernels) if choice else kernels[0]
+    return PackedWeight.pack(weight) if kernel == "packed" else weight
 
 
 def fuse_rows(parts: list[torch.Tensor] | list[QuantizedWeight]) -> torch.Tensor | QuantizedWeight:

@@ -16,6 +16,7 @@ another) so a layer runs three matrix products plus the output projection.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.cpu.kernel_choice import KernelChoice
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.distributed.partition import TensorPartition
 from pagedllm.distributed.sharded_weights import ShardedWeights
@@ -43,13 +45,17 @@ from pagedllm.models.norms import layer_norm_per_head, normalize
 from pagedllm.models.quantized_weight import QuantizedWeight
 from pagedllm.models.rope import RotaryTable, apply_partial_rope
 
+logger = logging.getLogger("pagedllm")
+
 # Returns the tensor of a Hugging Face Llama-style parameter name, e.g.
 # "model.layers.0.self_attn.q_proj.weight" (other architectures' checkpoints are read
 # through pagedllm.models.checkpoint_names); raises ModelLoadError when absent.
 WeightSource = Callable[[str], torch.Tensor]
 
 
-def sparse_moe(config: ModelConfig, prefix: str, get: WeightSource) -> SparseMoE:
+def sparse_moe(
+    config: ModelConfig, prefix: str, get: WeightSource, choice: KernelChoice
+) -> SparseMoE:
     """The mixture-of-experts MLP of the layer whose names start with ``prefix``, from
     Mixtral's or Qwen's per-expert tensors."""
     if config.spec.moe == "mixtral":
@@ -79,6 +85,7 @@ def sparse_moe(config: ModelConfig, prefix: str, get: WeightSource) -> SparseMoE
         config.moe_renormalize,
         config.hidden_act,
         shared,
+        choice,
     )
 
 
@@ -97,7 +104,7 @@ class DecoderLayer(nn.Module):
     (``None`` for weightless norms) with their biases as ``<name>_bias`` (``None`` but for
     LayerNorms), ``q_norm`` / ``k_norm`` or ``None``, all holding ``offset + weight``.
     ``attention``: this layer's scale, sliding window and soft-cap; ``local_rope``: whether
-    it rotates with the local rope.
+    it rotates with the local rope. ``choice`` picks each matrix's kernel.
     """
 
     def __init__(
@@ -106,6 +113,7 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         get: WeightSource,
         get_norm: WeightSource,
+        choice: KernelChoice,
         parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
@@ -139,10 +147,10 @@ class DecoderLayer(nn.Module):
             qkv = get(attn + "qkv_proj.weight")
         else:
             qkv = fuse_rows([get(f"{attn}{p}.weight") for p in projections])
-        self.qkv_weight: Weight = prepare_weight(qkv)
-        self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"))
+        self.qkv_weight: Weight = prepare_weight(qkv, choice)
+        self.o_weight: Weight = prepare_weight(get(attn + "o_proj.weight"), choice)
         sparse = config.sparse_layers[layer_idx] if config.sparse_layers else False
-        self.moe = sparse_moe(config, prefix, get) if sparse else None
+        self.moe = sparse_moe(config, prefix, get, choice) if sparse else None
         self.gate_up_weight: Weight | None = None
         self.down_weight: Weight | None = None
         if not sparse:
@@ -150,8 +158,8 @@ class DecoderLayer(nn.Module):
                 gate_up_weight = get(mlp + "gate_up_proj.weight")
             else:
                 gate_up_weight = fuse_rows([get(f"{mlp}{p}.weight") for p in gate_up])
-            self.gate_up_weight = prepare_weight(gate_up_weight)
-            self.down_weight = prepare_weight(get(mlp + "down_proj.weight"))
+            self.gate_up_weight = prepare_weight(gate_up_weight, choice)
+            self.down_weight = prepare_weight(get(mlp + "down_proj.weight"), choice)
         qkv_bias = None
         if config.attention_bias and config.qkv_layout:
             qkv_bias = get(attn + "qkv_proj.bias")
@@ -284,7 +292,9 @@ class LlamaDecoder(nn.Module):
     (:mod:`pagedllm.distributed.sharded_weights`): its layers run ``layer_config``, the
     rank's heads and MLP width; embedding rows and logits are those of its vocabulary
     shard (``vocab_rows``, padded), summed and gathered across the ranks. ``config``
-    stays the whole model's.
+    stays the whole model's. ``linear_kernel`` (``auto``, ``packed``, ``onednn``;
+    see :mod:`pagedllm.cpu.kernel_choice`) picks the form of each float matrix on the CPU;
+    the choice is logged once.
     """
 
     def __init__(
@@ -293,6 +303,7 @@ class LlamaDecoder(nn.Module):
         get: WeightSource,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        linear_kernel: str = "auto",
         parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
@@ -320,9 +331,10 @@ class LlamaDecoder(nn.Module):
             weight = get(name).to(device=self.device, dtype=torch.float32) + spec.norm_offset
             return weight.to(dtype).contiguous()
 
+        choice = KernelChoice(linear_kernel)
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
-            DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, parallel)
+            DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, choice, parallel)
             for i in range(config.num_layers)
         )
         weighted = spec.norm != "layer_plain"
@@ -333,11 +345,14 @@ class LlamaDecoder(nn.Module):
         positions = get_as_dtype("model.embed_positions.weight") if learned else None
         self.register_buffer("embed_positions", positions)
         if config.tie_word_embeddings:
-            self.lm_head = prepare_weight(embed)
+            self.lm_head = prepare_weight(embed, choice)
             self.embed_tokens: Weight = self.lm_head
         else:
-            self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"))
+            self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"), choice)
             self.embed_tokens = embed
+        summary = choice.summary()
+        if summary is not None:
+            logger.info(summary)
         scale = config.hidden_size**0.5 if spec.embedding_scaled else config.embedding_multiplier
         # As transformers: a float32 scalar rounded to the model dtype, times each row.
         self.embedding_scale = None if scale == 1.0 else torch.tensor(scale).to(dtype).item()

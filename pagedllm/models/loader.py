@@ -41,6 +41,7 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     quantization: str = "auto",
+    linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Load ``model`` onto ``device``; nothing is downloaded.
@@ -56,6 +57,9 @@ def load_model(
     formats on the CPU (see :mod:`pagedllm.models.loader_gguf`), ``"none"`` expands them
     to ``dtype``; ``"int8"`` rounds a safetensors checkpoint's matrices to int8 per output
     channel (CPU only).
+    ``linear_kernel``: the form of the float matrices on the CPU, ``"auto"`` (packed for
+    ``packed_linear`` or plain for torch's GEMM, each shape by measurement, see
+    :mod:`pagedllm.cpu.kernel_choice`), ``"packed"`` or ``"onednn"``.
     ``parallel``: load only this tensor-parallel rank's slice of the weights (see
     :mod:`pagedllm.distributed.sharded_weights`).
     """
@@ -68,17 +72,21 @@ def load_model(
     if load_format == "dummy":
         if quantization == "int8":
             raise ModelLoadError("quantization='int8' needs a checkpoint, not dummy weights")
-        config, decoder, source = load_dummy_model(model, dtype, device, parallel=parallel)
+        config, decoder, source = load_dummy_model(
+            model, dtype, device, linear_kernel=linear_kernel, parallel=parallel
+        )
         return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         config, decoder, has_tokenizer = _load_gguf_weights(
-            path, dtype, device, quantization, parallel
+            path, dtype, device, quantization, linear_kernel, parallel
         )
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
-        config, decoder = load_safetensors_model(path, dtype, device, quantization, parallel)
+        config, decoder = load_safetensors_model(
+            path, dtype, device, quantization, linear_kernel, parallel
+        )
         has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
         eos_ids = config.eos_token_ids + generation_eos_ids(path)
         tokenizer = Tokenizer.from_folder(path, eos_ids) if has_tokenizer else None
@@ -104,10 +112,13 @@ def _load_gguf_weights(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str,
+    linear_kernel: str,
     parallel: TensorParallelGroup | None,
 ) -> tuple[ModelConfig, LlamaDecoder, bool]:
     """Config, decoder and whether the file holds a tokenizer; the parsed file is
     released before the tokenizer parses it again, to keep peak memory down."""
     reader = open_gguf(path)
-    config, decoder = load_gguf_model(path, dtype, reader, device, quantization, parallel)
+    config, decoder = load_gguf_model(
+        path, dtype, reader, device, quantization, linear_kernel, parallel
+    )
     return config, decoder, "tokenizer.ggml.model" in reader.fields

@@ -389,13 +389,15 @@ def load_gguf_model(
     reader: gguf.GGUFReader | None = None,
     device: torch.device | str = "cpu",
     quantization: str = "auto",
+    linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
 ) -> tuple[ModelConfig, LlamaDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from a GGUF file.
     With ``quantization="auto"`` on the CPU, each
     matrix stored in a :data:`KERNEL_TYPES` format stays in it; every other tensor (all of
     them with ``"none"``) is dequantized (one float32 tensor at a time, on the CPU) and
-    converted to ``dtype`` on ``device``."""
+    converted to ``dtype`` on ``device``; ``linear_kernel`` as
+    :class:`~pagedllm.models.llama.LlamaDecoder` takes it."""
     reader = reader or open_gguf(path)
     keep = keeps_quantization(quantization, dtype, torch.device(device), path)
     expanded: set[str] = set()  # quantized types dequantized although they could stay
@@ -441,7 +443,7 @@ def load_gguf_model(
         return weight
 
     tracked = TrackedSource(get)
-    decoder = LlamaDecoder(config, tracked, dtype, device, parallel)
+    decoder = LlamaDecoder(config, tracked, dtype, device, linear_kernel, parallel)
     if expanded:
         logger.info(
             "Dequantized to %s at load (no kernels keep them quantized): %s tensors",

@@ -82,13 +82,15 @@ def load_safetensors_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     quantization: str = "auto",
+    linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
 ) -> tuple[ModelConfig, LlamaDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from the folder's
     weights, converted to ``dtype`` on ``device``;
     with ``quantization="int8"``, the projections, embedding and LM head (those whose rows
     are a multiple of 32 weights) are rounded to int8 per output channel instead
-    (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only).
+    (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only);
+    ``linear_kernel`` as :class:`~pagedllm.models.llama.LlamaDecoder` takes it.
 
     The files are memory-mapped and each tensor is moved and converted as the decoder
     reads it, so the host never holds a converted copy of the whole model."""
@@ -114,7 +116,7 @@ def load_safetensors_model(
         tracked = TrackedSource(get)
         source = checkpoint_source(config, tracked)
         weights = int8_source(source) if int8 else source
-        decoder = LlamaDecoder(config, weights, dtype, device, parallel)
+        decoder = LlamaDecoder(config, weights, dtype, device, linear_kernel, parallel)
         # A tied checkpoint may still store its LM head; transformers ignores it too. Old
         # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
         head = stored_name(config, "lm_head.weight")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.cpu.kernel_choice import KernelChoice
 from pagedllm.models.fused import gated_activation
 from pagedllm.models.linear import Weight, linear, prepare_weight
 
@@ -23,7 +24,7 @@ class SparseMoE(nn.Module):
     """Buffers: ``router`` ``[num_experts, hidden]``; ``gate_up`` ``[num_experts,
     2 * intermediate, hidden]`` (rows gate, then up, per expert); ``down`` ``[num_experts,
     hidden, intermediate]``. Optional shared expert: ``shared_gate_up``, ``shared_down``
-    (plain or packed) and ``shared_gate`` ``[1, hidden]``."""
+    (plain or packed, as ``choice`` picks) and ``shared_gate`` ``[1, hidden]``."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class SparseMoE(nn.Module):
         renormalize: bool,
         activation: str,
         shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        choice: KernelChoice | None = None,
     ) -> None:
         super().__init__()
         self.register_buffer("router", router)
@@ -46,8 +48,8 @@ class SparseMoE(nn.Module):
         self.shared_down: Weight | None = None
         self.register_buffer("shared_gate", shared[2] if shared else None)
         if shared:
-            self.shared_gate_up = prepare_weight(shared[0])
-            self.shared_down = prepare_weight(shared[1])
+            self.shared_gate_up = prepare_weight(shared[0], choice)
+            self.shared_down = prepare_weight(shared[1], choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP output ``[T, hidden]`` for ``x`` ``[T, hidden]``."""
