@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from tiny_checkpoints import run_token_ids, tiny_engine  # noqa: E402
 
-import pagedllm.engine.llm_engine as llm_engine  # noqa: E402
+import pagedllm.engine.model_worker as model_worker  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -25,7 +25,7 @@ def test_triton_backend_engine_matches_cpu_backend(tiny_model, monkeypatch):
     # a pool small enough that the batch preempts, and a token budget that chunks prefills
     settings = dict(num_blocks=26, max_num_seqs=8, max_num_batched_tokens=16)
     expected = run_token_ids(tiny_engine(tiny_model, **settings), prompts, params)
-    monkeypatch.setattr(llm_engine, "attention_backend_for", TritonAttentionBackend)
+    monkeypatch.setattr(model_worker, "attention_backend_for", TritonAttentionBackend)
     engine = tiny_engine(tiny_model, **settings)
     assert isinstance(engine.runner.attn, TritonAttentionBackend)
     got = run_token_ids(engine, prompts, params)
@@ -48,7 +48,7 @@ def test_triton_backend_engine_releases_blocks_out_of_the_window(tmp_path, monke
     params = SamplingParams(temperature=0.0, max_tokens=24, n=2, ignore_eos=True)
     settings = dict(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=16)
     expected = run_token_ids(tiny_engine(loaded, **settings), prompts, params)
-    monkeypatch.setattr(llm_engine, "attention_backend_for", TritonAttentionBackend)
+    monkeypatch.setattr(model_worker, "attention_backend_for", TritonAttentionBackend)
     engine = tiny_engine(loaded, **settings)
     assert engine.block_manager.sliding_window == 16
     assert run_token_ids(engine, prompts, params) == expected

@@ -166,7 +166,7 @@ def test_gemma2_over_the_triton_backend_is_exact(tmp_path, monkeypatch):
     """Sliding windows and attention soft-caps in the Triton kernels, through the engine
     (under Triton's interpreter without CUDA): greedy tokens equal transformers'."""
     pytest.importorskip("triton")
-    import pagedllm.engine.llm_engine as llm_engine
+    import pagedllm.engine.model_worker as model_worker
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
     model_type, overrides = ARCHITECTURES["gemma2"]
@@ -177,7 +177,7 @@ def test_gemma2_over_the_triton_backend_is_exact(tmp_path, monkeypatch):
         built.append(TritonAttentionBackend(kv_cache))
         return built[-1]
 
-    monkeypatch.setattr(llm_engine, "attention_backend_for", triton_backend)
+    monkeypatch.setattr(model_worker, "attention_backend_for", triton_backend)
     expected = [reference_greedy(reference, p, 12) for p in PROMPTS]
     assert engine_greedy(tmp_path, new_tokens=12, block_size=4) == expected
     assert built
