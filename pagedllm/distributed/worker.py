@@ -23,9 +23,11 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.model_runner import ModelInput
@@ -74,11 +76,44 @@ def shared_settings(config: EngineConfig) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class StepWork:
-    """One step for every rank: block moves, then the batch (its prompt spans left out;
-    the prompt rows say how many logprob rows are gathered)."""
+    """One step for every rank: block moves, then the batch as numpy arrays (they pickle
+    as raw bytes; a torch tensor pickles through ``torch.save``, 25x slower) and its two
+    host-side maxima. The prompt spans stay on rank 0: the prompt rows say how many
+    logprob rows are gathered."""
 
     copies: BlockCopies
-    batch: ModelInput
+    arrays: dict[str, np.ndarray]
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, copies: BlockCopies, batch: ModelInput) -> StepWork:
+        meta = batch.metadata
+        tensors = {
+            "input_ids": batch.input_ids,
+            "positions": batch.positions,
+            "sample_rows": batch.sample_rows,
+            "prompt_rows": batch.prompt_rows,
+            "slot_mapping": meta.slot_mapping,
+            "block_tables": meta.block_tables,
+            "seq_lens": meta.seq_lens,
+            "query_start_loc": meta.query_start_loc,
+        }
+        arrays = {name: t.numpy() for name, t in tensors.items()}
+        return cls(copies, arrays, meta.max_query_len, meta.max_seq_len)
+
+    def batch(self) -> ModelInput:
+        t = {name: torch.from_numpy(array) for name, array in self.arrays.items()}
+        metadata = AttentionMetadata(
+            t["slot_mapping"],
+            t["block_tables"],
+            t["seq_lens"],
+            t["query_start_loc"],
+            self.max_query_len,
+            self.max_seq_len,
+        )
+        rows = t["sample_rows"], t["prompt_rows"]
+        return ModelInput(t["input_ids"], t["positions"], metadata, *rows, prompt_spans=[])
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -157,7 +192,7 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
     compute_logits = loaded.model.compute_logits
     with torch.inference_mode():
         while isinstance(work := group.broadcast_object(), StepWork):
-            output = worker.execute(work.copies, work.batch)
+            output = worker.execute(work.copies, work.batch())
             hidden = output.prompt_hidden
             for start in range(0, len(hidden), ROWS_PER_SLICE):
                 compute_logits(hidden[start : start + ROWS_PER_SLICE])

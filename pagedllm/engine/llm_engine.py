@@ -14,7 +14,6 @@ had not been there.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -508,7 +507,7 @@ class LLMEngine:
         executor = self.executor
         with executor.guard() if executor else nullcontext():
             if executor is not None:
-                executor.send_step(StepWork(copies, dataclasses.replace(batch, prompt_spans=[])))
+                executor.send_step(StepWork.of(copies, batch))
             output = self.worker.execute(copies, batch)
             if batch.prompt_spans:
                 self._record_prompt_logprobs(batch.prompt_spans, output.prompt_hidden)
