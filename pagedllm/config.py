@@ -194,7 +194,7 @@ class EngineConfig:
     tensor_parallel_size: int = knob(
         1,
         "ranks (processes) that split every layer's heads and MLP, and the vocabulary, "
-        "over torch.distributed (gloo on the CPU, NCCL on CUDA); kv_cache_memory is per rank",
+        "over torch.distributed (gloo, on the CPU); kv_cache_memory is per rank",
     )
     nnodes: int = knob(
         1, "machines the tensor-parallel ranks span (each runs tensor_parallel_size / nnodes)"

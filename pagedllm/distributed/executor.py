@@ -49,10 +49,9 @@ class TensorParallelExecutor:
         self.failure: WorkerFailedError | None = None
         self._stopped = False
         atexit.register(self.shutdown)
-        backend = "nccl" if config.device.type == "cuda" else "gloo"
         with self.guard():
             dist.init_process_group(
-                backend,
+                "gloo",
                 init_method=place.init_method,
                 rank=0,
                 world_size=place.world_size,
@@ -60,10 +59,9 @@ class TensorParallelExecutor:
             )
         self.group = TensorParallelGroup(0, place.world_size)
         logger.info(
-            "Tensor parallelism: %d ranks over %s (%s), %d started here, %d threads each",
+            "Tensor parallelism: %d ranks over %s (gloo), %d started here, %d threads each",
             place.world_size,
             place.init_method,
-            backend,
             len(self.processes),
             threads,
         )

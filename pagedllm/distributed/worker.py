@@ -144,9 +144,8 @@ def run_rank(
     logging.basicConfig(level=log_level, format=log_format)
     torch.set_num_threads(threads)
     world = config.tensor_parallel_size
-    backend = "nccl" if config.device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=WAIT_FOR_STEPS
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=WAIT_FOR_STEPS
     )
     try:
         _serve(config, TensorParallelGroup(rank, world))
