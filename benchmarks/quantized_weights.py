@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -42,6 +40,7 @@ import numpy as np
 import psutil
 import torch
 
+from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import BenchRequest, length_range, synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -54,21 +53,6 @@ UNQUANTIZED = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
 
 def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
-
-
-def machine() -> dict[str, object]:
-    """The CPU's model name and AVX-512 flags (from /proc/cpuinfo where there is one)."""
-    name, flags = platform.processor(), []
-    try:
-        with open("/proc/cpuinfo") as info:
-            lines = info.read().splitlines()
-        name = next(
-            line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")
-        )
-        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": name, "avx512": sorted(f for f in flags if f.startswith("avx512"))}
 
 
 def write_q8_0(source: Path, dest: Path) -> Path:
@@ -188,7 +172,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    emit(measure="machine", **machine(), threads=args.threads, load_average=os.getloadavg()[0])
+    emit(**machine_record(), threads=args.threads)
 
     shipped = default_model_path()
     folder = Path(tempfile.mkdtemp())

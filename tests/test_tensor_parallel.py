@@ -23,6 +23,7 @@ from tiny_checkpoints import run_outputs, write_tiny_llama
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
 from pagedllm.distributed.errors import WorkerFailedError
 from pagedllm.distributed.partition import PartitionError, TensorPartition, even_ranges
+from pagedllm.distributed.shm_all_reduce import process_alive
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm import LLM
 from pagedllm.models.config import ModelConfig
@@ -258,12 +259,7 @@ def test_beam_search_across_ranks(folders):
 
 
 def is_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie waiting to be reaped counts)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return "\nState:\tZ" in status
+    return not process_alive(pid)
 
 
 def wait_gone(pids: list[int], timeout_s: float = 20.0) -> bool:

@@ -4,26 +4,18 @@ apart on two CPUs, so every figure travels with the CPU's model and flags."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-"""The CPU flags that choose kernels."""
+from pagedllm.cpu.cpuinfo import cpu_flags, cpu_model
+from pagedllm.cpu.kernel_choice import MATRIX_FLAGS
 
 
 def machine_record() -> dict[str, object]:
-    """CPU model, its kernel-choosing flags, cores this process may use, load average."""
-    name, flags = "unknown", set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+    """CPU model, its flags that choose matrix kernels, cores this process may use, load
+    average."""
     return {
         "measure": "machine",
-        "cpu": name,
-        "flags": [f for f in KERNEL_FLAGS if f in flags],
+        "cpu": cpu_model(),
+        "flags": sorted(cpu_flags() & MATRIX_FLAGS),
         "cores": len(os.sched_getaffinity(0)),
         "load_average": os.getloadavg(),
     }

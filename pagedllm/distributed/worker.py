@@ -4,8 +4,9 @@ share of every step rank 0 sends, until rank 0 says stop.
 Per step it receives a :class:`StepWork` (the block moves and the flattened batch rank 0
 built), applies the moves to its cache, runs the same forward pass over its heads, and
 joins the collectives: the all-reduces of every layer and the gathers of logits (the
-sampling rows', then the prompt-logprob rows' in ``ROWS_PER_SLICE`` slices, as rank 0
-scores them). It never samples, and holds no scheduler or block manager.
+sampling rows', then the prompt-logprob rows' through the same
+:func:`~pagedllm.engine.prompt_logprobs.prompt_logits` slices rank 0 scores). It
+never samples, and holds no scheduler or block manager.
 
 A rank started by the engine dies with it (``PR_SET_PDEATHSIG`` on Linux), ignores
 SIGINT (the engine's process handles Ctrl-C and stops its ranks), and exits non-zero on
@@ -32,7 +33,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.engine.model_runner import ModelInput
 from pagedllm.engine.model_worker import ModelWorker
-from pagedllm.engine.prompt_logprobs import ROWS_PER_SLICE
+from pagedllm.engine.prompt_logprobs import prompt_logits
 from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.models.loader import load_model
 
@@ -192,9 +193,8 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
     with torch.inference_mode():
         while isinstance(work := group.broadcast_object(), StepWork):
             output = worker.execute(work.copies, work.batch())
-            hidden = output.prompt_hidden
-            for start in range(0, len(hidden), ROWS_PER_SLICE):
-                compute_logits(hidden[start : start + ROWS_PER_SLICE])
+            for _ in prompt_logits(compute_logits, output.prompt_hidden):
+                pass  # this rank's share of the gathers rank 0 scores
 
 
 def start_ranks(

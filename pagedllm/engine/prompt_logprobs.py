@@ -16,7 +16,7 @@ recompute are not scored again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -25,6 +25,17 @@ from pagedllm.engine.sequence import TokenSequence
 
 ROWS_PER_SLICE = 256
 """Hidden rows projected to the vocabulary at once (bounds the logits' memory)."""
+
+
+def prompt_logits(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor
+) -> Iterator[tuple[slice, torch.Tensor | None]]:
+    """``hidden``'s rows projected to the vocabulary ``ROWS_PER_SLICE`` at a time: each
+    slice of rows with its logits. Under tensor parallelism every rank runs this same
+    loop (the projection is a collective; ranks other than 0 get ``None`` logits)."""
+    for start in range(0, len(hidden), ROWS_PER_SLICE):
+        rows = slice(start, start + ROWS_PER_SLICE)
+        yield rows, compute_logits(hidden[rows])
 
 
 def score_prompt_positions(
@@ -42,10 +53,9 @@ def score_prompt_positions(
     )
     wanted = [seq.params.prompt_logprobs for seq, positions in spans for _ in positions]
     entries: list[TokenLogprobs] = []
-    for start in range(0, len(targets), ROWS_PER_SLICE):
-        end = start + ROWS_PER_SLICE
-        raw_logprobs = compute_logits(hidden[start:end]).log_softmax(dim=-1)
-        entries.extend(token_logprobs(raw_logprobs, targets[start:end], wanted[start:end]))
+    for rows, logits in prompt_logits(compute_logits, hidden):
+        raw_logprobs = logits.log_softmax(dim=-1)
+        entries.extend(token_logprobs(raw_logprobs, targets[rows], wanted[rows]))
     scored, offset = [], 0
     for seq, positions in spans:
         scored.append((seq, entries[offset : offset + len(positions)]))
