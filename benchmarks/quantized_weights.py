@@ -3,7 +3,9 @@
 Variants of the default model (SmolLM2-135M-Instruct): ``F32`` and ``BF16`` expand the
 shipped Q4_1 file (``quantization="none"``); ``Q4_1`` runs its blocks (Q4_1 matrices, a
 Q8_0 tied embedding); ``Q8_0`` runs a GGUF this script writes from the dequantized
-weights (every matrix Q8_0). Quantized variants take float32 activations.
+weights (every matrix Q8_0). ``Q4_1`` and ``Q8_0`` take float32 activations,
+``Q4_1 bf16`` and ``Q8_0 bf16`` bfloat16 ones (multiplied in bfloat16 pairs where the CPU
+has them). ``--variants`` picks some (F32 is always run: the ratios are to it).
 
 Records (one JSON line each):
 - ``machine``: CPU model, its AVX-512 flags, threads, load average.
@@ -23,6 +25,7 @@ Records (one JSON line each):
 
     python benchmarks/quantized_weights.py [--runs 3] [--decode-tokens 64]
         [--num-requests 64] [--prompt-len 32,512] [--output-len 16,256] [--threads 2]
+        [--variants F32,BF16,Q4_1,Q8_0,"Q4_1 bf16","Q8_0 bf16"] [--no-throughput]
 """
 
 from __future__ import annotations
@@ -170,6 +173,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
     parser.add_argument("--output-len", type=length_range, default=(16, 256))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--variants", default="F32,BF16,Q4_1,Q8_0,Q4_1 bf16,Q8_0 bf16")
+    parser.add_argument("--no-throughput", action="store_true", help="decode_1 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     emit(**machine_record(), threads=args.threads)
@@ -182,7 +187,11 @@ def main() -> None:
         "BF16": (shipped, "bfloat16", "none"),
         "Q4_1": (shipped, "float32", "auto"),
         "Q8_0": (q8_0, "float32", "auto"),
+        "Q4_1 bf16": (shipped, "bfloat16", "auto"),
+        "Q8_0 bf16": (q8_0, "bfloat16", "auto"),
     }
+    chosen = {"F32", *args.variants.split(",")}
+    variants = {name: variant for name, variant in variants.items() if name in chosen}
     spawn = multiprocessing.get_context("spawn")
     for name, (path, dtype, quantization) in variants.items():
         with spawn.Pool(1) as pool:
@@ -217,6 +226,8 @@ def main() -> None:
         for name, path in baselines.items():
             decode[name].append(llama_cpp_decode_rate(path, args.decode_tokens, args.threads))
     report("decode_1", decode)
+    if args.no_throughput:
+        return
 
     requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
     throughput: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
@@ -228,6 +239,8 @@ def main() -> None:
     report(f"throughput_{args.num_requests}", throughput)
     # Q4_1 runs the very weights F32 expands: greedy tokens differ only where float32
     # rounding flips a near-tie
+    if "Q4_1" not in tokens:
+        return
     pairs = list(zip(tokens["Q4_1"], tokens["F32"], strict=True))
     diverged = {  # request -> (first differing output position, output length)
         i: (next(p for p, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))

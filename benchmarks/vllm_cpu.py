@@ -15,8 +15,11 @@ not timed). vLLM runs with ``VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>``,
 machine where anything else holds memory) and everything else at its defaults
 (torch.compile on). Runs alternate between the engines.
 
-Records (JSON lines): ``machine``; ``run`` (engine, dtype, run, output tokens/s);
-``summary`` (per dtype, medians and pagedllm / vLLM).
+Records (JSON lines): ``machine``; ``ceiling`` (per dtype, the most output tokens/s any
+engine could reach if its matrix products ran at torch's best GEMM rate on this machine
+and nothing else cost time: ``pagedllm.bench.ceiling``); ``run`` (engine, dtype, run,
+output tokens/s); ``summary`` (per dtype, medians, pagedllm / vLLM, and how far 1.3x
+vLLM would be from the ceiling).
 
     python benchmarks/vllm_cpu.py --vllm-python ../vllm-venv/bin/python [--runs 3]
         [--dtypes float32,bfloat16] [--num-requests 64]
@@ -32,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedllm.bench.ceiling import ceiling_record
 from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import length_range, synthetic_workload
 
@@ -121,6 +125,11 @@ def main() -> None:
     workload.write_text(json.dumps(
         [{"prompt": r.prompt_token_ids, "output": r.output_len} for r in requests]
     ))
+    config = json.loads((folder / "config.json").read_text())
+    ceilings = {}
+    for dtype in args.dtypes.split(","):
+        ceilings[dtype] = ceiling_record(config, requests, dtype)
+        emit(ceilings[dtype])
     cores = len(os.sched_getaffinity(0))
     vllm_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -136,8 +145,12 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         ours = statistics.median(rates["pagedllm", dtype])
         theirs = statistics.median(rates["vllm", dtype])
+        ceiling = ceilings[dtype]["max_output_tokens_per_s"]
         emit({"measure": "summary", "dtype": dtype, "pagedllm_output_tokens_per_s": ours,
-              "vllm_output_tokens_per_s": theirs, "ratio_pagedllm_over_vllm": ours / theirs})
+              "vllm_output_tokens_per_s": theirs, "ratio_pagedllm_over_vllm": ours / theirs,
+              "pagedllm_share_of_ceiling": ours / ceiling,
+              "vllm_share_of_ceiling": theirs / ceiling,
+              "goal_1_3x_vllm_share_of_ceiling": 1.3 * theirs / ceiling})
 
 
 if __name__ == "__main__":

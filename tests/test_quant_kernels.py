@@ -59,18 +59,39 @@ def test_product_equals_float32_product_of_dequantized_weights(ggml_type, rows):
     assert ((y - expected).abs() <= TOLERANCE * bound).all()
 
 
+BF16_ROWS = (1, 2, 3, 4, 7, 13)  # the per-output path (up to 3 rows) and panel tiles of 6
+
+
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_bfloat16_activations_round_the_float32_product_once(ggml_type):
-    n, k = 50, 512
+@pytest.mark.parametrize("rows", BF16_ROWS)
+def test_bfloat16_activations_round_the_float32_product_once(ggml_type, rows):
+    n, k = 70, 512  # 70: a partial group of 4 outputs and a partial panel of 32
     blocks = random_blocks(ggml_type, n, k, seed=1)
     weight = dequantized(blocks, ggml_type, n, k)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-    y = quant_linear(x, torch.from_numpy(blocks), int(ggml_type))
-    exact = x.float() @ weight.T
-    assert y.dtype == torch.bfloat16
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator)
+    y = quant_linear(x, torch.from_numpy(blocks), int(ggml_type), bias)
+    exact = x.double() @ weight.double().T + bias.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     # one bfloat16 rounding (unit roundoff 2**-8) on top of the float32 tolerance
-    slack = TOLERANCE * (x.float().abs() @ weight.abs().T) + 2.0**-8 * exact.abs()
-    assert ((y.float() - exact).abs() <= slack).all()
+    magnitude = x.double().abs() @ weight.double().abs().T + bias.double().abs()
+    slack = TOLERANCE * magnitude + 2.0**-8 * exact.abs()
+    assert ((y.double() - exact).abs() <= slack).all()
+    # all but a handful are the exact result rounded once: a rounding boundary within
+    # float32 rounding of the sum is the only way to land on the other neighbour
+    assert (y == exact.float().bfloat16()).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("ggml_type", (Q.Q4_1, Q.Q6_K), ids=lambda t: t.name)
+def test_bfloat16_rows_do_not_depend_on_the_other_rows_within_a_path(ggml_type):
+    n, k = 40, 512
+    blocks = torch.from_numpy(random_blocks(ggml_type, n, k, seed=3))
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    batch = quant_linear(x, blocks, int(ggml_type))
+    assert torch.equal(quant_linear(x[7:19], blocks, int(ggml_type)), batch[7:19])  # panels
+    few = quant_linear(x[:3], blocks, int(ggml_type))  # per output, up to 3 rows
+    assert torch.equal(quant_linear(x[1:2], blocks, int(ggml_type)), few[1:2])
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)

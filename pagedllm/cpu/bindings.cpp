@@ -243,23 +243,33 @@ void check_quantized(const at::Tensor& weight, int64_t type, int64_t K, const ch
               pagedllm::quant_block_bytes(type), "] for K = ", K);
 }
 
-// x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype; bfloat16 x
-// is widened to float32 and the float32 result rounded once.
+// x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype. bfloat16 x
+// is multiplied in bfloat16 pairs where the CPU has them, else widened to float32; either
+// way the float32 result is rounded once.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x is float32 or bfloat16 [M, K]");
   const int64_t K = x.size(1), N = weight.size(0);
   check_quantized(weight, type, K, "quant_linear");
-  at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor bias_f32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_linear: bias is [N]");
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
+  const float* bias_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16 && pagedllm::quant_linear_bf16_available()) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor y = at::empty({x.size(0), N}, xc.options());
+    pagedllm::quant_linear_bf16({reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+                                 weight.data_ptr<uint8_t>(), bias_ptr,
+                                 reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K,
+                                 type, at::get_num_threads()});
+    return y;
+  }
+  at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x32.options());
-  pagedllm::quant_linear({x32.data_ptr<float>(), weight.data_ptr<uint8_t>(),
-                          bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+  pagedllm::quant_linear({x32.data_ptr<float>(), weight.data_ptr<uint8_t>(), bias_ptr,
                           y.data_ptr<float>(), x.size(0), N, K, type, at::get_num_threads()});
   return y.to(x.scalar_type());
 }

@@ -1,5 +1,6 @@
 """Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
-``packed_linear.cpp``, ``elementwise.cpp`` and ``quant_linear.cpp``.
+``packed_linear.cpp``, ``elementwise.cpp``, ``quant_linear.cpp`` and
+``quant_linear_bf16.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
@@ -36,10 +37,12 @@ SOURCES = [
         "packed_linear.cpp",
         "elementwise.cpp",
         "quant_linear.cpp",
+        "quant_linear_bf16.cpp",
     )
 ]
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("kernels.h", "bfloat16.h", "quant_blocks.h")
+    Path(__file__).with_name(name)
+    for name in ("kernels.h", "bfloat16.h", "quant_blocks.h", "quant_codes.h")
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -225,8 +228,8 @@ def quant_linear(
     """``x @ W.T + bias`` in ``x``'s dtype (float32 or bfloat16, ``[M, K]``) for ``W``
     ``[N, K]`` kept as ``weight``: uint8 ``[N, K / block values * block bytes]``, each row
     the GGUF blocks of ggml type ``ggml_type`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-    Q6_K), decoded in registers. Sums are float32; bfloat16 ``x`` is widened and the
-    result rounded once."""
+    Q6_K), never expanded. Sums are float32; bfloat16 ``x`` is multiplied in bfloat16 pairs
+    where the CPU has them (else widened), and the result rounded once."""
     return ops().quant_linear(x, weight, ggml_type, bias)
 
 

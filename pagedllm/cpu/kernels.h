@@ -93,6 +93,19 @@ struct QuantLinearProblem {
   int num_threads;
 };
 void quant_linear(const QuantLinearProblem& problem);
+// The same product for bfloat16 x and y (quant_linear_bf16.cpp): codes multiplied in
+// bfloat16 pairs, float32 sums rounded once. Only where the CPU has AVX-512 bfloat16 pair
+// products (quant_linear_bf16_available()); bias is float32.
+struct QuantLinearBf16Problem {
+  const uint16_t* x;
+  const uint8_t* weight;
+  const float* bias;
+  uint16_t* y;
+  int64_t M, N, K, type;
+  int num_threads;
+};
+bool quant_linear_bf16_available();
+void quant_linear_bf16(const QuantLinearBf16Problem& problem);
 // out [count, K] float32 = the rows `rows` of a [N, K] weight kept as in quant_linear.
 void dequantize_rows(const uint8_t* weight, int64_t K, int64_t type, const int64_t* rows,
                      int64_t count, float* out, int num_threads);

@@ -43,6 +43,7 @@ constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one t
 template <typename B, int MR, int C>
 void channels(const float* x, int64_t K, const uint8_t* weight, int64_t row_bytes,
               const float* bias, float* y, int64_t N, int64_t n) {
+  const uint8_t* end = weight + N * row_bytes;
   alignas(64) float w[C][B::kValues];
 #ifdef __AVX512F__
   __m512 acc[MR][C];
@@ -52,8 +53,13 @@ void channels(const float* x, int64_t K, const uint8_t* weight, int64_t row_byte
   float acc[MR][C][16] = {};
 #endif
   const int64_t blocks = K / B::kValues;
+  const int64_t distance = prefetch_rows(row_bytes, C) * row_bytes;
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int c = 0; c < C; ++c) B::decode(weight + (n + c) * row_bytes + b * B::kBytes, w[c]);
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* block = weight + (n + c) * row_bytes + b * B::kBytes;
+      prefetch_ahead(block, B::kBytes, distance, end);
+      B::decode(block, w[c]);
+    }
     const float* xb = x + b * B::kValues;
     for (int64_t v = 0; v < B::kValues; v += 16) {
       for (int m = 0; m < MR; ++m) {
