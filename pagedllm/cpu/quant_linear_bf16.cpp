@@ -1,17 +1,19 @@
 // y = x w^T + bias for bfloat16 x with w kept in a GGUF block format, on the CPU's
-// bfloat16 pair products (vdpbf16ps), without expanding w.
+// bfloat16 pair products (vdpbf16ps), without expanding w. Every format is read as
+// w = scale * code + offset (quant_codes.h): products of bfloat16 x and the integer codes
+// are exact, a group's pair products are summed in float32 and multiplied by its scales,
+// and offset * (sum of the chunk's x) is added per chunk of 32; the float32 sums are
+// rounded once to bfloat16, so a result differs from the float32 product over the
+// dequantized weights by float32 rounding and that one rounding.
 //
-// Each thread decodes kPanel output features at a time into a panel (cache-resident):
-// the codes as bfloat16 pairs, k-major ([K / 2][kPanel] pairs, the layout of the
-// bfloat16 packed_linear panels), and the features' scales and offsets per group and
-// chunk (quant_codes.h). Every row of x then runs against the panel, kRows rows at a
-// time: a group's pair products accumulate in float32 registers, are multiplied by the
-// group's scales into the row's sums, and offset * (sum of the chunk's x) is added per
-// chunk. Products of bfloat16 x and integer codes are exact; sums are float32, rounded
-// once to bfloat16 at the end, so a result differs from the float32 product over the
-// dequantized weights by float32 rounding and that one rounding. The panel is decoded
-// once per call whatever M is, and a row's sums run in the same order whatever M is: a
-// row's result never depends on the other rows.
+// Up to kMaxDotRows rows (decode): each output's blocks are decoded into registers once
+// and multiplied into every row (dot_rows), 4 outputs at a time.
+// More rows: each thread decodes kPanel output features at a time into a panel
+// (cache-resident): the codes as bfloat16 pairs, k-major ([K / 2][kPanel] pairs, the
+// layout of the bfloat16 packed_linear panels), and the features' scales and offsets per
+// group and chunk; every row of x then runs against it, kRows rows at a time.
+// Within each path a row's sums run in the same order whatever M is, so a row's result
+// does not depend on the other rows; the two paths sum in different orders.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -35,6 +37,7 @@ using namespace quant;
 constexpr int kPanel = 32;  // output features per panel: two vectors
 constexpr int kRows = 6;    // rows of x per tile: 2 x 6 sums, 2 x 6 group sums in registers
 constexpr int64_t kMaxDotRows = 3;  // up to this many rows, decode in registers per output
+static_assert(kMaxDotRows == 3, "few_rows dispatches 1, 2 or 3 rows");
 constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one thread
 
 // Lane t of out[c] = lane c of rows[t] (32-bit lanes).
@@ -295,15 +298,34 @@ void few_rows(const QuantLinearBf16Problem& p, const float* sums, int threads) {
     switch (p.M) {
       case 1: dot_rows_range<B, 1>(p, sums, n0, n1); break;
       case 2: dot_rows_range<B, 2>(p, sums, n0, n1); break;
-      case 3: dot_rows_range<B, 3>(p, sums, n0, n1); break;
-      default: dot_rows_range<B, 4>(p, sums, n0, n1); break;
+      default: dot_rows_range<B, 3>(p, sums, n0, n1); break;  // M <= kMaxDotRows = 3
     }
   }
 }
 
+// x with each chunk's 32 values in split-pair order (t, t + 16), as such codes take them.
+std::vector<uint16_t> split_pairs(const QuantLinearBf16Problem& p) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  std::vector<uint16_t> out(p.M * p.K);
+  for (int64_t i = 0; i < p.M * p.K; i += 32) {
+    const __m512i chunk = _mm512_loadu_si512(p.x + i);
+    _mm512_storeu_si512(out.data() + i, _mm512_permutexvar_epi16(order, chunk));
+  }
+  return out;
+}
+
 template <typename B>
-void multiply(const QuantLinearBf16Problem& p) {
-  const std::vector<float> sums = Codes<B>::kOffset ? chunk_sums(p) : std::vector<float>();
+void multiply(const QuantLinearBf16Problem& problem) {
+  const std::vector<float> sums =
+      Codes<B>::kOffset ? chunk_sums(problem) : std::vector<float>();
+  QuantLinearBf16Problem p = problem;
+  std::vector<uint16_t> permuted;
+  if constexpr (Codes<B>::kSplitPairs) {
+    permuted = split_pairs(problem);
+    p.x = permuted.data();
+  }
   const int64_t count = (p.N + kPanel - 1) / kPanel;
   const int64_t bytes = p.N * (p.K / B::kValues * B::kBytes);
   const int threads = bytes < kMinParallelBytes ? 1 : p.num_threads;
