@@ -63,6 +63,13 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance, co
   for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, 0);
 }
 
+// Prefetches the first kPrefetchBytes of `bytes` bytes at p at once: the start of a
+// thread's share of a weight, before the per-block prefetching runs ahead of it.
+inline void prefetch_start(const uint8_t* p, int64_t bytes) {
+  const int64_t end = bytes < kPrefetchBytes ? bytes : kPrefetchBytes;
+  for (int64_t line = 0; line < end; line += 64) __builtin_prefetch(p + line, 0, 0);
+}
+
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof v);

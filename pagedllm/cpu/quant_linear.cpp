@@ -124,7 +124,11 @@ void run_few_rows(const pagedllm::QuantLinearProblem& p) {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
     const int64_t n1 = g1 * kChannels < p.N ? g1 * kChannels : p.N;
-    if (g0 * kChannels < n1) few_rows<B>(p, g0 * kChannels, n1);
+    const int64_t row_bytes = p.K / B::kValues * B::kBytes;
+    if (g0 * kChannels < n1) {
+      prefetch_start(p.weight + g0 * kChannels * row_bytes, (n1 - g0 * kChannels) * row_bytes);
+      few_rows<B>(p, g0 * kChannels, n1);
+    }
   }
 }
 

@@ -282,6 +282,8 @@ void dot_rows_range(const QuantLinearBf16Problem& p, const float* sums, int64_t 
                     int64_t n1) {
   constexpr int kOutputs = 4;
   const CodeTable table(Codes<B>::kBias);
+  const int64_t row_bytes = p.K / B::kValues * B::kBytes;
+  prefetch_start(p.weight + n0 * row_bytes, (n1 - n0) * row_bytes);
   int64_t n = n0;
   for (; n + kOutputs <= n1; n += kOutputs)
     dot_rows<B, MR, kOutputs>(p, table, p.x, sums, p.y, n);
