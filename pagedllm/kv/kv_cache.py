@@ -85,8 +85,11 @@ class KVCache:
         row = self.format.row_width(head_dim)
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, row)
         self.tensor = torch.zeros(shape, dtype=self.dtype, device=device)
-        self._keys = [self.tensor[i, 0].view(self.format.dtype) for i in range(num_layers)]
-        self._values = [self.tensor[i, 1].view(self.format.dtype) for i in range(num_layers)]
+        # Per-layer views made once: a view per layer per step costs a few microseconds.
+        self._stored_keys = [self.tensor[i, 0] for i in range(num_layers)]
+        self._stored_values = [self.tensor[i, 1] for i in range(num_layers)]
+        self._keys = [t.view(self.format.dtype) for t in self._stored_keys]
+        self._values = [t.view(self.format.dtype) for t in self._stored_values]
 
     @classmethod
     def from_budget(
@@ -140,11 +143,12 @@ class KVCache:
         float dtype; converted or quantized to the cache's format here) at slot
         ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
         equal to ``-1`` are skipped."""
-        keys = self.tensor[layer_idx, 0]
-        values = self.tensor[layer_idx, 1]
         k_rows = encode_rows(k, self.format).contiguous()
         v_rows = encode_rows(v, self.format).contiguous()
-        write_kv(keys, values, k_rows, v_rows, slot_mapping)
+        write_kv(
+            self._stored_keys[layer_idx], self._stored_values[layer_idx], k_rows, v_rows,
+            slot_mapping,
+        )  # fmt: skip
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of
