@@ -81,29 +81,23 @@ void packed_linear(const PackedLinearProblem& problem);
 void packed_panel_float32(const PackedLinearProblem& problem, const float* panel,
                           int64_t panel_index);
 
-// y [M, N] = x [M, K] weight^T (+ bias [N]) with weight rows kept in a GGUF block format
-// (quant_linear.cpp): row n is the K / values(type) blocks at weight + n * row_bytes,
-// decoded in registers. x, y and bias are float32; all contiguous.
-struct QuantLinearProblem {
-  const float* x;
+// y [M, N] = x [M, K] weight^T (+ bias [N]) with weight rows kept in a GGUF block format:
+// row n is the K / values(type) blocks at weight + n * row_bytes, never expanded. x and y
+// are float32 (quant_linear.cpp) or bfloat16 bits (quant_linear_bf16.cpp: codes
+// multiplied in bfloat16 pairs, float32 sums rounded once; only where the CPU has AVX-512
+// bfloat16 pair products, quant_linear_bf16_available()); bias is float32; all contiguous.
+template <typename T>
+struct QuantProduct {
+  const T* x;
   const uint8_t* weight;
   const float* bias;
-  float* y;
+  T* y;
   int64_t M, N, K, type;
   int num_threads;
 };
+using QuantLinearProblem = QuantProduct<float>;
+using QuantLinearBf16Problem = QuantProduct<uint16_t>;
 void quant_linear(const QuantLinearProblem& problem);
-// The same product for bfloat16 x and y (quant_linear_bf16.cpp): codes multiplied in
-// bfloat16 pairs, float32 sums rounded once. Only where the CPU has AVX-512 bfloat16 pair
-// products (quant_linear_bf16_available()); bias is float32.
-struct QuantLinearBf16Problem {
-  const uint16_t* x;
-  const uint8_t* weight;
-  const float* bias;
-  uint16_t* y;
-  int64_t M, N, K, type;
-  int num_threads;
-};
 bool quant_linear_bf16_available();
 void quant_linear_bf16(const QuantLinearBf16Problem& problem);
 // out [count, K] float32 = the rows `rows` of a [N, K] weight kept as in quant_linear.

@@ -295,4 +295,20 @@ struct Q6_K {
   }
 };
 
+// Op<B>::run(args...) with B the block format of `type`; false for a type without one.
+template <template <typename> class Op, typename... Args>
+bool with_format(int64_t type, Args&&... args) {
+  switch (type) {
+    case kQ8_0: Op<Q8_0>::run(args...); return true;
+    case kQ4_0: Op<Q4_0>::run(args...); return true;
+    case kQ4_1: Op<Q4_1>::run(args...); return true;
+    case kQ5_0: Op<Q5_0>::run(args...); return true;
+    case kQ5_1: Op<Q5_1>::run(args...); return true;
+    case kQ4_K: Op<Q4_K>::run(args...); return true;
+    case kQ5_K: Op<Q5_K>::run(args...); return true;
+    case kQ6_K: Op<Q6_K>::run(args...); return true;
+    default: return false;
+  }
+}
+
 }  // namespace pagedllm::quant

@@ -200,22 +200,6 @@ void rows_of(const uint8_t* weight, int64_t K, const int64_t* rows, int64_t coun
   }
 }
 
-// Op<B>::run(args...) with B the block format of `type`; false for a type without one.
-template <template <typename> class Op, typename... Args>
-bool with_format(int64_t type, Args&&... args) {
-  switch (type) {
-    case kQ8_0: Op<Q8_0>::run(args...); return true;
-    case kQ4_0: Op<Q4_0>::run(args...); return true;
-    case kQ4_1: Op<Q4_1>::run(args...); return true;
-    case kQ5_0: Op<Q5_0>::run(args...); return true;
-    case kQ5_1: Op<Q5_1>::run(args...); return true;
-    case kQ4_K: Op<Q4_K>::run(args...); return true;
-    case kQ5_K: Op<Q5_K>::run(args...); return true;
-    case kQ6_K: Op<Q6_K>::run(args...); return true;
-    default: return false;
-  }
-}
-
 template <typename B>
 struct Linear {
   static void run(const pagedllm::QuantLinearProblem& p) { multiply<B>(p); }

@@ -346,22 +346,17 @@ void multiply(const QuantLinearBf16Problem& problem) {
   }
 }
 
+template <typename B>
+struct Multiply {
+  static void run(const QuantLinearBf16Problem& p) { multiply<B>(p); }
+};
+
 }  // namespace
 
 bool quant_linear_bf16_available() { return true; }
 
 void quant_linear_bf16(const QuantLinearBf16Problem& p) {
-  switch (p.type) {
-    case quant::kQ8_0: return multiply<quant::Q8_0>(p);
-    case quant::kQ4_0: return multiply<quant::Q4_0>(p);
-    case quant::kQ4_1: return multiply<quant::Q4_1>(p);
-    case quant::kQ5_0: return multiply<quant::Q5_0>(p);
-    case quant::kQ5_1: return multiply<quant::Q5_1>(p);
-    case quant::kQ4_K: return multiply<quant::Q4_K>(p);
-    case quant::kQ5_K: return multiply<quant::Q5_K>(p);
-    case quant::kQ6_K: return multiply<quant::Q6_K>(p);
-    default: return;
-  }
+  quant::with_format<Multiply>(p.type, p);
 }
 
 #else  // no AVX-512 bfloat16 pair products: bindings widen x and call quant_linear
