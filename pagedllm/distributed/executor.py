@@ -18,14 +18,13 @@ import multiprocessing
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.errors import WorkerFailedError
-from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.group import TensorParallelGroup, join_default_group
 from pagedllm.distributed.launch import placement, threads_per_rank
 from pagedllm.distributed.worker import StepWork, WorkerSetup, start_ranks
 
@@ -50,13 +49,7 @@ class TensorParallelExecutor:
         self._stopped = False
         atexit.register(self.shutdown)
         with self.guard():
-            dist.init_process_group(
-                "gloo",
-                init_method=place.init_method,
-                rank=0,
-                world_size=place.world_size,
-                timeout=timedelta(seconds=self.timeout),
-            )
+            join_default_group(place.init_method, 0, place.world_size, self.timeout)
         self.group = TensorParallelGroup(0, place.world_size)
         logger.info(
             "Tensor parallelism: %d ranks over %s (gloo), %d started here, %d threads each",

@@ -11,11 +11,31 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from pagedllm.distributed.shm_all_reduce import SharedMemoryAllReduce
+
+
+def join_default_group(init_method: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the default process group (gloo) as ``rank`` of ``world_size``.
+
+    ``torch.distributed.nn`` is imported first: its functions take the default group as
+    a default argument, read when the module is imported. Imported later (transformers
+    imports it while a model loads), they would hold the group past
+    ``destroy_process_group``, whose gloo threads then outlive it and may release a
+    finished collective's tensors while the interpreter exits: an abort at exit."""
+    import torch.distributed.nn  # noqa: F401
+
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 @dataclass

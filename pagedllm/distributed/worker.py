@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.group import TensorParallelGroup, join_default_group
 from pagedllm.engine.model_runner import ModelInput
 from pagedllm.engine.model_worker import ModelWorker
 from pagedllm.engine.prompt_logprobs import prompt_logits
@@ -39,8 +38,8 @@ from pagedllm.models.loader import load_model
 
 logger = logging.getLogger("pagedllm")
 
-WAIT_FOR_STEPS = timedelta(days=365)
-"""How long a rank waits for rank 0's next step: an idle engine sends none."""
+WAIT_FOR_STEPS_S = 365 * 24 * 3600.0
+"""Seconds a rank waits for rank 0's next step: an idle engine sends none."""
 
 PR_SET_PDEATHSIG = 1
 
@@ -145,9 +144,7 @@ def run_rank(
     logging.basicConfig(level=log_level, format=log_format)
     torch.set_num_threads(threads)
     world = config.tensor_parallel_size
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=WAIT_FOR_STEPS
-    )
+    join_default_group(init_method, rank, world, WAIT_FOR_STEPS_S)
     try:
         _serve(config, TensorParallelGroup(rank, world))
         dist.barrier()  # rank 0's stop reached every rank: connections close in order
