@@ -1,8 +1,8 @@
 // Torch operators over the kernels in paged_attention.cpp, packed_linear.cpp,
-// elementwise.cpp and quant_linear.cpp: argument checks, then raw pointers. Registered as
-// torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight, packed_linear,
-// rms_norm, silu_and_mul, rotary, quant_linear, dequantize_rows,
-// avx512_kernels_available}.
+// elementwise.cpp and the quant_*.cpp files: argument checks, then raw pointers.
+// Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight,
+// packed_linear, rms_norm, silu_and_mul, rotary, quant_linear, quant_linear_x16,
+// quant_x16_supports, dequantize_rows, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -243,6 +243,13 @@ void check_quantized(const at::Tensor& weight, int64_t type, int64_t K, const ch
               pagedllm::quant_block_bytes(type), "] for K = ", K);
 }
 
+// A bias [N] as contiguous float32 (undefined when there is none).
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N, const char* what) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, what, ": bias is [N]");
+  return bias->to(at::kFloat).contiguous();
+}
+
 // x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype. bfloat16 x
 // is multiplied in bfloat16 pairs where the CPU has them, else widened to float32; either
 // way the float32 result is rounded once.
@@ -252,11 +259,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
               "quant_linear: x is float32 or bfloat16 [M, K]");
   const int64_t K = x.size(1), N = weight.size(0);
   check_quantized(weight, type, K, "quant_linear");
-  at::Tensor bias_f32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_linear: bias is [N]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f32 = float_bias(bias, N, "quant_linear");
   const float* bias_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kBFloat16 && pagedllm::quant_linear_bf16_available()) {
     const at::Tensor xc = x.contiguous();
@@ -272,6 +275,37 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
   pagedllm::quant_linear({x32.data_ptr<float>(), weight.data_ptr<uint8_t>(), bias_ptr,
                           y.data_ptr<float>(), x.size(0), N, K, type, at::get_num_threads()});
   return y.to(x.scalar_type());
+}
+
+// bfloat16 x [M, K] @ dequantized(weight)^T + bias [N] for a weight of N = out_features
+// rows interleaved by groups of 16 (quant_x16.cpp): uint8 [ceil(N / 16), K / block values
+// * block bytes * 16].
+at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                            int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "quant_linear_x16: x is bfloat16 [M, K]");
+  TORCH_CHECK(pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type),
+              "quant_linear_x16: no interleaved kernel for ggml type ", type, " on this CPU");
+  const int64_t K = x.size(1), N = out_features;
+  const int64_t values = pagedllm::quant_block_values(type);
+  const int64_t group_bytes = K / values * pagedllm::quant_block_bytes(type) * 16;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+              K % values == 0 && weight.size(0) == (N + 15) / 16 && weight.size(1) == group_bytes,
+              "quant_linear_x16: weight must be contiguous uint8 [", (N + 15) / 16, ", ",
+              group_bytes, "] for N = ", N, ", K = ", K);
+  const at::Tensor bias_f32 = float_bias(bias, N, "quant_linear_x16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, xc.options());
+  pagedllm::quant_linear_x16({reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+                              weight.data_ptr<uint8_t>(),
+                              bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+                              reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K, type,
+                              at::get_num_threads()});
+  return y;
+}
+
+bool quant_x16_supports(int64_t type) {
+  return pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type);
 }
 
 // Rows `rows` (int64) of the [N, K] weight, decoded to float32 [len(rows), K].
@@ -309,6 +343,9 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
         "int num_kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias) -> Tensor");
+  m.def("quant_linear_x16(Tensor x, Tensor weight, int type, int out_features, Tensor? bias) "
+        "-> Tensor");
+  m.def("quant_x16_supports(int type) -> bool", &quant_x16_supports);
   m.def("dequantize_rows(Tensor weight, int type, int K, Tensor rows) -> Tensor");
   m.def("avx512_kernels_available() -> bool", &avx512_kernels_available);
 }
@@ -322,5 +359,6 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_x16", &quant_linear_x16);
   m.impl("dequantize_rows", &dequantize_rows);
 }

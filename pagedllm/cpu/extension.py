@@ -38,11 +38,12 @@ SOURCES = [
         "elementwise.cpp",
         "quant_linear.cpp",
         "quant_linear_bf16.cpp",
+        "quant_x16.cpp",
     )
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kernels.h", "bfloat16.h", "quant_blocks.h", "quant_codes.h")
+    for name in ("kernels.h", "bfloat16.h", "quant_blocks.h", "quant_codes.h", "quant_panel.h")
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -231,6 +232,26 @@ def quant_linear(
     Q6_K), never expanded. Sums are float32; bfloat16 ``x`` is multiplied in bfloat16 pairs
     where the CPU has them (else widened), and the result rounded once."""
     return ops().quant_linear(x, weight, ggml_type, bias)
+
+
+def quant_linear_x16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_linear` for bfloat16 ``x`` and a weight of ``out_features`` rows whose
+    blocks are interleaved by groups of 16 rows (layout in ``quant_x16.cpp``; see
+    :class:`~pagedllm.models.interleaved_weight.InterleavedWeight`)."""
+    return ops().quant_linear_x16(x, weight, ggml_type, out_features, bias)
+
+
+@functools.cache
+def quant_x16_supports(ggml_type: int) -> bool:
+    """Whether :func:`quant_linear_x16` runs weights of ``ggml_type`` on this CPU."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.quant_x16_supports(ggml_type))
 
 
 def dequantize_rows(

@@ -258,14 +258,17 @@ class TimingTable:
 
 class KernelChoice:
     """The kernel for each float weight of one model on the CPU, for a ``linear_kernel``
-    of :data:`LINEAR_KERNELS`; it counts its choices for one summary line."""
+    of :data:`LINEAR_KERNELS`; it counts its choices for one summary line.
+    ``activations``: the model's dtype, when known (quantized weights are interleaved for
+    bfloat16 ones)."""
 
-    def __init__(self, requested: str = "auto") -> None:
+    def __init__(self, requested: str = "auto", activations: torch.dtype | None = None) -> None:
         if requested not in LINEAR_KERNELS:
             raise ValueError(
                 f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {requested!r}"
             )
         self.requested = requested
+        self.activations = activations
         self.table: TimingTable | None = None
         self.shapes: dict[tuple[torch.dtype, int, int], str] = {}
 

@@ -100,6 +100,11 @@ using QuantLinearBf16Problem = QuantProduct<uint16_t>;
 void quant_linear(const QuantLinearProblem& problem);
 bool quant_linear_bf16_available();
 void quant_linear_bf16(const QuantLinearBf16Problem& problem);
+// The same product with the weight's blocks interleaved by groups of 16 output features
+// (quant_x16.cpp: [ceil(N / 16)][K / block values][block bytes / 2][16] units of 2
+// bytes); for the types quant_x16_supports, where quant_linear_bf16_available().
+bool quant_x16_supports(int64_t type);
+void quant_linear_x16(const QuantLinearBf16Problem& problem);
 // out [count, K] float32 = the rows `rows` of a [N, K] weight kept as in quant_linear.
 void dequantize_rows(const uint8_t* weight, int64_t K, int64_t type, const int64_t* rows,
                      int64_t count, float* out, int num_threads);

@@ -56,11 +56,13 @@ inline int64_t prefetch_rows(int64_t row_bytes, int64_t min_rows) {
   return rows > min_rows ? rows : min_rows;
 }
 
-// Prefetches the `bytes` bytes at p + distance unless they lie at or past `end`.
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance, const uint8_t* end) {
-  const uint8_t* ahead = p + distance;
-  if (ahead >= end) return;
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, 0);
+// Prefetches the `bytes` bytes at p + distance. They may lie past the weight's end: a
+// prefetch never faults, and the address is formed as an integer, not a pointer past
+// the array (no bounds test in the innermost loops).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(distance);
+  for (int64_t line = 0; line < bytes; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead + line), 0, 0);
 }
 
 // Prefetches the first kPrefetchBytes of `bytes` bytes at p at once: the start of a

@@ -43,7 +43,6 @@ constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one t
 template <typename B, int MR, int C>
 void channels(const float* x, int64_t K, const uint8_t* weight, int64_t row_bytes,
               const float* bias, float* y, int64_t N, int64_t n) {
-  const uint8_t* end = weight + N * row_bytes;
   alignas(64) float w[C][B::kValues];
 #ifdef __AVX512F__
   __m512 acc[MR][C];
@@ -57,7 +56,7 @@ void channels(const float* x, int64_t K, const uint8_t* weight, int64_t row_byte
   for (int64_t b = 0; b < blocks; ++b) {
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = weight + (n + c) * row_bytes + b * B::kBytes;
-      prefetch_ahead(block, B::kBytes, distance, end);
+      prefetch_ahead(block, B::kBytes, distance);
       B::decode(block, w[c]);
     }
     const float* xb = x + b * B::kValues;

@@ -25,6 +25,7 @@
 #include "bfloat16.h"
 #include "kernels.h"
 #include "quant_codes.h"
+#include "quant_panel.h"
 
 namespace pagedllm {
 
@@ -34,8 +35,6 @@ namespace {
 
 using namespace quant;
 
-constexpr int kPanel = 32;  // output features per panel: two vectors
-constexpr int kRows = 6;    // rows of x per tile: 2 x 6 sums, 2 x 6 group sums in registers
 constexpr int64_t kMaxDotRows = 3;  // up to this many rows, decode in registers per output
 static_assert(kMaxDotRows == 3, "few_rows dispatches 1, 2 or 3 rows");
 constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one thread
@@ -65,13 +64,6 @@ inline void transpose16(const __m512i* rows, __m512i* out) {
     out[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
   }
 }
-
-// One panel: codes [K / 2][kPanel] bfloat16 pairs, scales [groups][kPanel], offsets
-// [chunks][kPanel]; features past N decode to zero.
-struct Panel {
-  std::vector<uint32_t> codes;
-  std::vector<float> scales, offsets;
-};
 
 template <typename B>
 void decode_panel(const uint8_t* weight, int64_t N, int64_t K, int64_t n0, Panel& panel) {
@@ -122,148 +114,77 @@ void decode_panel(const uint8_t* weight, int64_t N, int64_t K, int64_t n0, Panel
   }
 }
 
-inline __m512i pair_of(const uint16_t* x) {
-  uint32_t pair;
-  std::memcpy(&pair, x, sizeof pair);
-  return _mm512_set1_epi32(static_cast<int>(pair));
-}
-
-// y[m, n0 .. n0 + kPanel) for the MR rows of x starting at x; chunk_sums holds each
-// row's sum of x per chunk ([MR][K / 32], only read for formats with offsets).
-template <typename B, int MR>
-void tile(const QuantLinearBf16Problem& p, const Panel& panel, const uint16_t* x,
-          const float* chunk_sums, uint16_t* y, int64_t n0) {
-  using C = Codes<B>;
-  constexpr int kGroupsPerChunk = 16 / C::kGroupPairs;
-  const int64_t chunks = p.K / 32;
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  const uint32_t* codes = panel.codes.data();
-  const float* scales = panel.scales.data();
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    for (int g = 0; g < kGroupsPerChunk; ++g, scales += kPanel) {
-      __m512 part[MR][2];
-      for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
-      const int64_t k0 = chunk * 32 + g * 2 * C::kGroupPairs;
-      for (int j = 0; j < C::kGroupPairs; ++j, codes += kPanel) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(codes);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(codes + 16);
-        for (int m = 0; m < MR; ++m) {
-          const __m512bh xv = (__m512bh)pair_of(x + m * p.K + k0 + 2 * j);
-          part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
-          part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
-        }
-      }
-      const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
-      for (int m = 0; m < MR; ++m) {
-        acc[m][0] = _mm512_fmadd_ps(part[m][0], s0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(part[m][1], s1, acc[m][1]);
-      }
-    }
-    if constexpr (C::kOffset) {
-      const float* offsets = panel.offsets.data() + chunk * kPanel;
-      const __m512 o0 = _mm512_loadu_ps(offsets), o1 = _mm512_loadu_ps(offsets + 16);
-      for (int m = 0; m < MR; ++m) {
-        const __m512 sum = _mm512_set1_ps(chunk_sums[m * chunks + chunk]);
-        acc[m][0] = _mm512_fmadd_ps(o0, sum, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(o1, sum, acc[m][1]);
-      }
-    }
+// One block's scales and offsets as broadcast vectors, chunk by chunk: the one-chunk
+// formats convert their halves straight into vectors; the K-quants unpack their factors
+// once per block. The scale of lane t is its pair's group's (pair t / kGroupPairs).
+template <typename C, bool kOneChunk = C::kChunks == 1>
+class BlockFactors {
+ public:
+  void load(const uint8_t* block) {
+    scale_ = C::scale_vector(block);
+    offset_ = C::offset_vector(block);
   }
-  for (int v = 0; v < 2; ++v) {
-    const int64_t left = p.N - n0 - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask =
-        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 bias =
-        p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      bf16::store(y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
-  }
-}
+  __m512 scale(int) const { return scale_; }
+  __m512 offset(int) const { return offset_; }
 
-template <typename B>
-void panel_rows(const QuantLinearBf16Problem& p, const Panel& panel, const float* sums,
-                int64_t n0) {
-  const int64_t chunks = p.K / 32;
-  int64_t m = 0;
-  for (; m + kRows <= p.M; m += kRows)
-    tile<B, kRows>(p, panel, p.x + m * p.K, sums + m * chunks, p.y + m * p.N, n0);
-  const uint16_t* x = p.x + m * p.K;
-  uint16_t* y = p.y + m * p.N;
-  const float* s = sums + m * chunks;
-  switch (p.M - m) {
-    case 5: tile<B, 5>(p, panel, x, s, y, n0); break;
-    case 4: tile<B, 4>(p, panel, x, s, y, n0); break;
-    case 3: tile<B, 3>(p, panel, x, s, y, n0); break;
-    case 2: tile<B, 2>(p, panel, x, s, y, n0); break;
-    case 1: tile<B, 1>(p, panel, x, s, y, n0); break;
-    default: break;
-  }
-}
+ private:
+  __m512 scale_, offset_;
+};
 
-// Each row's sum of x over each chunk of 32, float32 ([M][K / 32]).
-std::vector<float> chunk_sums(const QuantLinearBf16Problem& p) {
-  const int64_t chunks = p.K / 32;
-  std::vector<float> sums(p.M * chunks);
-  for (int64_t m = 0; m < p.M; ++m) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* x = p.x + m * p.K + c * 32;
-      const __m512 low = bf16::widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-      const __m512 high =
-          bf16::widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-      sums[m * chunks + c] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
-    }
-  }
-  return sums;
-}
-
-// The 16 lanes' scales of one chunk: pair t of the chunk takes group t / kGroupPairs's.
 template <typename C>
-inline __m512 lane_scales(const float* scale, int chunk) {
-  if constexpr (C::kGroupPairs == 16) {
-    return _mm512_set1_ps(scale[chunk]);
-  } else {
-    return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(scale[2 * chunk]),
-                                _mm512_set1_ps(scale[2 * chunk + 1]));
+class BlockFactors<C, false> {
+ public:
+  void load(const uint8_t* block) { C::factors(block, scale_, offset_); }
+  __m512 scale(int chunk) const {
+    if constexpr (C::kGroupPairs == 16) {
+      return _mm512_set1_ps(scale_[chunk]);
+    } else {
+      return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(scale_[2 * chunk]),
+                                  _mm512_set1_ps(scale_[2 * chunk + 1]));
+    }
   }
-}
+  __m512 offset(int chunk) const { return _mm512_set1_ps(offset_[chunk]); }
+
+ private:
+  float scale_[C::kChunks * 16 / C::kGroupPairs], offset_[C::kChunks];
+};
 
 // Few rows: y[m, n .. n + kOutputs) for the MR rows of x, each output's blocks decoded
 // once into registers and multiplied into every row while there (a decode step reads
-// each weight once). Lanes of a chunk's pair products are scaled, summed over the
-// chunks, and reduced once per output; offsets are added per chunk as scalars.
+// each weight once). Per chunk, lane t of an output's sums takes the scaled pair
+// products of pair t; lane 0 also takes offset * (the chunk's sum of x). The lanes are
+// added once per output.
 template <typename B, int MR, int kOutputs>
 void dot_rows(const QuantLinearBf16Problem& p, const CodeTable& table, const uint16_t* x,
               const float* sums, uint16_t* y, int64_t n) {
   using C = Codes<B>;
-  constexpr int kScales = C::kChunks * 16 / C::kGroupPairs;
   const int64_t blocks = p.K / B::kValues, chunks = p.K / 32;
   const int64_t row_bytes = blocks * B::kBytes;
   const int64_t distance = prefetch_rows(row_bytes, kOutputs) * row_bytes;
-  const uint8_t* end = p.weight + p.N * row_bytes;
+  const uint8_t* first = p.weight + n * row_bytes;
   __m512 acc[MR][kOutputs];
-  float offset_sum[MR][kOutputs] = {};
   for (int m = 0; m < MR; ++m)
     for (int o = 0; o < kOutputs; ++o) acc[m][o] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    float scale[kOutputs][kScales], offset[kOutputs][C::kChunks];
-    const uint8_t* block[kOutputs];
+  for (int64_t b = 0; b < blocks; ++b, first += B::kBytes) {
+    BlockFactors<C> factors[kOutputs];
     for (int o = 0; o < kOutputs; ++o) {
-      block[o] = p.weight + (n + o) * row_bytes + b * B::kBytes;
-      C::factors(block[o], scale[o], offset[o]);
-      prefetch_ahead(block[o], B::kBytes, distance, end);
+      prefetch_ahead(first + o * row_bytes, B::kBytes, distance);
+      factors[o].load(first + o * row_bytes);
     }
     for (int c = 0; c < C::kChunks; ++c) {
       const int64_t chunk = b * C::kChunks + c;
       __m512bh codes[kOutputs];
-      for (int o = 0; o < kOutputs; ++o) codes[o] = (__m512bh)C::codes(block[o], c, table);
+      for (int o = 0; o < kOutputs; ++o)
+        codes[o] = (__m512bh)C::codes(first + o * row_bytes, c, table);
       for (int m = 0; m < MR; ++m) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * p.K + chunk * 32);
+        const __m512 x_sum = C::kOffset ? _mm512_zextps128_ps512(_mm_set_ss(sums[m * chunks + chunk]))
+                                        : _mm512_setzero_ps();
         for (int o = 0; o < kOutputs; ++o) {
           const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv, codes[o]);
-          acc[m][o] = _mm512_fmadd_ps(part, lane_scales<C>(scale[o], c), acc[m][o]);
-          if constexpr (C::kOffset) offset_sum[m][o] += offset[o][c] * sums[m * chunks + chunk];
+          acc[m][o] = _mm512_fmadd_ps(part, factors[o].scale(c), acc[m][o]);
+          if constexpr (C::kOffset)
+            acc[m][o] = _mm512_fmadd_ps(factors[o].offset(c), x_sum, acc[m][o]);
         }
       }
     }
@@ -271,7 +192,7 @@ void dot_rows(const QuantLinearBf16Problem& p, const CodeTable& table, const uin
   for (int m = 0; m < MR; ++m) {
     for (int o = 0; o < kOutputs; ++o) {
       const float bias = p.bias ? p.bias[n + o] : 0.0f;
-      const float sum = _mm512_reduce_add_ps(acc[m][o]) + offset_sum[m][o] + bias;
+      const float sum = _mm512_reduce_add_ps(acc[m][o]) + bias;
       bf16::store(y + m * p.N + n + o, _mm512_set1_ps(sum), 1);
     }
   }

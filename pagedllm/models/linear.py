@@ -6,7 +6,10 @@ re-packing, or stay an ``[out, in]`` tensor that torch's GEMM (oneDNN) runs; whi
 is chosen per shape by capability and measurement
 (:mod:`pagedllm.cpu.kernel_choice`), or forced. Elsewhere weights stay tensors. Weights a
 GGUF file stores quantized may stay in its block format
-(:class:`~pagedllm.models.quantized_weight.QuantizedWeight`). All accumulate in float32.
+(:class:`~pagedllm.models.quantized_weight.QuantizedWeight`), interleaved by groups of 16
+rows where bfloat16 activations meet a kernel for the format
+(:class:`~pagedllm.models.interleaved_weight.InterleavedWeight`). All accumulate in
+float32.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from pagedllm.cpu.extension import PANEL_WIDTH, fits_avx512_kernels, pack_weight, packed_linear
 from pagedllm.cpu.kernel_choice import KernelChoice
+from pagedllm.models.interleaved_weight import InterleavedWeight, interleavable
 from pagedllm.models.quantized_weight import QuantizedWeight, concat_rows
 
 
@@ -42,17 +46,20 @@ class PackedWeight:
         return gathered.reshape(len(indices), -1)[:, : self.in_features]
 
 
-Weight = torch.Tensor | PackedWeight | QuantizedWeight
+Weight = torch.Tensor | PackedWeight | QuantizedWeight | InterleavedWeight
 
 
 def prepare_weight(
     weight: torch.Tensor | QuantizedWeight, choice: KernelChoice | None = None
 ) -> Weight:
-    """The form :func:`linear` runs ``weight`` in: a quantized weight as it is; else packed
-    or the contiguous matrix, as ``choice`` picks among the kernels able to run it
-    (``packed`` only where the AVX-512 kernels take the weight); without ``choice``, packed
-    wherever it can be."""
+    """The form :func:`linear` runs ``weight`` in: a quantized weight interleaved when
+    ``choice`` says the activations are bfloat16 and a kernel takes its format, else as it
+    is; a float weight packed or the contiguous matrix, as ``choice`` picks among the
+    kernels able to run it (``packed`` only where the AVX-512 kernels take the weight);
+    without ``choice``, packed wherever it can be."""
     if isinstance(weight, QuantizedWeight):
+        if choice is not None and choice.activations == torch.bfloat16 and interleavable(weight):
+            return InterleavedWeight.interleave(weight)
         return weight
     weight = weight.contiguous()
     kernels = ("packed", "onednn") if fits_avx512_kernels(weight) else ("onednn",)
@@ -74,13 +81,13 @@ def weight_storage(weight: Weight) -> torch.Tensor:
     """The tensor holding a weight's bytes: the matrix, its panels, or its blocks."""
     if isinstance(weight, PackedWeight):
         return weight.panels
-    return weight.blocks if isinstance(weight, QuantizedWeight) else weight
+    return weight.blocks if isinstance(weight, QuantizedWeight | InterleavedWeight) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` and a weight ``[out, in]`` (plain
     or packed by :func:`prepare_weight`, or quantized)."""
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, QuantizedWeight | InterleavedWeight):
         return weight.linear(x, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x.contiguous(), weight.panels, weight.out_features, bias)

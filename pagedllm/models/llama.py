@@ -32,6 +32,7 @@ from pagedllm.distributed.sharded_weights import ShardedWeights
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
+from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.linear import (
     PackedWeight,
     Weight,
@@ -331,7 +332,7 @@ class LlamaDecoder(nn.Module):
             weight = get(name).to(device=self.device, dtype=torch.float32) + spec.norm_offset
             return weight.to(dtype).contiguous()
 
-        choice = KernelChoice(linear_kernel)
+        choice = KernelChoice(linear_kernel, activations=dtype)
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
             DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, choice, parallel)
@@ -402,7 +403,7 @@ class LlamaDecoder(nn.Module):
         return rows if self.embedding_scale is None else rows * self.embedding_scale
 
     def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed_tokens, QuantizedWeight):
+        if isinstance(self.embed_tokens, QuantizedWeight | InterleavedWeight):
             return self.embed_tokens.rows(ids).to(self.dtype)
         if isinstance(self.embed_tokens, PackedWeight):
             return self.embed_tokens.rows(ids)
