@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     not all(quant_x16_supports(int(t)) for t in X16_TYPES),
     reason="needs the AVX-512 bfloat16 kernels",
 )
-ROWS = (1, 2, 3, 4, 5, 7, 13)  # registers up to 4 rows, panels of 6-row tiles beyond
+ROWS = (1, 2, 3, 4, 5, 7, 13, 17, 23)  # registers up to 16 rows, 6-row panel tiles beyond
 
 
 def weight_of(ggml_type: Q, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -66,11 +66,12 @@ def test_interleaving_keeps_the_bytes_and_every_row(ggml_type):
 def test_interleaved_rows_do_not_depend_on_the_other_rows_within_a_path():
     weight, _ = weight_of(Q.Q4_1, 48, 256, seed=6)
     interleaved = InterleavedWeight.interleave(weight)
-    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
     batch = interleaved.linear(x)
-    assert torch.equal(interleaved.linear(x[7:19]), batch[7:19])  # panels
-    few = interleaved.linear(x[:4])  # registers, up to 4 rows
-    assert torch.equal(interleaved.linear(x[2:3]), few[2:3])
+    assert torch.equal(interleaved.linear(x[7:30]), batch[7:30])  # panels, from 17 rows
+    few = interleaved.linear(x[:16])  # registers, 4 rows per pass, up to 16 rows
+    for rows in (slice(2, 3), slice(3, 12), slice(5, 7)):
+        assert torch.equal(interleaved.linear(x[rows]), few[rows])
 
 
 def test_bfloat16_models_interleave_and_float32_models_keep_the_file_layout():
