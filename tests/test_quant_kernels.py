@@ -72,8 +72,16 @@ def test_bfloat16_activations_round_the_float32_product_once(ggml_type, rows):
     x = torch.randn(rows, k, generator=generator).bfloat16()
     bias = torch.randn(n, generator=generator)
     y = quant_linear(x, torch.from_numpy(blocks), int(ggml_type), bias)
+    assert_rounded_once(y, x, weight, bias)
+
+
+def assert_rounded_once(
+    y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> None:
+    """``y`` (bfloat16) is ``x @ weight.T + bias`` in float64, within the float32 tolerance
+    plus one bfloat16 rounding, and at least 99% of it is that product rounded once."""
     exact = x.double() @ weight.double().T + bias.double()
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
     # one bfloat16 rounding (unit roundoff 2**-8) on top of the float32 tolerance
     magnitude = x.double().abs() @ weight.double().abs().T + bias.double().abs()
     slack = TOLERANCE * magnitude + 2.0**-8 * exact.abs()

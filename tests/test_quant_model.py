@@ -56,17 +56,23 @@ def nll_per_token(model, ids: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()
 
 
-def test_matrices_stay_in_the_file_formats_at_the_file_size(default_model):
-    model = default_model.model
+def check_file_formats_at_file_size(loaded, kind: type, activations: str) -> None:
+    """Every projection of ``loaded`` is a ``kind`` of Q4_1 blocks, the tied embedding one
+    of Q8_0, and the weights held are at most 1.1x the file."""
+    model = loaded.model
     layer = model.layers[0]
     for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
-        assert isinstance(weight, QuantizedWeight) and weight.ggml_type == Q.Q4_1
+        assert isinstance(weight, kind) and weight.ggml_type == Q.Q4_1
     assert model.lm_head is model.embed_tokens and model.lm_head.ggml_type == Q.Q8_0
     resident = sum(t.numel() * t.element_size() for t in model.weights())
-    assert resident <= 1.1 * default_model.source.stat().st_size
+    assert resident <= 1.1 * loaded.source.stat().st_size
     by_format = weight_bytes_by_format(model)  # what the start-up log reports
-    assert set(by_format) == {"Q4_1", "Q8_0", "float32"} and sum(by_format.values()) == resident
+    assert set(by_format) == {"Q4_1", "Q8_0", activations} and sum(by_format.values()) == resident
     assert by_format["Q8_0"] == 49152 * 576 // 32 * 34  # the tied embedding, once
+
+
+def test_matrices_stay_in_the_file_formats_at_the_file_size(default_model):
+    check_file_formats_at_file_size(default_model, QuantizedWeight, "float32")
 
 
 def test_logits_equal_the_expanded_model(default_model, expanded_default_model):
@@ -125,17 +131,10 @@ def test_quantization_none_expands_and_unknown_values_are_refused(tmp_path):
 @pytest.mark.skipif(not quant_x16_supports(int(Q.Q4_1)), reason="needs the bfloat16 kernels")
 def test_bfloat16_model_runs_interleaved_blocks_at_the_file_size(default_model):
     bf16 = load_shared(torch.bfloat16)
-    model = bf16.model
-    layer = model.layers[0]
-    for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
-        assert isinstance(weight, InterleavedWeight) and weight.ggml_type == Q.Q4_1
-    assert model.lm_head is model.embed_tokens and model.lm_head.ggml_type == Q.Q8_0
-    resident = sum(t.numel() * t.element_size() for t in model.weights())
-    assert resident <= 1.1 * bf16.source.stat().st_size
-    assert set(weight_bytes_by_format(model)) == {"Q4_1", "Q8_0", "bfloat16"}
+    check_file_formats_at_file_size(bf16, InterleavedWeight, "bfloat16")
     # bfloat16 activations round where float32 ones do not: the greedy tokens agree with
     # the float32 model's for a while (measured: 12 to 32 of 32), then may part
     prompts = [chat_ids(bf16.tokenizer, p) for p in PROMPTS]
     eos = bf16.tokenizer.eos_token_id
-    low = greedy_cached(model, prompts, 8, eos)
+    low = greedy_cached(bf16.model, prompts, 8, eos)
     assert low == greedy_cached(default_model.model, prompts, 8, eos)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_kernels import TOLERANCE, dequantized, random_blocks
+from test_quant_kernels import assert_rounded_once, dequantized, random_blocks
 
 from pagedllm.cpu.extension import quant_linear, quant_x16_supports
 from pagedllm.cpu.kernel_choice import KernelChoice
@@ -41,13 +41,7 @@ def test_interleaved_product_rounds_the_float32_product_once(ggml_type, rows):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     bias = torch.randn(n, generator=generator)
-    y = interleaved.linear(x, bias)
-    exact = x.double() @ dense.double().T + bias.double()
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    magnitude = x.double().abs() @ dense.double().abs().T + bias.double().abs()
-    slack = TOLERANCE * magnitude + 2.0**-8 * exact.abs()
-    assert ((y.double() - exact).abs() <= slack).all()
-    assert (y == exact.float().bfloat16()).float().mean() >= 0.99
+    assert_rounded_once(interleaved.linear(x, bias), x, dense, bias)
 
 
 @pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)
