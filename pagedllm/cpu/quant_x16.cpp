@@ -54,9 +54,10 @@ template <typename B>
 struct X16Codes;
 
 // Q4_0 (code = q - 8) and Q4_1 (code = q): unit c -> pairs c (low nibbles) and c + 8.
-template <typename B, int kFactorUnits, int kBias>
+template <int kFactorUnits, int kCodeBias>
 struct X16Nibbles {
   static constexpr int kUnits = 8, kPairsPerUnit = 2, kFactorBytes = 32 * kFactorUnits;
+  static constexpr int kBias = kCodeBias;
   static constexpr bool kOffset = kFactorUnits == 2;
   static void codes(const uint8_t* column, int c, const CodeTable& table, __m512i* pairs) {
     const __m512i words = _mm512_cvtepu8_epi16(
@@ -66,22 +67,21 @@ struct X16Nibbles {
     pairs[1] = table.lookup32(_mm512_srli_epi16(words, 4));
   }
   static constexpr int pair_index(int c, int k) { return c + 8 * k; }
-  static constexpr int bias() { return kBias; }
 };
 
-template <> struct X16Codes<Q4_0> : X16Nibbles<Q4_0, 1, 8> {};
-template <> struct X16Codes<Q4_1> : X16Nibbles<Q4_1, 2, 0> {};
+template <> struct X16Codes<Q4_0> : X16Nibbles<1, 8> {};
+template <> struct X16Codes<Q4_1> : X16Nibbles<2, 0> {};
 
 // Q8_0: unit j -> pair j (integers below 2^8 in magnitude: the float's high half).
 template <>
 struct X16Codes<Q8_0> {
-  static constexpr int kUnits = 16, kPairsPerUnit = 1, kFactorBytes = 32;
+  static constexpr int kUnits = 16, kPairsPerUnit = 1, kFactorBytes = 32, kBias = 0;
   static constexpr bool kOffset = false;
   static void codes(const uint8_t* column, int j, const CodeTable& table, __m512i* pairs) {
+    // Codes<Q8_0> reads a block's 32 codes after its 2-byte scale: point 2 bytes early.
     pairs[0] = Codes<Q8_0>::codes(column + kFactorBytes + 32 * j - 2, 0, table);
   }
   static constexpr int pair_index(int j, int) { return j; }
-  static constexpr int bias() { return 0; }
 };
 
 // The 16 halves at p as float32 lanes.
@@ -147,7 +147,7 @@ void dot_group(const QuantLinearBf16Problem& p, const CodeTable& table, const fl
 // memory once and decoded once per chunk of rows (they stay in cache between chunks).
 template <typename B>
 void dot_groups(const QuantLinearBf16Problem& p, const float* sums, int64_t g0, int64_t g1) {
-  const CodeTable table(X16Codes<B>::bias());
+  const CodeTable table(X16Codes<B>::kBias);
   const int64_t group_bytes = p.K / B::kValues * kGroup * B::kBytes;
   prefetch_start(p.weight + g0 * group_bytes, (g1 - g0) * group_bytes);
   for (int64_t g = g0; g < g1; ++g) {
@@ -173,7 +173,7 @@ void decode_panel(const QuantLinearBf16Problem& p, int64_t index, Panel& panel) 
   panel.codes.resize(p.K / 2 * kPanel);
   panel.scales.resize(blocks * kPanel);
   panel.offsets.resize(X::kOffset ? blocks * kPanel : 0);
-  const CodeTable table(X::bias());
+  const CodeTable table(X::kBias);
   for (int half = 0; half < 2; ++half) {
     const int64_t g = 2 * index + half;
     for (int64_t b = 0; b < blocks; ++b) {
