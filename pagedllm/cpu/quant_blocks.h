@@ -50,6 +50,10 @@ inline float half_to_float(const uint8_t* p) {
 // 2.6 ms without prefetching, 1.0-1.3 ms with it.
 constexpr int64_t kPrefetchBytes = 8192;
 
+// Quantized weights of fewer bytes are multiplied on one thread: waking the others
+// costs more than they save.
+constexpr int64_t kMinParallelBytes = 1 << 16;
+
 // Rows ahead that are at least kPrefetchBytes, and at least `min_rows`.
 inline int64_t prefetch_rows(int64_t row_bytes, int64_t min_rows) {
   const int64_t rows = kPrefetchBytes / row_bytes;

@@ -37,7 +37,6 @@ constexpr int kMaxRows = 4;    // rows of x per pass of the few-rows kernel
 // from 64 rows (1.8 ms against 2.1 ms) and at 96 (2.0 against 2.9); at 8 rows panels
 // cost 2.8x.
 constexpr int64_t kPanelRows = 48;
-constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one thread
 
 // y[m, n .. n + C) for rows m < MR of x, output features n .. n + C.
 template <typename B, int MR, int C>

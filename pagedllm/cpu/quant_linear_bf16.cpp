@@ -37,7 +37,6 @@ using namespace quant;
 
 constexpr int64_t kMaxDotRows = 3;  // up to this many rows, decode in registers per output
 static_assert(kMaxDotRows == 3, "few_rows dispatches 1, 2 or 3 rows");
-constexpr int64_t kMinParallelBytes = 1 << 16;  // smaller weights stay on one thread
 
 // Lane t of out[c] = lane c of rows[t] (32-bit lanes).
 inline void transpose16(const __m512i* rows, __m512i* out) {

@@ -47,7 +47,6 @@ constexpr int64_t kDotRows = 4;      // rows per pass of a group decoded in regi
 static_assert(kDotRows == 4, "dot_groups dispatches 1 to 4 rows");
 constexpr int kChains = 4;           // running sums per row: the same for every pass size
 constexpr int64_t kMaxDotRows = 16;  // up to this many rows, the register path
-constexpr int64_t kMinParallelBytes = 1 << 16;
 
 // Exact bfloat16 pairs of 16 features from one 32-byte unit row of an x16 block column.
 template <typename B>

@@ -16,7 +16,7 @@ import gguf
 import torch
 
 from pagedllm.cpu.extension import dequantize_rows, quant_linear_x16, quant_x16_supports
-from pagedllm.models.quantized_weight import Q, QuantizedWeight
+from pagedllm.models.quantized_weight import Q, QuantizedWeight, pad_rows
 
 GROUP_ROWS = 16
 """Output features per interleaved group."""
@@ -42,10 +42,7 @@ class InterleavedWeight:
     @classmethod
     def interleave(cls, weight: QuantizedWeight) -> InterleavedWeight:
         rows, groups = weight.out_features, -(-weight.out_features // GROUP_ROWS)
-        blocks = weight.blocks
-        if rows % GROUP_ROWS:
-            padding = blocks.new_zeros(groups * GROUP_ROWS - rows, blocks.shape[1])
-            blocks = torch.cat([blocks, padding])
+        blocks = pad_rows(weight, groups * GROUP_ROWS).blocks
         units = blocks.view(torch.int16).view(groups, GROUP_ROWS, *_unit_shape(weight))
         grouped = units.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
         return cls(grouped.view(groups, -1), weight.ggml_type, weight.in_features, rows)
@@ -70,6 +67,10 @@ class InterleavedWeight:
         """``x @ weight.T + bias`` in bfloat16 for bfloat16 ``x`` ``[rows, in]``."""
         weight_type, rows = int(self.ggml_type), self.out_features
         return quant_linear_x16(x.contiguous(), self.blocks, weight_type, rows, bias)
+
+
+BlockWeight = QuantizedWeight | InterleavedWeight
+"""A weight kept in GGUF blocks, in the file's row order or interleaved."""
 
 
 def _unit_shape(weight: QuantizedWeight | InterleavedWeight) -> tuple[int, int]:

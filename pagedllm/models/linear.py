@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from pagedllm.cpu.extension import PANEL_WIDTH, fits_avx512_kernels, pack_weight, packed_linear
 from pagedllm.cpu.kernel_choice import KernelChoice
-from pagedllm.models.interleaved_weight import InterleavedWeight, interleavable
+from pagedllm.models.interleaved_weight import BlockWeight, InterleavedWeight, interleavable
 from pagedllm.models.quantized_weight import QuantizedWeight, concat_rows
 
 
@@ -46,7 +46,7 @@ class PackedWeight:
         return gathered.reshape(len(indices), -1)[:, : self.in_features]
 
 
-Weight = torch.Tensor | PackedWeight | QuantizedWeight | InterleavedWeight
+Weight = torch.Tensor | PackedWeight | BlockWeight
 
 
 def prepare_weight(
@@ -81,13 +81,13 @@ def weight_storage(weight: Weight) -> torch.Tensor:
     """The tensor holding a weight's bytes: the matrix, its panels, or its blocks."""
     if isinstance(weight, PackedWeight):
         return weight.panels
-    return weight.blocks if isinstance(weight, QuantizedWeight | InterleavedWeight) else weight
+    return weight.blocks if isinstance(weight, BlockWeight) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` and a weight ``[out, in]`` (plain
     or packed by :func:`prepare_weight`, or quantized)."""
-    if isinstance(weight, QuantizedWeight | InterleavedWeight):
+    if isinstance(weight, BlockWeight):
         return weight.linear(x, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x.contiguous(), weight.panels, weight.out_features, bias)

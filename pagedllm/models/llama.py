@@ -32,7 +32,7 @@ from pagedllm.distributed.sharded_weights import ShardedWeights
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
-from pagedllm.models.interleaved_weight import InterleavedWeight
+from pagedllm.models.interleaved_weight import BlockWeight
 from pagedllm.models.linear import (
     PackedWeight,
     Weight,
@@ -403,7 +403,7 @@ class LlamaDecoder(nn.Module):
         return rows if self.embedding_scale is None else rows * self.embedding_scale
 
     def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed_tokens, QuantizedWeight | InterleavedWeight):
+        if isinstance(self.embed_tokens, BlockWeight):
             return self.embed_tokens.rows(ids).to(self.dtype)
         if isinstance(self.embed_tokens, PackedWeight):
             return self.embed_tokens.rows(ids)

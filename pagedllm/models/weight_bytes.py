@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedllm.models.interleaved_weight import InterleavedWeight
-from pagedllm.models.quantized_weight import QuantizedWeight
+from pagedllm.models.interleaved_weight import BlockWeight
 
 
 def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
@@ -17,7 +16,7 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
         id(value.blocks): value.ggml_type.name
         for module in model.modules()
         for value in vars(module).values()
-        if isinstance(value, QuantizedWeight | InterleavedWeight)
+        if isinstance(value, BlockWeight)
     }
     totals: dict[str, int] = {}
     for tensor in model.weights():
