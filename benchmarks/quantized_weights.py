@@ -20,8 +20,9 @@ Records (one JSON line each):
   ``ignore_eos``, prefix caching off), output tokens/s; median of alternating runs.
 - ``same_tokens``: requests of that workload whose greedy ``Q4_1`` tokens equal the
   ``F32`` run's (the same weights), and for the others the first position that differs.
-- With ``llama-cpp-python`` installed, ``decode_1`` of llama.cpp on the Q4_1 and Q8_0
-  files with the same threads; otherwise one ``skipped`` record.
+- With ``llama-cpp-python`` installed, ``decode_1`` of llama.cpp with the same threads
+  on the shipped Q4_1 file and on F32, BF16 and Q8_0 files this script writes from the
+  dequantized weights; otherwise one ``skipped`` record.
 
     python benchmarks/quantized_weights.py [--runs 3] [--decode-tokens 64]
         [--num-requests 64] [--prompt-len 32,512] [--output-len 16,256] [--threads 2]
@@ -58,9 +59,9 @@ def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
-def write_q8_0(source: Path, dest: Path) -> Path:
-    """``source``'s metadata and tensors, every quantized matrix re-quantized to Q8_0 from
-    its dequantized values."""
+def write_requantized(source: Path, dest: Path, target: gguf.GGMLQuantizationType) -> Path:
+    """``source``'s metadata and tensors, every quantized matrix stored as ``target``
+    (Q8_0, BF16 or F32) from its dequantized values."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dest, arch)
@@ -75,10 +76,12 @@ def write_q8_0(source: Path, dest: Path) -> Path:
             writer.add_tensor(tensor.name, np.array(tensor.data))
             continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        blocks = gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(
-            tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
-        )
+        values = values.astype(np.float32)
+        if target == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, values)
+            continue
+        blocks = gguf.quants.quantize(values, target)
+        writer.add_tensor(tensor.name, blocks, raw_shape=blocks.shape, raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -184,7 +187,13 @@ def main() -> None:
 
     shipped = default_model_path()
     folder = Path(tempfile.mkdtemp())
-    q8_0 = write_q8_0(shipped, folder / "SmolLM2-135M-Instruct.Q8_0.gguf")
+    written = {
+        name: write_requantized(
+            shipped, folder / f"SmolLM2-135M-Instruct.{name}.gguf", gguf.GGMLQuantizationType[name]
+        )
+        for name in ("Q8_0", "BF16", "F32")
+    }
+    q8_0 = written["Q8_0"]
     variants = {
         "F32": (shipped, "float32", "none"),
         "BF16": (shipped, "bfloat16", "none"),
@@ -218,7 +227,8 @@ def main() -> None:
     try:
         import llama_cpp  # noqa: F401
 
-        baselines = {"llama.cpp Q4_1": str(shipped), "llama.cpp Q8_0": str(q8_0)}
+        files = {"F32": written["F32"], "BF16": written["BF16"], "Q4_1": shipped, "Q8_0": q8_0}
+        baselines = {f"llama.cpp {name}": str(path) for name, path in files.items()}
     except ImportError:
         emit(measure="decode_1", variant="llama.cpp", skipped="llama-cpp-python not installed")
 

@@ -157,7 +157,9 @@ class EngineConfig:
         0.9, "share of the GPU's memory the engine may use, KV pool included (CUDA)"
     )
     enforce_eager: bool = knob(
-        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
+        False,
+        "run the model operator by operator: on CUDA instead of replaying captured decode "
+        "graphs, on the CPU instead of running all decoder layers as one C++ call",
     )
     max_model_len: int | None = knob(
         None,

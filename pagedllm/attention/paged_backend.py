@@ -33,7 +33,7 @@ class PagedAttentionBackend:
         self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
         self._prepared: tuple[torch.Tensor, ...] = ()
 
-    def _prepare(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    def kernel_metadata(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
         """Kernel-ready metadata, converted once per step. A step's tensors are not
         modified in place between its layers."""
         source = (
@@ -64,7 +64,7 @@ class PagedAttentionBackend:
     ) -> torch.Tensor:
         """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``k``, ``v`` are
         stored in the cache's format, the output has ``q``'s dtype."""
-        slot_mapping, block_tables, seq_lens, query_start_loc = self._prepare(metadata)
+        slot_mapping, block_tables, seq_lens, query_start_loc = self.kernel_metadata(metadata)
         self.kv_cache.write(layer_idx, k, v, slot_mapping)
         keys, values = self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx)
         if not self.uses_fast_kernel:

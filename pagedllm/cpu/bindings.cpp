@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "tensor_ops.h"
 
 namespace {
 
@@ -41,6 +42,45 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must match");
   TORCH_CHECK(k_cache.stride(3) == 1, "head_dim must be contiguous in the cache");
 }
+
+// The dtype flag of the kernels that take float32 or bfloat16: true for bfloat16.
+bool is_bfloat16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(pagedllm::avx512_kernels_available(), what, " needs AVX-512");
+  TORCH_CHECK(t.is_contiguous(), what, ": tensors must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              ": dtype must be float32 or bfloat16");
+  return t.scalar_type() == at::kBFloat16;
+}
+
+// Values of k per panel step: bfloat16 pairs them for the pair-product instruction.
+int64_t panel_step(bool bfloat16) { return bfloat16 ? 2 : 1; }
+
+// The weight's block format, checked against its shape: uint8 [N, K / values * bytes].
+void check_quantized(const at::Tensor& weight, int64_t type, int64_t K, const char* what) {
+  const int64_t values = pagedllm::quant_block_values(type);
+  TORCH_CHECK(values > 0, what, ": no kernels for ggml type ", type);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+              K % values == 0 && weight.size(1) == K / values * pagedllm::quant_block_bytes(type),
+              what, ": weight must be contiguous uint8 [N, K / ", values, " * ",
+              pagedllm::quant_block_bytes(type), "] for K = ", K);
+}
+
+// A bias [N] as contiguous float32 (undefined when there is none).
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N, const char* what) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, what, ": bias is [N]");
+  return bias->to(at::kFloat).contiguous();
+}
+
+bool quant_x16_supports(int64_t type) {
+  return pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type);
+}
+
+bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
+
+}  // namespace
+
+namespace pagedllm::tensor_ops {
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -130,18 +170,6 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
                       k_cache.size(3) * k.element_size(), k_cache.stride(0), k_cache.stride(1),
                       k_cache.stride(2), k.element_size()});
 }
-
-// The dtype flag of the kernels that take float32 or bfloat16: true for bfloat16.
-bool is_bfloat16(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(pagedllm::avx512_kernels_available(), what, " needs AVX-512");
-  TORCH_CHECK(t.is_contiguous(), what, ": tensors must be contiguous");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
-              ": dtype must be float32 or bfloat16");
-  return t.scalar_type() == at::kBFloat16;
-}
-
-// Values of k per panel step: bfloat16 pairs them for the pair-product instruction.
-int64_t panel_step(bool bfloat16) { return bfloat16 ? 2 : 1; }
 
 // weight [N, K] -> panels [num_panels(N), ceil(K / S), panel width, S] (see kernels.h).
 at::Tensor pack_weight(const at::Tensor& weight) {
@@ -233,23 +261,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
   return {q, k, v};
 }
 
-// The weight's block format, checked against its shape: uint8 [N, K / values * bytes].
-void check_quantized(const at::Tensor& weight, int64_t type, int64_t K, const char* what) {
-  const int64_t values = pagedllm::quant_block_values(type);
-  TORCH_CHECK(values > 0, what, ": no kernels for ggml type ", type);
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
-              K % values == 0 && weight.size(1) == K / values * pagedllm::quant_block_bytes(type),
-              what, ": weight must be contiguous uint8 [N, K / ", values, " * ",
-              pagedllm::quant_block_bytes(type), "] for K = ", K);
-}
-
-// A bias [N] as contiguous float32 (undefined when there is none).
-at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N, const char* what) {
-  if (!bias.has_value()) return at::Tensor();
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, what, ": bias is [N]");
-  return bias->to(at::kFloat).contiguous();
-}
-
 // x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype. bfloat16 x
 // is multiplied in bfloat16 pairs where the CPU has them, else widened to float32; either
 // way the float32 result is rounded once.
@@ -304,10 +315,6 @@ at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64
   return y;
 }
 
-bool quant_x16_supports(int64_t type) {
-  return pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type);
-}
-
 // Rows `rows` (int64) of the [N, K] weight, decoded to float32 [len(rows), K].
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t type, int64_t K,
                            const at::Tensor& rows) {
@@ -326,9 +333,7 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t type, int64_t K,
   return out;
 }
 
-bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
-
-}  // namespace
+}  // namespace pagedllm::tensor_ops
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -351,14 +356,14 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv", &write_kv);
-  m.impl("pack_weight", &pack_weight);
-  m.impl("packed_linear", &packed_linear);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary", &rotary);
-  m.impl("quant_linear", &quant_linear);
-  m.impl("quant_linear_x16", &quant_linear_x16);
-  m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("paged_attention", &pagedllm::tensor_ops::paged_attention);
+  m.impl("write_kv", &pagedllm::tensor_ops::write_kv);
+  m.impl("pack_weight", &pagedllm::tensor_ops::pack_weight);
+  m.impl("packed_linear", &pagedllm::tensor_ops::packed_linear);
+  m.impl("rms_norm", &pagedllm::tensor_ops::rms_norm);
+  m.impl("silu_and_mul", &pagedllm::tensor_ops::silu_and_mul);
+  m.impl("rotary", &pagedllm::tensor_ops::rotary);
+  m.impl("quant_linear", &pagedllm::tensor_ops::quant_linear);
+  m.impl("quant_linear_x16", &pagedllm::tensor_ops::quant_linear_x16);
+  m.impl("dequantize_rows", &pagedllm::tensor_ops::dequantize_rows);
 }

@@ -39,11 +39,19 @@ SOURCES = [
         "quant_linear.cpp",
         "quant_linear_bf16.cpp",
         "quant_x16.cpp",
+        "layer_stack.cpp",
     )
 ]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kernels.h", "bfloat16.h", "quant_blocks.h", "quant_codes.h", "quant_panel.h")
+    for name in (
+        "kernels.h",
+        "bfloat16.h",
+        "quant_blocks.h",
+        "quant_codes.h",
+        "quant_panel.h",
+        "tensor_ops.h",
+    )
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 

@@ -24,6 +24,7 @@ from pagedllm.engine.block_table_rows import BlockTableRows
 from pagedllm.engine.cuda_graphs import DecodeGraphs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import TokenSequence
+from pagedllm.models.layer_stack import LayerStack
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ModelRunner:
         self.block_tables = BlockTableRows(-(-max_model_len // block_size))
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None
+        self.layer_stack: LayerStack | None = None
 
     def build_batch(self, plan: SchedulerOutput) -> ModelInput:
         """The plan as one batch; applies its block-table deltas to the runner's
@@ -150,6 +152,8 @@ class ModelRunner:
             rows = batch.sample_rows
         else:
             rows = torch.cat([batch.sample_rows, batch.prompt_rows])
-        hidden = self.model(batch.input_ids, batch.positions, self.attn, metadata, rows)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.attn, metadata, rows, self.layer_stack
+        )
         logits = self.model.compute_logits(hidden[:num_samples])
         return ModelOutput(logits, hidden[num_samples:])

@@ -13,6 +13,7 @@ from pagedllm.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.swap_space import SwapSpace
+from pagedllm.models.layer_stack import LayerStack
 from pagedllm.models.llama import LlamaDecoder
 
 
@@ -53,6 +54,8 @@ class ModelWorker:
             max_model_len,
             config.device,
         )
+        if not config.enforce_eager and self.kv_cache.tensor.device.type == "cpu":
+            self.runner.layer_stack = LayerStack.build(model, self.runner.attn)
         self.swap_space = None
         if swap_blocks:
             path = config.swap_path

@@ -33,6 +33,7 @@ from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
 from pagedllm.models.interleaved_weight import BlockWeight
+from pagedllm.models.layer_stack import LayerStack
 from pagedllm.models.linear import (
     PackedWeight,
     Weight,
@@ -417,18 +418,23 @@ class LlamaDecoder(nn.Module):
         attn: AttentionBackend,
         metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        layer_stack: LayerStack | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden_size]`` for tokens ``input_ids`` ``[T]``,
         or only rows ``output_rows`` of them (the last layer then skips the rest).
 
-        ``positions`` ``[T]`` holds each token's 0-based index within its sequence.
+        ``positions`` ``[T]`` holds each token's 0-based index within its sequence. With
+        ``layer_stack`` (built over ``attn``), the layers run as its one C++ call.
         """
         hidden = self.embed(input_ids, positions)
-        last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            rows = output_rows if index == last else None
-            rotary = self.local_rotary if layer.local_rope else self.rotary
-            hidden = layer(hidden, positions, rotary, attn, metadata, rows)
+        if layer_stack is not None:
+            hidden = layer_stack.forward(hidden, positions, metadata, output_rows)
+        else:
+            last = len(self.layers) - 1
+            for index, layer in enumerate(self.layers):
+                rows = output_rows if index == last else None
+                rotary = self.local_rotary if layer.local_rope else self.rotary
+                hidden = layer(hidden, positions, rotary, attn, metadata, rows)
         c = self.config
         return normalize(hidden, self.final_norm, self.final_norm_bias, c.spec.norm, c.rms_norm_eps)
 

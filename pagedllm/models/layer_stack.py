@@ -1,0 +1,126 @@
+"""The decoder layers as one C++ call per step (``pagedllm/cpu/layer_stack.cpp``).
+
+A one-sequence decode step of a small model runs ~11 operators per layer whose kernels
+take microseconds; calling them one by one from Python cost about as much as the
+kernels themselves. For the common pre-norm architecture (RMSNorm, q/k/v with RoPE over
+the whole head and no q/k norm, gated SiLU MLP, plain residual adds: Llama, Mistral,
+Qwen2, SmolLM2, ...) the stack runs every layer in C++ with the same kernels in the same
+order, so its results are bit for bit those of :class:`~pagedllm.models.llama.DecoderLayer`.
+Any other architecture, cache format or CPU runs layer by layer; so does
+``enforce_eager=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.paged_backend import PagedAttentionBackend
+from pagedllm.cpu.extension import avx512_kernels_available, ops
+from pagedllm.models.interleaved_weight import InterleavedWeight
+from pagedllm.models.linear import PackedWeight, Weight
+from pagedllm.models.quantized_weight import QuantizedWeight
+
+logger = logging.getLogger("pagedllm")
+
+# Matrix kinds of layer_stack.cpp's MatrixKind.
+DENSE, PACKED, BLOCKS, INTERLEAVED = range(4)
+
+
+def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
+    """Why ``model`` (a :class:`~pagedllm.models.llama.LlamaDecoder`) cannot run its
+    layers as one stack over ``attn``; None when it can."""
+    c = model.config
+    checks = [
+        (isinstance(attn, PagedAttentionBackend) and attn.uses_fast_kernel,
+         "attention is not the C++ paged kernel"),
+        (model.device.type == "cpu" and avx512_kernels_available(),
+         "the CPU kernels need AVX-512"),
+        (model.dtype in (torch.float32, torch.bfloat16), "dtype is not float32 or bfloat16"),
+        (model.parallel is None, "tensor parallelism"),
+        (c.spec.norm == "rms" and c.norm_layout == "pre", "not a pre-norm RMSNorm layout"),
+        (not c.qk_norm, "q/k norms"),
+        (model.rotary is not None and model.local_rotary is None
+         and c.rotary_dim == c.head_dim, "not RoPE over whole heads"),
+        (c.clip_qkv is None and c.residual_multiplier == 1.0, "clipped q/k/v or scaled residuals"),
+        (c.spec.gated_mlp and c.hidden_act == "silu", "not a gated SiLU MLP"),
+        (all(layer.moe is None for layer in model.layers), "mixture-of-experts layers"),
+    ]  # fmt: skip
+    for holds, reason in checks:
+        if not holds:
+            return reason
+    cache = attn.kv_cache
+    if cache.format.quantized or cache.format.dtype != model.dtype:
+        return "the KV cache's format is not the model's dtype"
+    return None
+
+
+def _matrix(weight: Weight) -> tuple[int, torch.Tensor, int, int]:
+    """(kind, tensor, ggml type, out_features) of a layer's weight."""
+    if isinstance(weight, InterleavedWeight):
+        return INTERLEAVED, weight.blocks, int(weight.ggml_type), weight.out_features
+    if isinstance(weight, QuantizedWeight):
+        return BLOCKS, weight.blocks, int(weight.ggml_type), weight.out_features
+    if isinstance(weight, PackedWeight):
+        return PACKED, weight.panels, 0, weight.out_features
+    return DENSE, weight, 0, weight.shape[0]
+
+
+class LayerStack:
+    """Every layer of ``model`` over ``attn``'s KV cache, run by one C++ call; build it
+    with :meth:`build`, which returns None (and logs why) when the model or the cache is
+    not of the kind it runs."""
+
+    def __init__(self, model: torch.nn.Module, attn: PagedAttentionBackend) -> None:
+        c = model.config
+        self.attn = attn
+        ops()  # builds or loads the extension, which registers the class
+        self._stack = torch.classes.pagedllm_cpu.LayerStack(
+            c.num_heads, c.num_kv_heads, c.rms_norm_eps, model.rotary.cos, model.rotary.sin
+        )
+        cache = attn.kv_cache
+        for index, layer in enumerate(model.layers):
+            options = layer.attention
+            self._stack.add_layer(
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                cache.key(index),
+                cache.value(index),
+                options.scale,
+                options.sliding_window or 0,
+                options.logit_softcap or 0.0,
+            )
+            for weight, bias in (
+                (layer.qkv_weight, layer.qkv_bias),
+                (layer.o_weight, layer.o_bias),
+                (layer.gate_up_weight, layer.gate_up_bias),
+                (layer.down_weight, layer.down_bias),
+            ):
+                self._stack.add_matrix(*_matrix(weight), bias)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, attn: object) -> LayerStack | None:
+        reason = unsupported_reason(model, attn)
+        if reason is not None:
+            logger.info("Decoder layers run one by one: %s", reason)
+            return None
+        logger.info("Decoder layers run as one C++ call per step")
+        return cls(model, attn)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """What the layers make of ``hidden`` ``[T, hidden_size]`` (updated in place) at
+        ``positions`` (int64 ``[T]``): every row, or only ``output_rows`` after the last
+        layer's attention (as :meth:`~pagedllm.models.llama.DecoderLayer.forward`)."""
+        slots, tables, seq_lens, starts = self.attn.kernel_metadata(metadata)
+        return self._stack.forward(
+            hidden.contiguous(), positions.contiguous(), slots, tables, seq_lens, starts,
+            output_rows,
+        )

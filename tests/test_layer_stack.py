@@ -1,0 +1,93 @@
+"""The decoder layers as one C++ call (pagedllm/models/layer_stack.py) against the same
+layers run one by one in Python (``enforce_eager=True``): every matrix form, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shared_models import default_model
+from tiny_checkpoints import run_outputs, tiny_engine, write_tiny_llama
+
+from pagedllm.cpu.extension import avx512_kernels_available
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.models.interleaved_weight import InterleavedWeight
+from pagedllm.models.layer_stack import unsupported_reason
+from pagedllm.models.linear import PackedWeight
+from pagedllm.models.loader import load_model
+from pagedllm.models.quantized_weight import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    not avx512_kernels_available(), reason="the layer stack runs the AVX-512 kernels"
+)
+
+
+def tiny_qwen_like(folder, dtype: torch.dtype, linear_kernel: str):
+    """A tiny Llama with q/k/v biases (as Qwen2 has), in plain (oneDNN) or packed form."""
+    path = write_tiny_llama(folder, seed=3, attention_bias=True)
+    return load_model(str(path), dtype, linear_kernel=linear_kernel)
+
+
+def prompts_with_shared_prefix() -> list[list[int]]:
+    """Prompts of 5-70 tokens, three of them sharing a 40-token prefix (prefix caching)."""
+    shared = [(7 * i) % 480 + 2 for i in range(40)]
+    return [
+        shared + [11, 12, 13],
+        shared + [21, 22],
+        shared + list(range(30, 60)),
+        [5, 6, 7, 8, 9],
+        [(3 * i) % 500 + 2 for i in range(70)],
+    ]
+
+
+def outputs_of(loaded, eager: bool, dtype: str):
+    """Tokens and logprobs of every request, with prompts chunked over several steps."""
+    engine = tiny_engine(
+        loaded, num_blocks=256, block_size=16, dtype=dtype, enforce_eager=eager,
+        max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=True,
+    )  # fmt: skip
+    assert (engine.runner.layer_stack is None) == eager
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    done = run_outputs(engine, prompts_with_shared_prefix(), params)
+    return {
+        rid: [(s.token_ids, [(lp.logprob, lp.top) for lp in s.logprobs]) for s in out.outputs]
+        for rid, out in sorted(done.items())
+    }
+
+
+def assert_stack_equals_layers(loaded, dtype: str, kind: type) -> None:
+    assert isinstance(loaded.model.layers[0].qkv_weight, kind)
+    stacked = outputs_of(loaded, eager=False, dtype=dtype)
+    assert stacked == outputs_of(loaded, eager=True, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kind"),
+    [("bfloat16", InterleavedWeight), ("float32", QuantizedWeight)],
+)
+def test_default_model_quantized_blocks(dtype, kind):
+    """The shipped Q4_1 file: interleaved blocks in bfloat16, rows of blocks in float32."""
+    assert_stack_equals_layers(default_model(getattr(torch, dtype)), dtype, kind)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "linear_kernel", "kind"),
+    [("float32", "packed", PackedWeight), ("bfloat16", "onednn", torch.Tensor)],
+)
+def test_tiny_model_with_biases(tmp_path_factory, dtype, linear_kernel, kind):
+    folder = tmp_path_factory.mktemp(f"qwen-like-{dtype}")
+    loaded = tiny_qwen_like(folder, getattr(torch, dtype), linear_kernel)
+    assert loaded.model.layers[0].qkv_bias is not None
+    assert_stack_equals_layers(loaded, dtype, kind)
+
+
+def test_cache_formats_and_architectures_it_does_not_run(tiny_model):
+    """An int8 KV cache or a layer it does not implement: layer by layer, said why."""
+    engine = tiny_engine(tiny_model, num_blocks=16, kv_cache_dtype="int8")
+    assert engine.runner.layer_stack is None
+    assert "KV cache" in unsupported_reason(tiny_model.model, engine.runner.attn)
+
+    plain = tiny_engine(tiny_model, num_blocks=16)
+    assert plain.runner.layer_stack is not None
+    assert unsupported_reason(tiny_model.model, object()) == (
+        "attention is not the C++ paged kernel"
+    )
