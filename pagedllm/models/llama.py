@@ -174,6 +174,14 @@ class DecoderLayer(nn.Module):
         self.register_buffer("gate_up_bias", gate_up_bias)
         self.register_buffer("down_bias", get(mlp + "down_proj.bias") if mlp_bias else None)
 
+    def weights(self) -> list[torch.Tensor]:
+        """This layer's learned tensors: its matrices (as stored) in the order the layer
+        multiplies them, then its norms' weights and the biases."""
+        matrices = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
+        if self.moe is not None:
+            matrices += [self.moe.shared_gate_up, self.moe.shared_down]
+        return [weight_storage(w) for w in matrices if w is not None] + list(self.buffers())
+
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         weight, bias = getattr(self, name), getattr(self, name + "_bias", None)
@@ -368,15 +376,13 @@ class LlamaDecoder(nn.Module):
 
     def weights(self) -> list[torch.Tensor]:
         """Every learned tensor the forward pass reads, each once (a tied embedding once,
-        packed weights as their padded panels): matrices, norm weights and biases."""
-        matrices = [self.embed_tokens, self.lm_head]
-        for layer in self.layers:
-            matrices += [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight]
-            if layer.moe is not None:
-                matrices += [layer.moe.shared_gate_up, layer.moe.shared_down]
-        present = [w for w in matrices if w is not None]
-        tensors = [weight_storage(w) for w in present]
-        return list({id(t): t for t in (*tensors, *self.buffers())}.values())
+        packed weights as their padded panels): matrices, norm weights and biases, in the
+        order a step reads them: layer by layer, then the final norm and the LM head; the
+        embedding (of which a step reads only its tokens' rows) last."""
+        tensors = [t for layer in self.layers for t in layer.weights()]
+        tensors += self.buffers(recurse=False)
+        tensors += [weight_storage(w) for w in (self.lm_head, self.embed_tokens)]
+        return list({id(t): t for t in tensors}.values())
 
     @property
     def supports_cuda_graphs(self) -> bool:

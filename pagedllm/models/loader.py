@@ -16,6 +16,7 @@ from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import load_gguf_model, open_gguf
 from pagedllm.models.loader_safetensors import generation_eos_ids, load_safetensors_model
+from pagedllm.models.weight_arena import move_into_arena
 from pagedllm.tokenizer import Tokenizer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,6 +76,7 @@ def load_model(
         config, decoder, source = load_dummy_model(
             model, dtype, device, linear_kernel=linear_kernel, parallel=parallel
         )
+        _place_weights(decoder)
         return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
@@ -96,8 +98,16 @@ def load_model(
             "(models are never downloaded; pass a local path, or load_format='dummy' "
             "with a preset name for random weights)"
         )
+    _place_weights(decoder)
     decoder.eval()
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)
+
+
+def _place_weights(decoder: LlamaDecoder) -> None:
+    """On the CPU, every weight into one arena in forward order (see
+    :mod:`pagedllm.models.weight_arena`)."""
+    if decoder.device.type == "cpu":
+        move_into_arena(decoder.weights())
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

@@ -1,0 +1,65 @@
+"""A CPU model's weights moved into one arena, in the order a step reads them.
+
+A decode step of a few sequences streams every weight from memory once. Left where the
+loader made them (hundreds of separate allocations in 4 KiB pages), the matrix products
+of the default model's step measured 1.1-1.3x slower than from one region of 2 MiB
+pages holding them in forward order (``benchmarks/weight_arena.py``): fewer TLB misses,
+and the hardware prefetcher runs on from one matrix into the next. The arena is a
+private anonymous mapping advised for transparent huge pages (``madvise``; on a kernel
+that ignores the advice it is plain memory, still contiguous).
+
+Each tensor keeps its identity, dtype, shape and values: only its storage moves
+(``Tensor.set_``), so every holder of it (a layer, a packed or quantized weight, a tied
+embedding) sees the arena. Tensors are moved one by one and each original is freed as
+soon as nothing else holds it, so loading peaks at about the weights' size plus one
+tensor, not twice the weights.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+ALIGNMENT = 64  # bytes: each tensor starts on a cache line
+HUGE_PAGE = 2 << 20  # bytes
+
+
+def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in the arena and the arena's size."""
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
+    return offsets, end
+
+
+def allocate_arena(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
+    """``nbytes`` (rounded up to whole huge pages) of zeroed uint8, advised for huge pages
+    unless ``huge_pages`` is False."""
+    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+
+
+@torch.no_grad()
+def move_into_arena(
+    tensors: list[torch.Tensor], huge_pages: bool = True
+) -> torch.Tensor | None:
+    """Move the contiguous CPU tensors of ``tensors`` (each once) into one arena, in the
+    given order; the others stay where they are. Returns the arena (None when nothing
+    moved)."""
+    movable = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
+    movable = list({id(t): t for t in movable}.values())
+    if not movable:
+        return None
+    offsets, nbytes = _offsets(movable)
+    arena = allocate_arena(nbytes, huge_pages)
+    for tensor, offset in zip(movable, offsets, strict=True):
+        size = tensor.numel() * tensor.element_size()
+        place = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+        place.copy_(tensor)
+        tensor.set_(place)
+    return arena
