@@ -4,7 +4,12 @@ values, one region in the order given."""
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from shared_models import default_model
 
@@ -50,3 +55,31 @@ def test_loaded_model_weights_lie_in_forward_order():
     assert all(a is b for a, b in zip(weights, first_layer, strict=False))
     head = model.lm_head.blocks
     assert head.data_ptr() > max(t.data_ptr() for t in last_layer)
+
+
+LOAD_AND_MEASURE = """
+import json, torch
+from pagedllm.models.loader import load_model
+
+def anonymous_bytes():
+    with open("/proc/self/smaps_rollup") as rollup:
+        line = next(line for line in rollup if line.startswith("Anonymous:"))
+    return int(line.split()[1]) * 1024
+
+before = anonymous_bytes()
+model = load_model(None, torch.bfloat16).model
+print(json.dumps({"grown": anonymous_bytes() - before,
+                  "weights": sum(t.nbytes for t in model.weights())}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc")
+def test_loading_into_the_arena_leaves_no_second_copy():
+    """In a fresh process, loading the default model grows anonymous memory by its
+    weights plus the tokenizer and load-time leftovers, not by the weights twice (the
+    tensors the loader built are freed once moved, views' bases included)."""
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_MEASURE], capture_output=True, text=True, check=True
+    )
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["grown"] < 1.25 * measured["weights"] + 90 * 2**20

@@ -25,18 +25,31 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: trim only above 2 GiB 
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, on Linux; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name)
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Configure glibc's malloc as described above (once per process); whether it applied
     (False off Linux/glibc, where the platform allocator is left alone)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt"):
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
     return bool(
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the OS now, wherever they lie in the heap
+    (glibc's ``malloc_trim(0)``): for memory freed once for good, such as the tensors a
+    loader built before the weights moved into their arena, which the settings above
+    would otherwise keep. Whether anything was released."""
+    libc = _libc()
+    return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(0))

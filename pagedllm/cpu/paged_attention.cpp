@@ -45,11 +45,18 @@ inline vfloat load(const float* p) {
   return v;
 }
 
-// bfloat16 is the high half of a float32: widen by a 16-bit shift.
+// bfloat16 is the high half of a float32: widen by a 16-bit shift. With AVX-512 one
+// zero-extending load and one shift; the generic vector conversion compiled to two
+// half-width conversions and an insert, and measured 1.5x slower over cached K/V.
 inline vfloat load(const uint16_t* p) {
+#ifdef __AVX512F__
+  const __m512i w = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   vhalf h;
   std::memcpy(&h, p, sizeof h);
-  vuint w = __builtin_convertvector(h, vuint) << 16;
+  const vuint w = __builtin_convertvector(h, vuint) << 16;
+#endif
   vfloat v;
   std::memcpy(&v, &w, sizeof v);
   return v;

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import LOAD_FORMATS
+from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
@@ -105,9 +106,9 @@ def load_model(
 
 def _place_weights(decoder: LlamaDecoder) -> None:
     """On the CPU, every weight into one arena in forward order (see
-    :mod:`pagedllm.models.weight_arena`)."""
-    if decoder.device.type == "cpu":
-        move_into_arena(decoder.weights())
+    :mod:`pagedllm.models.weight_arena`); the memory they leave goes back to the OS."""
+    if decoder.device.type == "cpu" and move_into_arena(decoder.weights()) is not None:
+        release_free_memory()
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

@@ -10,7 +10,8 @@ that ignores the advice it is plain memory, still contiguous).
 
 Each tensor keeps its identity, dtype, shape and values: only its storage moves
 (``Tensor.set_``), so every holder of it (a layer, a packed or quantized weight, a tied
-embedding) sees the arena. Tensors are moved one by one and each original is freed as
+embedding) sees the arena; a view's base (which would keep the old storage alive) moves
+with it. Tensors are moved one by one and each original is freed as
 soon as nothing else holds it, so loading peaks at about the weights' size plus one
 tensor, not twice the weights.
 """
@@ -58,8 +59,12 @@ def move_into_arena(
     offsets, nbytes = _offsets(movable)
     arena = allocate_arena(nbytes, huge_pages)
     for tensor, offset in zip(movable, offsets, strict=True):
-        size = tensor.numel() * tensor.element_size()
-        place = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-        place.copy_(tensor)
-        tensor.set_(place)
+        region = arena[offset : offset + tensor.numel() * tensor.element_size()]
+        region.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        base = tensor._base
+        tensor.set_(region.view(tensor.dtype).view(tensor.shape))
+        # A view keeps its base tensor, hence the old storage, alive: move the base too
+        # when the view spans all of it (a reshaped or reinterpreted whole tensor).
+        if base is not None and base.is_contiguous() and base.nbytes == region.nbytes:
+            base.set_(region.view(base.dtype).view(base.shape))
     return arena
