@@ -5,8 +5,11 @@ The engine's own clocks split each step into scheduling, batch preparation, the 
 pass, sampling and output processing. Inside the forward pass and the sampler, torch's
 profiler attributes each operator's own CPU time to a kind (the C++ kernels are torch
 operators: ``packed_linear``, ``quant_linear``, ``paged_attention``, ...); what the
-operators do not account for is Python and the framework around them. The profiler adds
-some overhead of its own, so the shares, not the absolute times, are the result.
+operators do not account for is Python and the framework around them. The layers run one
+by one (``enforce_eager``): the layer stack calls the same kernels without the
+dispatcher, where the profiler cannot see them, so the Python share here is that of the
+layer-by-layer path. The profiler adds some overhead of its own, so the shares, not the
+absolute times, are the result.
 
 Records: ``machine``; ``phases`` (ms per step in each part of the step, from the
 engine's clocks); ``operators`` (ms per step and share by kind, the top operators of
@@ -66,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     emit(machine_record())
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          log_stats_interval=0, enable_prefix_caching=False)
+                          log_stats_interval=0, enable_prefix_caching=False, enforce_eager=True)
     engine = LLMEngine(config)
     requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
     for index, request in enumerate(requests):
