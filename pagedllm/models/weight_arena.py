@@ -2,8 +2,9 @@
 
 A decode step of a few sequences streams every weight from memory once. Left where the
 loader made them (hundreds of separate allocations in 4 KiB pages), the matrix products
-of the default model's step measured 1.1-1.3x slower than from one region of 2 MiB
-pages holding them in forward order (``benchmarks/weight_arena.py``): fewer TLB misses,
+of the default model's step measured 1.03-1.3x slower (four runs, never faster) than
+from one region of 2 MiB pages holding them in forward order
+(``benchmarks/weight_arena.py``): fewer TLB misses,
 and the hardware prefetcher runs on from one matrix into the next. The arena is a
 private anonymous mapping advised for transparent huge pages (``madvise``; on a kernel
 that ignores the advice it is plain memory, still contiguous).
