@@ -4,10 +4,10 @@ A decode step of a few sequences streams every weight from memory once. Left whe
 loader made them (hundreds of separate allocations in 4 KiB pages), the matrix products
 of the default model's step measured 1.03-1.3x slower (four runs, never faster) than
 from one region of 2 MiB pages holding them in forward order
-(``benchmarks/weight_arena.py``): fewer TLB misses,
-and the hardware prefetcher runs on from one matrix into the next. The arena is a
-private anonymous mapping advised for transparent huge pages (``madvise``; on a kernel
-that ignores the advice it is plain memory, still contiguous).
+(``benchmarks/weight_arena.py``): fewer TLB misses, and the hardware prefetcher runs on
+from one matrix into the next. The arena is a private anonymous mapping advised for
+transparent huge pages (``madvise``; on a kernel that ignores the advice it is plain
+memory, still contiguous).
 
 Each tensor keeps its identity, dtype, shape and values: only its storage moves
 (``Tensor.set_``), so every holder of it (a layer, a packed or quantized weight, a tied
