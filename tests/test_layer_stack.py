@@ -71,7 +71,11 @@ def test_default_model_quantized_blocks(dtype, kind):
 
 @pytest.mark.parametrize(
     ("dtype", "linear_kernel", "kind"),
-    [("float32", "packed", PackedWeight), ("bfloat16", "onednn", torch.Tensor)],
+    [
+        ("float32", "packed", PackedWeight),
+        ("bfloat16", "packed", PackedWeight),
+        ("bfloat16", "onednn", torch.Tensor),
+    ],
 )
 def test_tiny_model_with_biases(tmp_path_factory, dtype, linear_kernel, kind):
     folder = tmp_path_factory.mktemp(f"qwen-like-{dtype}")

@@ -78,8 +78,12 @@ struct LayerStack : torch::CustomClassHolder {
     TORCH_CHECK(!layers.empty() && layers.back().matrices.size() < 4,
                 "LayerStack: add_layer first; a layer has four matrices");
     TORCH_CHECK(kind >= 0 && kind <= 3, "LayerStack: unknown matrix kind ", kind);
-    layers.back().matrices.push_back(
-        {static_cast<MatrixKind>(kind), data, ggml_type, out_features, bias});
+    const auto matrix_kind = static_cast<MatrixKind>(kind);
+    // Our kernels take float32 biases (torch's linear the model's dtype): converted once
+    // here rather than at every call.
+    if (bias.has_value() && matrix_kind != MatrixKind::kDense)
+      bias = bias->to(at::kFloat).contiguous();
+    layers.back().matrices.push_back({matrix_kind, data, ggml_type, out_features, bias});
   }
 
   // Runs every layer over `hidden` [T, hidden_size] (updated in place, returned); with
