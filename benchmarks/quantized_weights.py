@@ -5,7 +5,9 @@ shipped Q4_1 file (``quantization="none"``); ``Q4_1`` runs its blocks (Q4_1 matr
 Q8_0 tied embedding); ``Q8_0`` runs a GGUF this script writes from the dequantized
 weights (every matrix Q8_0). ``Q4_1`` and ``Q8_0`` take float32 activations,
 ``Q4_1 bf16`` and ``Q8_0 bf16`` bfloat16 ones (multiplied in bfloat16 pairs where the CPU
-has them). ``--variants`` picks some (F32 is always run: the ratios are to it).
+has them); ``Q4_1 int8`` and ``Q8_0 int8`` bfloat16 ones rounded to int8 where they meet
+the blocks (``activation_quantization="int8"``, llama.cpp's arithmetic). ``--variants``
+picks some (F32 is always run: the ratios are to it).
 
 Records (one JSON line each):
 - ``machine``: CPU model, its AVX-512 flags, threads, load average.
@@ -26,7 +28,8 @@ Records (one JSON line each):
 
     python benchmarks/quantized_weights.py [--runs 3] [--decode-tokens 64]
         [--num-requests 64] [--prompt-len 32,512] [--output-len 16,256] [--threads 2]
-        [--variants F32,BF16,Q4_1,Q8_0,"Q4_1 bf16","Q8_0 bf16"] [--no-throughput]
+        [--variants F32,BF16,Q4_1,Q8_0,"Q4_1 bf16","Q8_0 bf16","Q4_1 int8","Q8_0 int8"]
+        [--no-throughput]
 """
 
 from __future__ import annotations
@@ -89,12 +92,16 @@ def write_requantized(source: Path, dest: Path, target: gguf.GGMLQuantizationTyp
     return dest
 
 
-def memory_after_load(path: str, dtype: str, quantization: str, threads: int) -> dict:
+def memory_after_load(
+    path: str, dtype: str, quantization: str, activations: str, threads: int
+) -> dict:
     """Resident bytes before and after loading, in this (fresh) process."""
     torch.set_num_threads(threads)
     process = psutil.Process()
     before = process.memory_info().rss
-    model = load_model(path, getattr(torch, dtype), quantization=quantization).model
+    model = load_model(
+        path, getattr(torch, dtype), quantization=quantization, activation_quantization=activations
+    ).model
     after = process.memory_info().rss
     weights = sum(t.numel() * t.element_size() for t in model.weights())
     return {"rss_before_bytes": before, "rss_after_bytes": after, "weight_bytes": weights}
@@ -194,20 +201,24 @@ def main() -> None:
         for name in ("Q8_0", "BF16", "F32")
     }
     q8_0 = written["Q8_0"]
-    variants = {
-        "F32": (shipped, "float32", "none"),
-        "BF16": (shipped, "bfloat16", "none"),
-        "Q4_1": (shipped, "float32", "auto"),
-        "Q8_0": (q8_0, "float32", "auto"),
-        "Q4_1 bf16": (shipped, "bfloat16", "auto"),
-        "Q8_0 bf16": (q8_0, "bfloat16", "auto"),
+    variants = {  # file, dtype, quantization, activation_quantization
+        "F32": (shipped, "float32", "none", "none"),
+        "BF16": (shipped, "bfloat16", "none", "none"),
+        "Q4_1": (shipped, "float32", "auto", "none"),
+        "Q8_0": (q8_0, "float32", "auto", "none"),
+        "Q4_1 bf16": (shipped, "bfloat16", "auto", "none"),
+        "Q8_0 bf16": (q8_0, "bfloat16", "auto", "none"),
+        "Q4_1 int8": (shipped, "bfloat16", "auto", "int8"),
+        "Q8_0 int8": (q8_0, "bfloat16", "auto", "int8"),
     }
     chosen = {"F32", *args.variants.split(",")}
     variants = {name: variant for name, variant in variants.items() if name in chosen}
     spawn = multiprocessing.get_context("spawn")
-    for name, (path, dtype, quantization) in variants.items():
+    for name, (path, dtype, quantization, activations) in variants.items():
         with spawn.Pool(1) as pool:
-            memory = pool.apply(memory_after_load, (str(path), dtype, quantization, args.threads))
+            memory = pool.apply(
+                memory_after_load, (str(path), dtype, quantization, activations, args.threads)
+            )
         emit(measure="memory", variant=name, file_bytes=path.stat().st_size, **memory)
 
     engines = {
@@ -216,12 +227,13 @@ def main() -> None:
                 model=str(path),
                 dtype=dtype,
                 quantization=quantization,
+                activation_quantization=activations,
                 kv_cache_memory="512MiB",
                 enable_prefix_caching=False,
                 log_stats_interval=0,
             )
         )
-        for name, (path, dtype, quantization) in variants.items()
+        for name, (path, dtype, quantization, activations) in variants.items()
     }
     baselines = {}
     try:

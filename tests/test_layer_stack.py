@@ -8,13 +8,13 @@ import torch
 from shared_models import default_model
 from tiny_checkpoints import run_outputs, tiny_engine, write_tiny_llama
 
-from pagedllm.cpu.extension import avx512_kernels_available
+from pagedllm.cpu.extension import avx512_kernels_available, quant_x16_int8_supports
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.layer_stack import unsupported_reason
 from pagedllm.models.linear import PackedWeight
 from pagedllm.models.loader import load_model
-from pagedllm.models.quantized_weight import QuantizedWeight
+from pagedllm.models.quantized_weight import Q, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
     not avx512_kernels_available(), reason="the layer stack runs the AVX-512 kernels"
@@ -67,6 +67,13 @@ def assert_stack_equals_layers(loaded, dtype: str, kind: type) -> None:
 def test_default_model_quantized_blocks(dtype, kind):
     """The shipped Q4_1 file: interleaved blocks in bfloat16, rows of blocks in float32."""
     assert_stack_equals_layers(default_model(getattr(torch, dtype)), dtype, kind)
+
+
+@pytest.mark.skipif(not quant_x16_int8_supports(int(Q.Q4_1)), reason="needs AVX-512 VNNI")
+def test_default_model_int8_activations():
+    loaded = load_model(None, torch.bfloat16, activation_quantization="int8")
+    assert loaded.model.layers[0].qkv_weight.int8_activations
+    assert_stack_equals_layers(loaded, "bfloat16", InterleavedWeight)
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,7 @@ def run_bench(args: argparse.Namespace) -> int:
             load_format=args.load_format,
             quantization=args.quantization,
             linear_kernel=args.linear_kernel,
+            activation_quantization=args.activation_quantization,
         )
         peak = matmul_peak_gflops(dtype)
         emit({"measure": "matmul_peak", "dtype": dtype_name, "gflops": peak})

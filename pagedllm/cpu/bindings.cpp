@@ -2,7 +2,8 @@
 // elementwise.cpp and the quant_*.cpp files: argument checks, then raw pointers.
 // Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight,
 // packed_linear, rms_norm, silu_and_mul, rotary, quant_linear, quant_linear_x16,
-// quant_x16_supports, dequantize_rows, avx512_kernels_available}.
+// quant_linear_x16_int8, quant_x16_supports, quant_x16_int8_supports, dequantize_rows,
+// avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -75,6 +76,8 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N, const ch
 bool quant_x16_supports(int64_t type) {
   return pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type);
 }
+
+bool quant_x16_int8_supports(int64_t type) { return pagedllm::quant_x16_int8_supports(type); }
 
 bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
 
@@ -291,28 +294,51 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
 // bfloat16 x [M, K] @ dequantized(weight)^T + bias [N] for a weight of N = out_features
 // rows interleaved by groups of 16 (quant_x16.cpp): uint8 [ceil(N / 16), K / block values
 // * block bytes * 16].
-at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                            int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-              "quant_linear_x16: x is bfloat16 [M, K]");
-  TORCH_CHECK(pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type),
-              "quant_linear_x16: no interleaved kernel for ggml type ", type, " on this CPU");
+namespace {
+
+// Checks x (bfloat16 [M, K]) and weight (an interleaved [ceil(N / 16), group bytes]) of
+// the interleaved kernels and returns y [M, N] from `kernel`.
+at::Tensor interleaved_product(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                               int64_t out_features, const std::optional<at::Tensor>& bias,
+                               bool supported, const char* name,
+                               void (*kernel)(const pagedllm::QuantLinearBf16Problem&)) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x is bfloat16 [M, K]");
+  TORCH_CHECK(supported, name, ": no interleaved kernel for ggml type ", type, " on this CPU");
   const int64_t K = x.size(1), N = out_features;
   const int64_t values = pagedllm::quant_block_values(type);
   const int64_t group_bytes = K / values * pagedllm::quant_block_bytes(type) * 16;
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
               K % values == 0 && weight.size(0) == (N + 15) / 16 && weight.size(1) == group_bytes,
-              "quant_linear_x16: weight must be contiguous uint8 [", (N + 15) / 16, ", ",
-              group_bytes, "] for N = ", N, ", K = ", K);
-  const at::Tensor bias_f32 = float_bias(bias, N, "quant_linear_x16");
+              name, ": weight must be contiguous uint8 [", (N + 15) / 16, ", ", group_bytes,
+              "] for N = ", N, ", K = ", K);
+  const at::Tensor bias_f32 = float_bias(bias, N, name);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, xc.options());
-  pagedllm::quant_linear_x16({reinterpret_cast<const uint16_t*>(xc.data_ptr()),
-                              weight.data_ptr<uint8_t>(),
-                              bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
-                              reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K, type,
-                              at::get_num_threads()});
+  kernel({reinterpret_cast<const uint16_t*>(xc.data_ptr()), weight.data_ptr<uint8_t>(),
+          bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+          reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K, type,
+          at::get_num_threads()});
   return y;
+}
+
+}  // namespace
+
+// bfloat16 x [M, K] @ dequantized(weight)^T + bias [N] for a weight of N = out_features
+// rows interleaved by groups of 16 (quant_x16.cpp): uint8 [ceil(N / 16), K / block values
+// * block bytes * 16].
+at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                            int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return interleaved_product(x, weight, type, out_features, bias, ::quant_x16_supports(type),
+                             "quant_linear_x16",
+                             &pagedllm::quant_linear_x16);
+}
+
+// The same product with x quantized to int8 per block of 32 (quant_x16_int8.cpp).
+at::Tensor quant_linear_x16_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                                 int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return interleaved_product(x, weight, type, out_features, bias,
+                             pagedllm::quant_x16_int8_supports(type), "quant_linear_x16_int8",
+                             &pagedllm::quant_linear_x16_int8);
 }
 
 // Rows `rows` (int64) of the [N, K] weight, decoded to float32 [len(rows), K].
@@ -350,7 +376,10 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias) -> Tensor");
   m.def("quant_linear_x16(Tensor x, Tensor weight, int type, int out_features, Tensor? bias) "
         "-> Tensor");
+  m.def("quant_linear_x16_int8(Tensor x, Tensor weight, int type, int out_features, "
+        "Tensor? bias) -> Tensor");
   m.def("quant_x16_supports(int type) -> bool", &quant_x16_supports);
+  m.def("quant_x16_int8_supports(int type) -> bool", &quant_x16_int8_supports);
   m.def("dequantize_rows(Tensor weight, int type, int K, Tensor rows) -> Tensor");
   m.def("avx512_kernels_available() -> bool", &avx512_kernels_available);
 }
@@ -365,5 +394,6 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rotary", &pagedllm::tensor_ops::rotary);
   m.impl("quant_linear", &pagedllm::tensor_ops::quant_linear);
   m.impl("quant_linear_x16", &pagedllm::tensor_ops::quant_linear_x16);
+  m.impl("quant_linear_x16_int8", &pagedllm::tensor_ops::quant_linear_x16_int8);
   m.impl("dequantize_rows", &pagedllm::tensor_ops::dequantize_rows);
 }

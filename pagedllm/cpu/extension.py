@@ -39,6 +39,7 @@ SOURCES = [
         "quant_linear.cpp",
         "quant_linear_bf16.cpp",
         "quant_x16.cpp",
+        "quant_x16_int8.cpp",
         "layer_stack.cpp",
     )
 ]
@@ -260,6 +261,27 @@ def quant_x16_supports(ggml_type: int) -> bool:
     """Whether :func:`quant_linear_x16` runs weights of ``ggml_type`` on this CPU."""
     kernels = ops()
     return kernels is not None and bool(kernels.quant_x16_supports(ggml_type))
+
+
+def quant_linear_x16_int8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_linear_x16` with ``x`` quantized to int8 per block of 32 values (scale:
+    the block's largest magnitude / 127) and multiplied on the CPU's int8 quad products:
+    equal, up to float32 rounding, to the product of the quantized ``x`` with the
+    dequantized weight (arithmetic in ``quant_x16_int8.cpp``)."""
+    return ops().quant_linear_x16_int8(x, weight, ggml_type, out_features, bias)
+
+
+@functools.cache
+def quant_x16_int8_supports(ggml_type: int) -> bool:
+    """Whether :func:`quant_linear_x16_int8` runs weights of ``ggml_type`` on this CPU."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.quant_x16_int8_supports(ggml_type))
 
 
 def dequantize_rows(

@@ -105,6 +105,11 @@ void quant_linear_bf16(const QuantLinearBf16Problem& problem);
 // bytes); for the types quant_x16_supports, where quant_linear_bf16_available().
 bool quant_x16_supports(int64_t type);
 void quant_linear_x16(const QuantLinearBf16Problem& problem);
+// The same product with x quantized to int8 per block of 32 values and multiplied on the
+// int8 quad products (quant_x16_int8.cpp); for the types quant_x16_int8_supports (none
+// without AVX-512 VNNI and bfloat16).
+bool quant_x16_int8_supports(int64_t type);
+void quant_linear_x16_int8(const QuantLinearBf16Problem& problem);
 // out [count, K] float32 = the rows `rows` of a [N, K] weight kept as in quant_linear.
 void dequantize_rows(const uint8_t* weight, int64_t K, int64_t type, const int64_t* rows,
                      int64_t count, float* out, int num_threads);

@@ -26,6 +26,7 @@ enum class MatrixKind : int64_t {
   kPacked = 1,       // panels of pack_weight
   kBlocks = 2,       // GGUF blocks in the file's row order
   kInterleaved = 3,  // GGUF blocks interleaved by groups of 16 rows
+  kInterleavedInt8 = 4,  // the same, x quantized to int8 (quant_x16_int8.cpp)
 };
 
 struct Matrix {
@@ -41,6 +42,8 @@ struct Matrix {
       case MatrixKind::kBlocks: return ops::quant_linear(x.contiguous(), data, ggml_type, bias);
       case MatrixKind::kInterleaved:
         return ops::quant_linear_x16(x.contiguous(), data, ggml_type, out_features, bias);
+      case MatrixKind::kInterleavedInt8:
+        return ops::quant_linear_x16_int8(x.contiguous(), data, ggml_type, out_features, bias);
     }
     TORCH_CHECK(false, "LayerStack: unknown matrix kind");
   }
@@ -77,7 +80,7 @@ struct LayerStack : torch::CustomClassHolder {
                   std::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers.empty() && layers.back().matrices.size() < 4,
                 "LayerStack: add_layer first; a layer has four matrices");
-    TORCH_CHECK(kind >= 0 && kind <= 3, "LayerStack: unknown matrix kind ", kind);
+    TORCH_CHECK(kind >= 0 && kind <= 4, "LayerStack: unknown matrix kind ", kind);
     const auto matrix_kind = static_cast<MatrixKind>(kind);
     // Our kernels take float32 biases (torch's linear the model's dtype): converted once
     // here rather than at every call.

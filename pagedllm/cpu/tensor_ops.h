@@ -30,6 +30,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
                         const std::optional<at::Tensor>& bias);
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                             int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor quant_linear_x16_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                                 int64_t out_features, const std::optional<at::Tensor>& bias);
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t type, int64_t K,
                            const at::Tensor& rows);
 

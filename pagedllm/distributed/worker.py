@@ -159,7 +159,9 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
         device=config.device,
         load_format=config.load_format,
         quantization=config.quantization,
+        linear_kernel=config.linear_kernel,
         parallel=group,
+        activation_quantization=config.activation_quantization,
     )
     setup = group.broadcast_object()
     if not isinstance(setup, WorkerSetup):

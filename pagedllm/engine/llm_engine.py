@@ -91,6 +91,7 @@ class LLMEngine:
             quantization=config.quantization,
             linear_kernel=config.linear_kernel,
             parallel=self.executor.group if self.executor else None,
+            activation_quantization=config.activation_quantization,
         )
         if self.loaded.model.dtype != config.dtype:
             raise ValueError(

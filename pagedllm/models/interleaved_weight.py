@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from pagedllm.cpu.extension import dequantize_rows, quant_linear_x16, quant_x16_supports
+from pagedllm.cpu.extension import (
+    dequantize_rows,
+    quant_linear_x16,
+    quant_linear_x16_int8,
+    quant_x16_supports,
+)
 from pagedllm.models.quantized_weight import Q, QuantizedWeight, pad_rows
 
 GROUP_ROWS = 16
@@ -32,12 +37,15 @@ class InterleavedWeight:
     """A weight ``[out_features, in_features]`` of ``ggml_type`` blocks as uint8
     ``[ceil(out_features / 16), in_features / block values * block bytes * 16]``: for
     group ``g`` and block column ``b``, the 2-byte units ``u`` of row ``16 g + o``'s block
-    at unit index ``(b * units + u) * 16 + o``."""
+    at unit index ``(b * units + u) * 16 + o``. ``int8_activations``: products quantize
+    their input to int8 per block of 32 values (see
+    :mod:`pagedllm.models.activation_quantization`) instead of multiplying it exactly."""
 
     blocks: torch.Tensor
     ggml_type: Q
     in_features: int
     out_features: int
+    int8_activations: bool = False
 
     @classmethod
     def interleave(cls, weight: QuantizedWeight) -> InterleavedWeight:
@@ -65,8 +73,8 @@ class InterleavedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` in bfloat16 for bfloat16 ``x`` ``[rows, in]``."""
-        weight_type, rows = int(self.ggml_type), self.out_features
-        return quant_linear_x16(x.contiguous(), self.blocks, weight_type, rows, bias)
+        product = quant_linear_x16_int8 if self.int8_activations else quant_linear_x16
+        return product(x.contiguous(), self.blocks, int(self.ggml_type), self.out_features, bias)
 
 
 BlockWeight = QuantizedWeight | InterleavedWeight

@@ -26,7 +26,7 @@ from pagedllm.models.quantized_weight import QuantizedWeight
 logger = logging.getLogger("pagedllm")
 
 # Matrix kinds of layer_stack.cpp's MatrixKind.
-DENSE, PACKED, BLOCKS, INTERLEAVED = range(4)
+DENSE, PACKED, BLOCKS, INTERLEAVED, INTERLEAVED_INT8 = range(5)
 
 
 def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
@@ -60,7 +60,8 @@ def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
 def _matrix(weight: Weight) -> tuple[int, torch.Tensor, int, int]:
     """(kind, tensor, ggml type, out_features) of a layer's weight."""
     if isinstance(weight, InterleavedWeight):
-        return INTERLEAVED, weight.blocks, int(weight.ggml_type), weight.out_features
+        kind = INTERLEAVED_INT8 if weight.int8_activations else INTERLEAVED
+        return kind, weight.blocks, int(weight.ggml_type), weight.out_features
     if isinstance(weight, QuantizedWeight):
         return BLOCKS, weight.blocks, int(weight.ggml_type), weight.out_features
     if isinstance(weight, PackedWeight):

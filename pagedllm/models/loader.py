@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.config import LOAD_FORMATS
+from pagedllm.config import ACTIVATION_QUANTIZATIONS, LOAD_FORMATS
 from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.models.activation_quantization import quantize_activations
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
 from pagedllm.models.dummy import load_dummy_model
@@ -45,6 +46,7 @@ def load_model(
     quantization: str = "auto",
     linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
+    activation_quantization: str = "none",
 ) -> LoadedModel:
     """Load ``model`` onto ``device``; nothing is downloaded.
 
@@ -64,9 +66,17 @@ def load_model(
     :mod:`pagedllm.cpu.kernel_choice`), ``"packed"`` or ``"onednn"``.
     ``parallel``: load only this tensor-parallel rank's slice of the weights (see
     :mod:`pagedllm.distributed.sharded_weights`).
+    ``activation_quantization``: ``"int8"`` rounds the activations meeting Q8_0 / Q4_0 /
+    Q4_1 weights to int8 (see :mod:`pagedllm.models.activation_quantization`); ``"none"``
+    multiplies them exactly.
     """
     device = torch.device(device)
     _check_dtype(dtype)
+    if activation_quantization not in ACTIVATION_QUANTIZATIONS:
+        raise ModelLoadError(
+            f"unknown activation_quantization {activation_quantization!r}; choose one of "
+            f"{', '.join(ACTIVATION_QUANTIZATIONS)}"
+        )
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(
             f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
@@ -77,7 +87,7 @@ def load_model(
         config, decoder, source = load_dummy_model(
             model, dtype, device, linear_kernel=linear_kernel, parallel=parallel
         )
-        _place_weights(decoder)
+        _finish(decoder, activation_quantization)
         return LoadedModel(model=decoder.eval(), config=config, tokenizer=None, source=source)
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
@@ -99,14 +109,17 @@ def load_model(
             "(models are never downloaded; pass a local path, or load_format='dummy' "
             "with a preset name for random weights)"
         )
-    _place_weights(decoder)
+    _finish(decoder, activation_quantization)
     decoder.eval()
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)
 
 
-def _place_weights(decoder: LlamaDecoder) -> None:
-    """On the CPU, every weight into one arena in forward order (see
-    :mod:`pagedllm.models.weight_arena`); the memory they leave goes back to the OS."""
+def _finish(decoder: LlamaDecoder, activation_quantization: str) -> None:
+    """Switch the weights to int8 activations if asked; then, on the CPU, every weight
+    into one arena in forward order (see :mod:`pagedllm.models.weight_arena`), the memory
+    they leave given back to the OS."""
+    if activation_quantization == "int8":
+        quantize_activations(decoder)
     if decoder.device.type == "cpu" and move_into_arena(decoder.weights()) is not None:
         release_free_memory()
 
