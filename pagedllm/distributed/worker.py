@@ -48,6 +48,7 @@ SHARED_SETTINGS = (
     "model",
     "load_format",
     "quantization",
+    "activation_quantization",
     "dtype",
     "kv_cache_dtype",
     "block_size",
