@@ -25,7 +25,6 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
