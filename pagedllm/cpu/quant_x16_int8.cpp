@@ -129,10 +129,10 @@ struct BlockColumn {
 };
 
 // Output features n0 .. n0 + kPanel decoded, per block and group: the codes
-// [K / 4][kPanel] dwords (step-major, one vector per group), start, scales and offsets
+// [K / 4][kPanel] dwords (step-major, 16 per group), start, scales and offsets
 // [kPanel]. Features past the weight's last group decode to zero.
 struct Panel {
-  std::vector<__m512i> codes;
+  std::vector<int32_t> codes;
   std::vector<int32_t> start;
   std::vector<float> scales, offsets;
 };
@@ -141,7 +141,7 @@ template <typename B>
 void decode_panel(const QuantLinearBf16Problem& p, int64_t index, Panel& panel) {
   const int64_t blocks = p.K / 32, column_bytes = kGroup * B::kBytes;
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  panel.codes.resize(blocks * kSteps * 2);
+  panel.codes.resize(blocks * kSteps * kPanel);
   panel.start.resize(blocks * kPanel);
   panel.scales.resize(blocks * kPanel);
   panel.offsets.resize(blocks * kPanel);
@@ -156,8 +156,8 @@ void decode_panel(const QuantLinearBf16Problem& p, int64_t index, Panel& panel) 
       } else {
         column.zero();
       }
-      __m512i* codes = panel.codes.data() + b * kSteps * 2 + half;
-      for (int s = 0; s < kSteps; ++s) codes[2 * s] = column.codes[s];
+      int32_t* codes = panel.codes.data() + b * kSteps * kPanel + kGroup * half;
+      for (int s = 0; s < kSteps; ++s) _mm512_storeu_si512(codes + s * kPanel, column.codes[s]);
       const int64_t at = b * kPanel + kGroup * half;
       _mm512_storeu_si512(panel.start.data() + at, column.start);
       _mm512_storeu_ps(panel.scales.data() + at, column.scale);
@@ -274,18 +274,19 @@ void tile(const QuantLinearBf16Problem& p, const Panel& panel, const QuantizedRo
   const int64_t blocks = p.K / 32;
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  const __m512i* codes = panel.codes.data();
+  const int32_t* codes = panel.codes.data();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = b * kPanel;
     const __m512i start[2] = {_mm512_loadu_si512(panel.start.data() + at),
                               _mm512_loadu_si512(panel.start.data() + at + 16)};
     __m512i part[MR][2];
     for (int m = 0; m < MR; ++m) part[m][0] = start[0], part[m][1] = start[1];
-    for (int s = 0; s < kSteps; ++s, codes += 2) {
+    for (int s = 0; s < kSteps; ++s, codes += kPanel) {
+      const __m512i w0 = _mm512_loadu_si512(codes), w1 = _mm512_loadu_si512(codes + 16);
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = x_quad(xq, p.K, m0 + m, b * 32 + 4 * s);
-        part[m][0] = _mm512_dpbusd_epi32(part[m][0], xv, codes[0]);
-        part[m][1] = _mm512_dpbusd_epi32(part[m][1], xv, codes[1]);
+        part[m][0] = _mm512_dpbusd_epi32(part[m][0], xv, w0);
+        part[m][1] = _mm512_dpbusd_epi32(part[m][1], xv, w1);
       }
     }
     for (int v = 0; v < 2; ++v) {
