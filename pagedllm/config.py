@@ -316,6 +316,7 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_timeout must be positive, got {self.distributed_timeout}"
             )
+
     def _check_activation_quantization(self) -> None:
         if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
             raise ValueError(

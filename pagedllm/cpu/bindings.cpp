@@ -291,9 +291,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
   return y.to(x.scalar_type());
 }
 
-// bfloat16 x [M, K] @ dequantized(weight)^T + bias [N] for a weight of N = out_features
-// rows interleaved by groups of 16 (quant_x16.cpp): uint8 [ceil(N / 16), K / block values
-// * block bytes * 16].
 namespace {
 
 // Checks x (bfloat16 [M, K]) and weight (an interleaved [ceil(N / 16), group bytes]) of
@@ -329,8 +326,7 @@ at::Tensor interleaved_product(const at::Tensor& x, const at::Tensor& weight, in
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                             int64_t out_features, const std::optional<at::Tensor>& bias) {
   return interleaved_product(x, weight, type, out_features, bias, ::quant_x16_supports(type),
-                             "quant_linear_x16",
-                             &pagedllm::quant_linear_x16);
+                             "quant_linear_x16", &pagedllm::quant_linear_x16);
 }
 
 // The same product with x quantized to int8 per block of 32 (quant_x16_int8.cpp).

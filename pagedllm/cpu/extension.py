@@ -1,6 +1,7 @@
 """Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
-``packed_linear.cpp``, ``elementwise.cpp``, ``quant_linear.cpp`` and
-``quant_linear_bf16.cpp``.
+``packed_linear.cpp``, ``elementwise.cpp``, ``quant_linear.cpp``,
+``quant_linear_bf16.cpp``, ``quant_x16.cpp``, ``quant_x16_int8.cpp`` and
+``layer_stack.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
