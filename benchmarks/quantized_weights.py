@@ -23,6 +23,7 @@ Records (one JSON line each):
 - ``same_tokens``: requests of that workload whose greedy ``Q4_1`` tokens equal the
   ``F32`` run's (the same weights), and for the others the first position that differs.
 - With ``llama-cpp-python`` installed, ``decode_1`` of llama.cpp with the same threads
+  (its weight repacking off on CPUs with AMX, where it crashes; ``machine`` records it)
   on the shipped Q4_1 file and on F32, BF16 and Q8_0 files this script writes from the
   dequantized weights; otherwise one ``skipped`` record.
 
@@ -35,11 +36,13 @@ Records (one JSON line each):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -50,6 +53,7 @@ import torch
 from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import BenchRequest, length_range, synthetic_workload
 from pagedllm.config import EngineConfig
+from pagedllm.cpu.cpuinfo import cpu_flags
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.models.default import default_model_path
@@ -141,13 +145,40 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest]) -> tuple[dict,
     return rates(count, time.perf_counter() - wall, time.process_time() - cpu), tokens
 
 
+@contextlib.contextmanager
+def llama_cpp_repacking(enabled: bool) -> Iterator[None]:
+    """llama.cpp models opened meanwhile repack their weights for the CPU (its default) or
+    not: on a CPU with AMX tiles llama-cpp-python 0.3.36 crashes in decode on Q4_1 and
+    Q8_0 files unless ``use_extra_bufts`` is off, which its ``Llama`` does not expose."""
+    import llama_cpp.llama_cpp as bindings
+
+    defaults = bindings.llama_model_default_params
+
+    def params() -> bindings.llama_model_params:
+        chosen = defaults()
+        chosen.use_extra_bufts = enabled
+        return chosen
+
+    bindings.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = defaults
+
+
+def llama_cpp_repacks() -> bool:
+    """Whether llama.cpp keeps its default weight repacking here: not on CPUs with AMX."""
+    return not any(flag.startswith("amx") for flag in cpu_flags())
+
+
 def llama_cpp_decode_rate(path: str, tokens: int, threads: int) -> dict[str, float]:
     """llama.cpp's output tokens/s for one sequence after its first token (greedy)."""
     from llama_cpp import Llama
 
-    llm = Llama(
-        model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
-    )
+    with llama_cpp_repacking(llama_cpp_repacks()):
+        llm = Llama(
+            model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+        )
     try:
         llm.eval(list(range(100, 132)))
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -190,7 +221,7 @@ def main() -> None:
     parser.add_argument("--no-throughput", action="store_true", help="decode_1 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    emit(**machine_record(), threads=args.threads)
+    emit(**machine_record(), threads=args.threads, llama_cpp_repacks=llama_cpp_repacks())
 
     shipped = default_model_path()
     folder = Path(tempfile.mkdtemp())
