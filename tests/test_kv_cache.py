@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,3 +71,33 @@ def test_copy_blocks_copies_k_and_v_of_every_layer():
     assert torch.equal(cache.tensor[:, :, untouched], before[:, :, untouched])
     cache.copy_blocks([])
     assert torch.equal(cache.tensor[:, :, untouched], before[:, :, untouched])
+
+
+def mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside:
+                fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="needs transparent huge pages"
+)
+def test_cpu_pool_is_zeroed_and_advised_for_huge_pages():
+    cache = KVCache(2, 64, 16, 3, 64, torch.bfloat16)
+    assert cache.tensor.is_contiguous() and not cache.tensor.any()
+    assert mapping_fields(cache.tensor.data_ptr())["THPeligible"] == "1"
+    if "[madvise]" in THP.read_text():  # only advised memory gets huge pages
+        plain = torch.zeros(cache.tensor.shape, dtype=cache.tensor.dtype)
+        assert mapping_fields(plain.data_ptr())["THPeligible"] == "0"

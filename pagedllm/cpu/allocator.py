@@ -1,4 +1,4 @@
-"""Keep freed activation memory in the process rather than handing it back to the OS.
+"""CPU memory: freed activation memory kept in the process, and regions in huge pages.
 
 glibc serves an allocation above its mmap threshold (128 KiB at start, raised to at most
 32 MiB as large blocks are freed) from freshly mapped pages, and gives the top of its
@@ -16,7 +16,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import sys
+
+import torch
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -53,3 +56,19 @@ def release_free_memory() -> bool:
     would otherwise keep. Whether anything was released."""
     libc = _libc()
     return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(0))
+
+
+HUGE_PAGE = 2 << 20  # bytes
+
+
+def huge_page_region(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
+    """``nbytes`` (rounded up to whole 2 MiB pages) of zeroed uint8 in a private anonymous
+    mapping, advised for transparent huge pages unless ``huge_pages`` is False (a kernel
+    that ignores the advice gives plain pages). Pages are committed when first touched.
+    Scattered reads over a large region (the weights, the KV pool) then miss the TLB far
+    less often."""
+    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive

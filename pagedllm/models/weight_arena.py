@@ -19,12 +19,11 @@ tensor, not twice the weights.
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
+from pagedllm.cpu.allocator import huge_page_region
+
 ALIGNMENT = 64  # bytes: each tensor starts on a cache line
-HUGE_PAGE = 2 << 20  # bytes
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -34,16 +33,6 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(end)
         end += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
     return offsets, end
-
-
-def allocate_arena(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
-    """``nbytes`` (rounded up to whole huge pages) of zeroed uint8, advised for huge pages
-    unless ``huge_pages`` is False."""
-    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
 
 
 @torch.no_grad()
@@ -58,7 +47,7 @@ def move_into_arena(
     if not movable:
         return None
     offsets, nbytes = _offsets(movable)
-    arena = allocate_arena(nbytes, huge_pages)
+    arena = huge_page_region(nbytes, huge_pages)
     for tensor, offset in zip(movable, offsets, strict=True):
         region = arena[offset : offset + tensor.numel() * tensor.element_size()]
         region.view(tensor.dtype).view(tensor.shape).copy_(tensor)
