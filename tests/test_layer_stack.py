@@ -8,7 +8,7 @@ import torch
 from shared_models import default_model
 from tiny_checkpoints import run_outputs, tiny_engine, write_tiny_llama
 
-from pagedllm.cpu.extension import avx512_kernels_available, quant_x16_int8_supports
+from pagedllm.cpu.extension import avx512_kernels_available, quant_x16_supports
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.layer_stack import unsupported_reason
@@ -69,7 +69,9 @@ def test_default_model_quantized_blocks(dtype, kind):
     assert_stack_equals_layers(default_model(getattr(torch, dtype)), dtype, kind)
 
 
-@pytest.mark.skipif(not quant_x16_int8_supports(int(Q.Q4_1)), reason="needs AVX-512 VNNI")
+@pytest.mark.skipif(
+    not quant_x16_supports(int(Q.Q4_1), int8_activations=True), reason="needs AVX-512 VNNI"
+)
 def test_default_model_int8_activations():
     loaded = load_model(None, torch.bfloat16, activation_quantization="int8")
     assert loaded.model.layers[0].qkv_weight.int8_activations

@@ -24,7 +24,7 @@ from test_quant_model import PROMPTS, TEXT, nll_per_token
 from test_quant_x16 import weight_of
 
 from pagedllm.config import EngineConfig
-from pagedllm.cpu.extension import quant_linear_x16_int8, quant_x16_int8_supports
+from pagedllm.cpu.extension import quant_linear_x16, quant_x16_supports
 from pagedllm.models import load_model
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.interleaved_weight import InterleavedWeight
@@ -32,9 +32,13 @@ from pagedllm.models.quantized_weight import Q, QuantizedWeight
 
 INT8_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
 needs_int8_kernels = pytest.mark.skipif(
-    not all(quant_x16_int8_supports(int(t)) for t in INT8_TYPES),
+    not all(quant_x16_supports(int(t), int8_activations=True) for t in INT8_TYPES),
     reason="needs AVX-512 VNNI and bfloat16",
 )
+def int8_product(x, blocks, ggml_type: int, n: int, bias=None) -> torch.Tensor:
+    return quant_linear_x16(x, blocks, ggml_type, n, bias, int8_activations=True)
+
+
 ROWS = (1, 2, 3, 4, 5, 7, 13, 23, 64, 65, 71)
 
 
@@ -71,7 +75,7 @@ def test_product_rounds_the_quantized_activation_product_once(ggml_type, rows):
     x = torch.randn(rows, k, generator=generator).bfloat16()
     x[0, 32:64] = 0  # an all-zero block: scale 0, codes 0
     bias = torch.randn(n, generator=generator)
-    y = quant_linear_x16_int8(x, interleaved.blocks, int(ggml_type), n, bias)
+    y = int8_product(x, interleaved.blocks, int(ggml_type), n, bias)
     assert_int8_product(y, x, dense, bias)
     switched = dataclasses.replace(interleaved, int8_activations=True)
     assert torch.equal(switched.linear(x, bias), y)
@@ -84,10 +88,10 @@ def test_rows_do_not_depend_on_the_other_rows_or_the_path(ggml_type):
     blocks = torch.from_numpy(random_blocks(ggml_type, n, k, seed=2))
     weight = InterleavedWeight.interleave(QuantizedWeight(blocks, ggml_type, k))
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    batch = quant_linear_x16_int8(x, weight.blocks, int(ggml_type), n)  # panels
-    assert quant_linear_x16_int8(x[:0], weight.blocks, int(ggml_type), n).shape == (0, n)
+    batch = int8_product(x, weight.blocks, int(ggml_type), n)  # panels
+    assert int8_product(x[:0], weight.blocks, int(ggml_type), n).shape == (0, n)
     for rows in (slice(0, 1), slice(5, 9), slice(2, 9), slice(11, 19), slice(1, 65)):
-        assert torch.equal(quant_linear_x16_int8(x[rows], weight.blocks, int(ggml_type), n),
+        assert torch.equal(int8_product(x[rows], weight.blocks, int(ggml_type), n),
                            batch[rows])  # fmt: skip
 
 

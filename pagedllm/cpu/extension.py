@@ -250,39 +250,28 @@ def quant_linear_x16(
     ggml_type: int,
     out_features: int,
     bias: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """:func:`quant_linear` for bfloat16 ``x`` and a weight of ``out_features`` rows whose
     blocks are interleaved by groups of 16 rows (layout in ``quant_x16.cpp``; see
-    :class:`~pagedllm.models.interleaved_weight.InterleavedWeight`)."""
-    return ops().quant_linear_x16(x, weight, ggml_type, out_features, bias)
+    :class:`~pagedllm.models.interleaved_weight.InterleavedWeight`). With
+    ``int8_activations``, ``x`` is quantized to int8 per block of 32 values (scale: the
+    block's largest magnitude / 127) and multiplied on the CPU's int8 quad products: equal,
+    up to float32 rounding, to the product of the quantized ``x`` with the dequantized
+    weight (``quant_x16_int8.cpp``)."""
+    product = ops().quant_linear_x16_int8 if int8_activations else ops().quant_linear_x16
+    return product(x, weight, ggml_type, out_features, bias)
 
 
 @functools.cache
-def quant_x16_supports(ggml_type: int) -> bool:
-    """Whether :func:`quant_linear_x16` runs weights of ``ggml_type`` on this CPU."""
+def quant_x16_supports(ggml_type: int, int8_activations: bool = False) -> bool:
+    """Whether :func:`quant_linear_x16` runs weights of ``ggml_type`` on this CPU (with
+    ``int8_activations``: the int8 kernels, which need AVX-512 VNNI)."""
     kernels = ops()
-    return kernels is not None and bool(kernels.quant_x16_supports(ggml_type))
-
-
-def quant_linear_x16_int8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    ggml_type: int,
-    out_features: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`quant_linear_x16` with ``x`` quantized to int8 per block of 32 values (scale:
-    the block's largest magnitude / 127) and multiplied on the CPU's int8 quad products:
-    equal, up to float32 rounding, to the product of the quantized ``x`` with the
-    dequantized weight (arithmetic in ``quant_x16_int8.cpp``)."""
-    return ops().quant_linear_x16_int8(x, weight, ggml_type, out_features, bias)
-
-
-@functools.cache
-def quant_x16_int8_supports(ggml_type: int) -> bool:
-    """Whether :func:`quant_linear_x16_int8` runs weights of ``ggml_type`` on this CPU."""
-    kernels = ops()
-    return kernels is not None and bool(kernels.quant_x16_int8_supports(ggml_type))
+    if kernels is None:
+        return False
+    supports = kernels.quant_x16_int8_supports if int8_activations else kernels.quant_x16_supports
+    return bool(supports(ggml_type))
 
 
 def dequantize_rows(

@@ -51,6 +51,12 @@ struct CodeTable {
   }
 };
 
+// The 16 half-precision values at p as float32 lanes (a block column's 16 scales in the
+// interleaved layouts).
+inline __m512 halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // 16 pairs of words: byte t's low nibble (weight t), then its high nibble (weight t + 16).
 inline __m512i nibble_pairs(const uint8_t* qs) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));

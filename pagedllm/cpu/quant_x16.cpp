@@ -83,11 +83,6 @@ struct X16Codes<Q8_0> {
   static constexpr int pair_index(int j, int) { return j; }
 };
 
-// The 16 halves at p as float32 lanes.
-inline __m512 halves(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <typename B>
 inline __m512 offsets_of(const uint8_t* column) {
   if constexpr (X16Codes<B>::kOffset) return halves(column + 32);

@@ -94,10 +94,6 @@ struct NibbleCodes {
 template <> struct Int8Codes<Q4_0> : NibbleCodes<1, 8> {};
 template <> struct Int8Codes<Q4_1> : NibbleCodes<2, 0> {};
 
-inline __m512 halves(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // One block column of one group decoded: the 8 steps' codes (four signed codes of one
 // feature per lane), the int32 sums' start (-128 * the block's sum of codes per feature),
 // and the block's scales and offsets.

@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from pagedllm.cpu.extension import quant_x16_int8_supports
+from pagedllm.cpu.extension import quant_x16_supports
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.quantized_weight import Q, QuantizedWeight
@@ -38,7 +38,7 @@ def quantize_activations(model: torch.nn.Module) -> int:
         raise ModelLoadError(
             f"activation_quantization='int8' runs bfloat16 models, not {model.dtype}"
         )
-    if not quant_x16_int8_supports(int(Q.Q8_0)):
+    if not quant_x16_supports(int(Q.Q8_0), int8_activations=True):
         raise ModelLoadError(
             "activation_quantization='int8' needs a CPU with AVX-512 VNNI and bfloat16 "
             "(and the C++ kernels built)"
@@ -47,8 +47,8 @@ def quantize_activations(model: torch.nn.Module) -> int:
     exact: dict[int, str] = {}  # id -> block format of the weights left exact
     for module in model.modules():
         for name, value in list(vars(module).items()):
-            if isinstance(value, InterleavedWeight) and quant_x16_int8_supports(
-                int(value.ggml_type)
+            if isinstance(value, InterleavedWeight) and quant_x16_supports(
+                int(value.ggml_type), int8_activations=True
             ):
                 if id(value) not in switched:
                     switched[id(value)] = dataclasses.replace(value, int8_activations=True)

@@ -15,12 +15,7 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from pagedllm.cpu.extension import (
-    dequantize_rows,
-    quant_linear_x16,
-    quant_linear_x16_int8,
-    quant_x16_supports,
-)
+from pagedllm.cpu.extension import dequantize_rows, quant_linear_x16, quant_x16_supports
 from pagedllm.models.quantized_weight import Q, QuantizedWeight, pad_rows
 
 GROUP_ROWS = 16
@@ -73,8 +68,10 @@ class InterleavedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias`` in bfloat16 for bfloat16 ``x`` ``[rows, in]``."""
-        product = quant_linear_x16_int8 if self.int8_activations else quant_linear_x16
-        return product(x.contiguous(), self.blocks, int(self.ggml_type), self.out_features, bias)
+        return quant_linear_x16(
+            x.contiguous(), self.blocks, int(self.ggml_type), self.out_features, bias,
+            self.int8_activations,
+        )  # fmt: skip
 
 
 BlockWeight = QuantizedWeight | InterleavedWeight
