@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 
 
@@ -101,3 +103,24 @@ def test_cpu_pool_is_zeroed_and_advised_for_huge_pages():
     if "[madvise]" in THP.read_text():  # only advised memory gets huge pages
         plain = torch.zeros(cache.tensor.shape, dtype=cache.tensor.dtype)
         assert mapping_fields(plain.data_ptr())["THPeligible"] == "0"
+
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, bytes."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc/self/statm")
+def test_cpu_pool_memory_is_committed_at_creation():
+    """The pool's pages are taken when the pool is made, not at the first write into each
+    block (where a page fault would land in the middle of a step); an uncommitted region
+    of the same size takes no memory yet, so the check can tell the two apart."""
+    nbytes = bytes_per_block(2, 16, 3, 64, torch.bfloat16) * 1024
+    before = resident_bytes()
+    cache = KVCache(2, 1024, 16, 3, 64, torch.bfloat16)
+    assert cache.tensor.nbytes == nbytes and resident_bytes() - before >= nbytes
+    before = resident_bytes()
+    lazy = huge_page_region(nbytes)
+    assert resident_bytes() - before < nbytes // 4
+    del lazy

@@ -94,14 +94,14 @@ class KVCache:
         self._values = [t.view(self.format.dtype) for t in self._stored_values]
 
     def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """The pool, zeroed; on the CPU in a region advised for 2 MiB pages: decode reads
-        one block of 16 rows per (block, head) from all over the pool, and in 4 KiB pages
-        nearly every block missed the TLB (bfloat16 decode attention 1.09-1.16x faster in
-        huge pages, float32 1.00-1.04x, on a 2-core Zen 4)."""
+        """The pool, zeroed and committed; on the CPU in a region advised for 2 MiB pages:
+        decode reads one block of 16 rows per (block, head) from all over the pool, and in
+        4 KiB pages nearly every block missed the TLB (bfloat16 decode attention
+        1.09-1.16x faster in huge pages, float32 1.00-1.04x, on a 2-core Zen 4)."""
         if device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=device)
         nbytes = math.prod(shape) * self.dtype.itemsize
-        return huge_page_region(nbytes)[:nbytes].view(self.dtype).view(shape)
+        return huge_page_region(nbytes, commit=True)[:nbytes].view(self.dtype).view(shape)
 
     @classmethod
     def from_budget(
