@@ -55,7 +55,7 @@ from pagedllm.bench.workload import BenchRequest, length_range, synthetic_worklo
 from pagedllm.config import EngineConfig
 from pagedllm.cpu.cpuinfo import cpu_flags
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.models.default import default_model_path
 from pagedllm.models.loader import load_model
 
@@ -133,7 +133,12 @@ def run_workload(engine: LLMEngine, requests: list[BenchRequest]) -> tuple[dict,
     """Output tokens/s of all requests submitted at once, and each request's tokens."""
     wall, cpu = time.perf_counter(), time.process_time()
     for index, request in enumerate(requests):
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=request.output_len)
+        params = SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            max_tokens=request.output_len,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids}, params)
     outputs = {}
     while engine.has_unfinished_requests():

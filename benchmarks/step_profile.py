@@ -31,7 +31,7 @@ from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import length_range, synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 KINDS = {
     "matrix products": ("packed_linear", "quant_linear", "linear", "addmm", "mm", "matmul",
@@ -73,7 +73,12 @@ def main() -> None:
     engine = LLMEngine(config)
     requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
     for index, request in enumerate(requests):
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=request.output_len)
+        params = SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            max_tokens=request.output_len,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids}, params)
     for _ in range(args.warmup_steps):
         engine.step()

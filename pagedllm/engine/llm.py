@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.beam_search_runner import BeamSearchRunner
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
 Message = Mapping[str, str]
@@ -128,6 +129,11 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
+        # only the final outputs are kept: one copy per distinct params object
+        final_only = {
+            id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params
+        }
+        params = [final_only[id(p)] for p in params]
         for index, (prompt, p, priority) in enumerate(
             zip(prompts, params, priorities, strict=True)
         ):

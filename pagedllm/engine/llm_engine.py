@@ -36,7 +36,7 @@ from pagedllm.engine.prompt_logprobs import score_prompt_positions
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
@@ -464,7 +464,8 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that produced tokens or finished."""
+        """Run one iteration; return the requests that produced tokens or finished (only
+        finished ones for requests whose ``output_kind`` is FINAL_ONLY)."""
         times = self.step_times
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -601,7 +602,8 @@ class LLMEngine:
         failures: dict[str, Exception],
     ) -> list[RequestOutput]:
         """Record each row's token; a request whose row raises (or whose sampling failed,
-        ``failures``) is failed alone. Returns the outputs of every request touched."""
+        ``failures``) is failed alone. Returns the outputs of every request touched
+        (a FINAL_ONLY request's only when it finished)."""
         if sampled is None:
             return []
         now = time.monotonic()
@@ -635,6 +637,8 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 del self._requests[request_id]
+            elif state.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(state.output())
         outputs.extend(self._fail(request_id, error) for request_id, error in failures.items())
         return outputs

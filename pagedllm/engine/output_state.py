@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagedllm.engine.outputs import CompletionOutput
 from pagedllm.engine.sampler import TokenLogprobs
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 
 
@@ -69,20 +69,29 @@ class SequenceDetokenizer:
         return True
 
     def snapshot(self, finished: bool) -> CompletionOutput:
-        """The cumulative output plus what is new since the previous snapshot."""
+        """The output so far plus what is new since the previous snapshot; with
+        ``output_kind`` DELTA, ``text``, ``token_ids`` and ``logprobs`` hold only the new
+        part too."""
         seq = self.seq
         visible = len(self.text) if finished else max(0, len(self.text) - self._hold_back)
         visible = max(visible, self._emitted_chars)
         delta_text = self.text[self._emitted_chars : visible]
         delta_tokens = seq.output_token_ids[self._emitted_tokens :]
+        new_from = self._emitted_tokens
         self._emitted_chars = visible
         self._emitted_tokens = seq.num_output_tokens
+        if self.params.output_kind is RequestOutputKind.DELTA:
+            text, token_ids = delta_text, delta_tokens
+            logprobs = None if self.logprobs is None else self.logprobs[new_from:]
+        else:
+            text, token_ids = self.text[:visible], list(seq.output_token_ids)
+            logprobs = self.logprobs
         return CompletionOutput(
             index=seq.index,
-            text=self.text[:visible],
-            token_ids=list(seq.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=logprobs,
             finish_reason=seq.status.finish_reason,
             stop_reason=seq.stop_reason,
             delta_text=delta_text,

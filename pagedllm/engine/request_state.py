@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.sampler import TokenLogprobs
+from pagedllm.engine.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -27,6 +28,10 @@ class RequestState:
     unforked: list[SequenceDetokenizer] = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return self.sequences[0].params.output_kind
 
     @property
     def finished(self) -> bool:

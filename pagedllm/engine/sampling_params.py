@@ -31,6 +31,8 @@ Conventions:
   regex, a choice or a grammar (see :mod:`pagedllm.engine.structured_output`);
   :meth:`SamplingParams.check_for_model` compiles it. Not with ``ignore_eos`` or
   ``min_tokens``: the grammar decides where the output ends.
+- ``output_kind`` (vLLM's ``RequestOutputKind``): every step's cumulative output, only
+  each step's additions, or only the final output.
 - Sample ``i`` of a request with ``n > 1`` and seed ``s`` uses seed ``s + i``
   (see :meth:`SamplingParams.derived_seed`), so ``n=4, seed=s`` samples exactly what
   four ``n=1`` requests with seeds ``s, s+1, s+2, s+3`` sample.
@@ -38,6 +40,7 @@ Conventions:
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +61,20 @@ MAX_LOGIT_BIAS = 100.0
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures strictly below this decode greedily (vLLM uses the same cut-off)."""
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's names and values).
+
+    CUMULATIVE: one after every step that touched the request, with the text, tokens and
+    logprobs so far (and the step's additions in the ``delta_`` fields). DELTA: the same
+    outputs, but ``text``, ``token_ids`` and ``logprobs`` hold only that step's
+    additions. FINAL_ONLY: one output, when the request finishes (what ``LLM.generate``
+    asks for: no per-step copies of growing outputs)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _reject(field: str, value: object, rule: str) -> NoReturn:
@@ -90,6 +107,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     """``bad_words`` as token sequences, set by :meth:`check_for_model`."""
     grammar_matchers: GrammarMatchers | None = field(default=None, init=False, repr=False)
@@ -102,6 +120,8 @@ class SamplingParams:
         self.stop = self._normalised_stop(self.stop)
         self.stop_token_ids = self._normalised_stop_token_ids(self.stop_token_ids)
         self._check_token_constraints()
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _reject("output_kind", self.output_kind, "must be a RequestOutputKind")
         if self.top_k == -1:
             self.top_k = 0
 
