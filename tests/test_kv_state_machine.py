@@ -112,12 +112,21 @@ class KVManagerMachine(RuleBasedStateMachine):
         expected_ok = manager.can_append(*args)
         starts = seq_id not in manager
         before = self.snapshot()
+        table_before = [] if starts else manager.block_table(seq_id)
         result = manager.allocate_slots(*args)
         if result is None:
             assert not expected_ok
             assert self.snapshot() == before
             return False
         assert expected_ok
+        # the delta a model runner applies: entries before first_changed are unchanged
+        table = manager.block_table(seq_id)
+        assert result.first_changed <= min(len(table), len(table_before))
+        assert table[: result.first_changed] == table_before[: result.first_changed]
+        changed = [i for i, (a, b) in enumerate(zip(table, table_before, strict=False)) if a != b]
+        if changed or len(table) != len(table_before) or starts:
+            first = min([len(table_before), *changed]) if not starts else 0
+            assert result.first_changed == first, "first_changed is the first entry that changed"
         if starts:
             shadow.reserved_tokens = manager.upfront_tokens or 0
         for src, dst in result.copies:

@@ -269,25 +269,16 @@ class Scheduler:
         whose K/V come back from the swap space) and add them to the plan with their
         block-table delta; False, changing nothing, when the blocks are not there."""
         manager = self.block_manager
-        known = seq.seq_id in manager
-        held = manager.num_table_entries(seq.seq_id)
-        null_before = manager.num_null_blocks(seq.seq_id) if known else 0
         result = manager.allocate_slots(
             seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix, num_restored=parked
         )
         if result is None:
             return False
         out.block_copies.extend(result.copies)
-        changed = held
-        if manager.num_null_blocks(seq.seq_id) > null_before:
-            changed = null_before
-        if result.copies:
-            table = manager.block_table(seq.seq_id)
-            changed = min(table.index(dst) for _, dst in result.copies)
-        start = min(seq.num_table_blocks_sent, changed)
+        start = min(seq.num_table_blocks_sent, result.first_changed)
         new_block_ids = manager.block_ids_from(seq.seq_id, start)
         seq.num_table_blocks_sent = start + len(new_block_ids)
-        slots = result.slots[parked:]
+        slots = result.slots[parked:] if parked else result.slots
         out.scheduled.append(ScheduledSequence(seq, num_tokens, slots, start, new_block_ids))
         return True
 

@@ -286,11 +286,13 @@ class BlockManager:
         tokens then follow the prefix's ``num_tokens``). ``num_restored``: the first new
         tokens whose K/V are copied in rather than computed (a swap-in); with a sliding
         window, blocks outside the window of the first computed token are null entries
-        (slots ``-1``), never allocated. Raises ValueError on misuse: a prefix for an
-        existing sequence, or a stale prefix.
+        (slots ``-1``), never allocated. The result's ``first_changed`` is 0 for a sequence
+        created here. Raises ValueError on misuse: a prefix for an existing sequence, or a
+        stale prefix.
         """
         seq = self._seqs.get(seq_id)
-        if seq is None:
+        started = seq is None
+        if started:
             seq = self._start(seq_id, num_new_tokens, high_priority, prefix, num_restored)
             if seq is None:
                 return None
@@ -298,9 +300,12 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
         live_from = self.live_from(self._first_query(seq, num_restored))
         try:
-            return seq.table.append_slots(num_new_tokens, high_priority, live_from)
+            result = seq.table.append_slots(num_new_tokens, high_priority, live_from)
         except OutOfBlocksError:
             return None
+        if started:  # every entry is new to the caller
+            result.first_changed = 0
+        return result
 
     @staticmethod
     def _first_query(seq: _Sequence, num_restored: int) -> int:

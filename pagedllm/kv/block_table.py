@@ -29,10 +29,14 @@ class AppendResult:
 
     ``copies``: ``(src_block, dst_block)`` pairs to copy first (copy-on-write).
     ``slots``: flat cache slot of each new token, ``block_id * block_size + offset``.
+    ``first_changed``: the first logical block whose entry the append changed (a copy,
+    a release, a new block); the table's length when no entry changed. Entries before
+    it are as they were.
     """
 
     slots: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    first_changed: int = 0
 
 
 class BlockTable:
@@ -104,6 +108,16 @@ class BlockTable:
         :class:`OutOfBlocksError` and changes nothing when the pool cannot supply the
         blocks.
         """
+        if num_new_tokens == 1 and live_from <= self.num_null:
+            # a decode step's token, written in place into a held block: nothing to
+            # allocate, copy or release (the general path below returns the same)
+            logical, offset = divmod(self.num_tokens, self._block_size)
+            if self.num_null <= logical < len(self._block_ids):
+                block_id = self._block_ids[logical]
+                if self._pool.ref_count(block_id) == 1:
+                    self.num_tokens += 1
+                    slot = block_id * self._block_size + offset
+                    return AppendResult([slot], first_changed=len(self._block_ids))
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         targets = self._shared_write_targets(num_new_tokens, live_from)
@@ -111,13 +125,16 @@ class BlockTable:
         growth = self._growth(end, live_from)
         num_needed = growth + len(targets)
         new_blocks = self._pool.allocate(num_needed, high_priority) if num_needed else []
-        result = AppendResult()
+        result = AppendResult(first_changed=len(self._block_ids))
         for index, dst in zip(targets, new_blocks[: len(targets)], strict=True):
             src = self._block_ids[index]
             self._block_ids[index] = dst
             self._pool.free([src])
             result.copies.append((src, dst))
-        self.release_before(live_from)
+        released = self.release_before(live_from)
+        result.first_changed = min(
+            [result.first_changed, *targets[:1], *([released.start] if released else [])]
+        )
         num_new_null = max(0, min(live_from, -(-end // self._block_size)) - len(self._block_ids))
         self._block_ids.extend([self._pool.null_block] * num_new_null)
         self.num_null += num_new_null
