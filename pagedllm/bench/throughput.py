@@ -14,8 +14,9 @@ import torch
 
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.config import EngineConfig
+from pagedllm.engine.frozen_gc import frozen_startup_objects
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.models.config import ModelConfig
 
 
@@ -43,9 +44,21 @@ def run_engine(
     aborted; the result then says ``"truncated": true`` and counts finished requests
     only."""
     engine = engine or LLMEngine(config)
+    with frozen_startup_objects():
+        return _timed_run(engine, requests, time_limit_s)
+
+
+def _timed_run(
+    engine: LLMEngine, requests: list[BenchRequest], time_limit_s: float | None
+) -> dict[str, object]:
     start = time.monotonic()
     for index, request in enumerate(requests):
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=request.output_len)
+        params = SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            max_tokens=request.output_len,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         engine.add_request(
             f"bench-{index}",
             {"prompt_token_ids": request.prompt_token_ids},
@@ -72,8 +85,8 @@ def run_engine(
     times = stats.step_times
     result: dict[str, object] = {
         "engine": "pagedllm",
-        "kv_allocation": config.kv_allocation,
-        "dtype": str(config.dtype).removeprefix("torch."),
+        "kv_allocation": engine.config.kv_allocation,
+        "dtype": str(engine.config.dtype).removeprefix("torch."),
         "num_requests": len(finished),
         "truncated": truncated,
         "elapsed_s": elapsed,

@@ -73,6 +73,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from pagedllm.bench.pool_trace import PoolTracer, draw_trace
     from pagedllm.config_flags import config_from_flags
+    from pagedllm.engine.frozen_gc import frozen_startup_objects
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import ServerSettings, build_app, served_model_name
 
@@ -127,7 +128,8 @@ def run_server(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     lifecycle.request_exit = exit_after_engine_death
-    server.run()
+    with frozen_startup_objects():
+        server.run()
     if tracer is not None and tracer.trace.snapshots:
         draw_trace(tracer.trace, args.trace_pool, f"pagedllm serve, {settings.model_name}")
         print(f"Block-pool trace written to {args.trace_pool}", file=sys.stderr, flush=True)
