@@ -4,8 +4,8 @@ After start-up a process holds hundreds of thousands of container objects (modul
 the model's wrappers, the tokenizer, the engine). A full collection walks all of them:
 about 0.2-0.3 s on a 2-core machine, a stall that lands in whichever step allocates at
 that moment (at 512 decoding sequences of a tiny model one came every ~200 steps; with
-the younger generations' collections, 9 % of the step time). Frozen objects are never walked; whatever is allocated later is collected as
-usual.
+the younger generations' collections, 9 % of the step time). Frozen objects are never
+walked; whatever is allocated later is collected as usual.
 """
 
 from __future__ import annotations
