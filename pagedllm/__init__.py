@@ -8,7 +8,7 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -19,5 +19,6 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from shared_models import default_model
 
-from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedllm import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.sampling_params import RequestOutputKind
 
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "def add(a, b):"]
 
