@@ -57,6 +57,17 @@ def grid() -> list[tuple]:
     return cases
 
 
+def kernel_output(case) -> torch.Tensor:
+    """The CPU kernel's attention over the case's paged K/V."""
+    md = case.metadata
+    out = torch.empty_like(case.q)
+    paged_attention(
+        out, case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens,
+        md.query_start_loc, case.scale,
+    )  # fmt: skip
+    return out
+
+
 @pytest.mark.parametrize(
     ("block_size", "ratio", "head_dim", "dtype", "mode", "seq_lens", "query_lens"), grid()
 )
@@ -75,19 +86,10 @@ def test_kernel_matches_reference_and_sdpa(
         seed=block_size * 100 + ratio * 10 + MODES.index(mode),
         shared_prefix_blocks=2,
     )
-    md = case.metadata
-    out = torch.empty_like(case.q)
-    paged_attention(
-        out,
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        md.block_tables,
-        md.seq_lens,
-        md.query_start_loc,
-        case.scale,
+    out = kernel_output(case)
+    expected = reference_paged_attention(
+        case.q, case.k_cache, case.v_cache, case.metadata, case.scale
     )
-    expected = reference_paged_attention(case.q, case.k_cache, case.v_cache, md, case.scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(out.float(), sdpa_expected(case), atol=tol, rtol=tol)
@@ -95,13 +97,7 @@ def test_kernel_matches_reference_and_sdpa(
 
 def test_sequence_of_length_2000_in_blocks_of_16():
     case = build_case([2000, 1999], [1, 64], 16, 9, 3, 64, torch.float32, seed=7)
-    md = case.metadata
-    out = torch.empty_like(case.q)
-    paged_attention(
-        out, case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens,
-        md.query_start_loc, case.scale,
-    )  # fmt: skip
-    torch.testing.assert_close(out, sdpa_expected(case), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kernel_output(case), sdpa_expected(case), atol=2e-5, rtol=2e-5)
 
 
 def test_rejects_block_outside_the_cache():
@@ -139,12 +135,7 @@ def test_bfloat16_result_is_the_exact_one_rounded_once(head_dim, query_lens):
     in >= 99.5% of values (measured 99.9%; the scores scaled by 1.001 give 70%), and
     never off by more than a bfloat16 step plus a small absolute error."""
     case = build_case([300, 200, 900, 17], query_lens, 16, 6, 2, head_dim, torch.bfloat16, 3)
-    md = case.metadata
-    out = torch.empty_like(case.q)
-    paged_attention(
-        out, case.q, case.k_cache, case.v_cache, md.block_tables, md.seq_lens,
-        md.query_start_loc, case.scale,
-    )  # fmt: skip
+    out = kernel_output(case)
     exact = float64_attention(case)
     assert (out == exact.to(torch.bfloat16)).double().mean() >= 0.995
     assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
