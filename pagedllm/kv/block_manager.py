@@ -367,11 +367,6 @@ class BlockManager:
         """The physical blocks of logical blocks ``start ..`` of ``seq_id`` (a copy)."""
         return self._seqs[seq_id].table.block_ids[start:]
 
-    def num_table_entries(self, seq_id: SeqId) -> int:
-        """Logical blocks in ``seq_id``'s table, null entries included (0 if unknown)."""
-        seq = self._seqs.get(seq_id)
-        return 0 if seq is None else len(seq.table.block_ids)
-
     def num_held_blocks(self, seq_id: SeqId) -> int:
         """Blocks ``seq_id``'s table references (0 for an unknown sequence)."""
         seq = self._seqs.get(seq_id)
