@@ -14,8 +14,9 @@ from pagedllm.engine.sampler import TokenLogprobs
 class CompletionOutput:
     """One generated sequence of a request (``index`` < n).
 
-    ``text`` and ``token_ids`` are cumulative; ``delta_text`` and ``delta_token_ids``
-    hold what this step added (for streaming). ``text`` never contains a stop string
+    ``text`` and ``token_ids`` are cumulative (only this step's additions when the
+    request's ``output_kind`` is DELTA); ``delta_text`` and ``delta_token_ids`` hold what
+    this step added (for streaming). ``text`` never contains a stop string
     (unless ``include_stop_str_in_output``) nor an incomplete UTF-8 character.
     """
 
