@@ -23,10 +23,11 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
+from gpu_check import write_tiny_llama
 
 from pagedllm.bench.machine import machine_record
 from pagedllm.config import EngineConfig
@@ -40,21 +41,16 @@ def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def write_tiny_llama(folder: Path) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
+TINY_MODEL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=4096,
+)
+"""A random one-layer Llama whose forward pass costs next to nothing."""
 
 
 def decoding_engine(model: str, num_seqs: int, kind: RequestOutputKind) -> LLMEngine:
@@ -85,7 +81,7 @@ def decoding_engine(model: str, num_seqs: int, kind: RequestOutputKind) -> LLMEn
 
 
 def measure(engine: LLMEngine, steps: int) -> dict[str, object]:
-    before = StepTimes(**{f.name: getattr(engine.step_times, f.name) for f in fields(StepTimes)})
+    before = replace(engine.step_times)
     walls = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -111,7 +107,7 @@ def main() -> int:
     emit(machine_record())
     kinds = [RequestOutputKind[name.upper()] for name in args.output_kinds.split(",")]
     with tempfile.TemporaryDirectory() as folder:
-        model = write_tiny_llama(Path(folder))
+        model = str(write_tiny_llama(Path(folder), seed=0, **TINY_MODEL))
         for num_seqs in (int(n) for n in args.num_seqs.split(",")):
             for kind in kinds:
                 engine = decoding_engine(model, num_seqs, kind)

@@ -85,17 +85,17 @@ def build_case(
     return PagedCase(q, k_cache, v_cache, metadata, keys, values, head_dim**-0.5)
 
 
-def sdpa_expected(case: PagedCase) -> torch.Tensor:
-    """torch's scaled_dot_product_attention on the contiguous K/V, in float32, with the
+def sdpa_expected(case: PagedCase, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch's scaled_dot_product_attention on the contiguous K/V, in ``dtype``, with the
     causal mask aligned to the end of each sequence."""
-    out = torch.empty(case.q.shape, dtype=torch.float32)
+    out = torch.empty(case.q.shape, dtype=dtype)
     starts = case.metadata.query_start_loc.tolist()
     for i, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
-        q = case.q[starts[i] : starts[i + 1]].float().transpose(0, 1)
+        q = case.q[starts[i] : starts[i + 1]].to(dtype).transpose(0, 1)
         q_len, seq_len = q.shape[1], k.shape[1]
         visible = torch.arange(seq_len) <= torch.arange(seq_len - q_len, seq_len)[:, None]
         o = F.scaled_dot_product_attention(
-            q, k.float(), v.float(), attn_mask=visible, scale=case.scale, enable_gqa=True
+            q, k.to(dtype), v.to(dtype), attn_mask=visible, scale=case.scale, enable_gqa=True
         )
         out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
     return out

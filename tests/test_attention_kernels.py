@@ -111,22 +111,6 @@ def test_rejects_block_outside_the_cache():
         )  # fmt: skip
 
 
-def float64_attention(case) -> torch.Tensor:
-    """Causal attention of the case in float64 on its (bfloat16) inputs: the exact result."""
-    out = torch.empty(case.q.shape, dtype=torch.float64)
-    starts = case.metadata.query_start_loc.tolist()
-    for i, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
-        q = case.q[starts[i] : starts[i + 1]].double().transpose(0, 1)
-        q_len, seq_len = q.shape[1], k.shape[1]
-        group = q.shape[0] // k.shape[0]
-        keys, values = (x.double().repeat_interleave(group, 0) for x in (k, v))
-        scores = q @ keys.transpose(1, 2) * case.scale
-        seen = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + seq_len - q_len
-        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-        out[starts[i] : starts[i + 1]] = (probs @ values).transpose(0, 1)
-    return out
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [64, 200, 37, 5]], ids=["decode", "prefill"])
 def test_bfloat16_result_is_the_exact_one_rounded_once(head_dim, query_lens):
@@ -136,6 +120,6 @@ def test_bfloat16_result_is_the_exact_one_rounded_once(head_dim, query_lens):
     never off by more than a bfloat16 step plus a small absolute error."""
     case = build_case([300, 200, 900, 17], query_lens, 16, 6, 2, head_dim, torch.bfloat16, 3)
     out = kernel_output(case)
-    exact = float64_attention(case)
+    exact = sdpa_expected(case, torch.float64)
     assert (out == exact.to(torch.bfloat16)).double().mean() >= 0.995
     assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()

@@ -633,12 +633,13 @@ class LLMEngine:
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
+            finished = state.finished
+            if not finished and state.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             state.metrics.num_output_tokens = sum(o.seq.num_output_tokens for o in state.sequences)
-            if state.finished:
+            if finished:
                 state.metrics.finished_time = now
                 del self._requests[request_id]
-            elif state.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue
             outputs.append(state.output())
         outputs.extend(self._fail(request_id, error) for request_id, error in failures.items())
         return outputs

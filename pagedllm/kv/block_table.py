@@ -125,16 +125,15 @@ class BlockTable:
         growth = self._growth(end, live_from)
         num_needed = growth + len(targets)
         new_blocks = self._pool.allocate(num_needed, high_priority) if num_needed else []
-        result = AppendResult(first_changed=len(self._block_ids))
+        result = AppendResult(first_changed=targets[0] if targets else len(self._block_ids))
         for index, dst in zip(targets, new_blocks[: len(targets)], strict=True):
             src = self._block_ids[index]
             self._block_ids[index] = dst
             self._pool.free([src])
             result.copies.append((src, dst))
         released = self.release_before(live_from)
-        result.first_changed = min(
-            [result.first_changed, *targets[:1], *([released.start] if released else [])]
-        )
+        if released:  # it starts at the first held entry, before any copy target
+            result.first_changed = released.start
         num_new_null = max(0, min(live_from, -(-end // self._block_size)) - len(self._block_ids))
         self._block_ids.extend([self._pool.null_block] * num_new_null)
         self.num_null += num_new_null
