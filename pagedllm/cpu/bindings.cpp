@@ -1,9 +1,9 @@
 // Torch operators over the kernels in paged_attention.cpp, packed_linear.cpp,
-// elementwise.cpp and the quant_*.cpp files: argument checks, then raw pointers.
-// Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight,
-// packed_linear, rms_norm, silu_and_mul, rotary, quant_linear, quant_linear_x16,
-// quant_linear_x16_int8, quant_x16_supports, quant_x16_int8_supports, dequantize_rows,
-// avx512_kernels_available}.
+// elementwise.cpp, argmax.cpp and the quant_*.cpp files: argument checks, then raw
+// pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight,
+// packed_linear, rms_norm, silu_and_mul, rotary, argmax_rows, quant_linear,
+// quant_linear_x16, quant_linear_x16_int8, quant_x16_supports, quant_x16_int8_supports,
+// dequantize_rows, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -231,6 +231,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && x.device().is_cpu(),
+              "argmax_rows: x is contiguous float32 [rows, n] with n > 0 on the CPU");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  pagedllm::argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>(),
+                        at::get_num_threads());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
                                                       const at::Tensor& positions,
                                                       const at::Tensor& cos,
@@ -367,6 +377,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
         "int num_kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias) -> Tensor");
@@ -387,6 +398,7 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("packed_linear", &pagedllm::tensor_ops::packed_linear);
   m.impl("rms_norm", &pagedllm::tensor_ops::rms_norm);
   m.impl("silu_and_mul", &pagedllm::tensor_ops::silu_and_mul);
+  m.impl("argmax_rows", &pagedllm::tensor_ops::argmax_rows);
   m.impl("rotary", &pagedllm::tensor_ops::rotary);
   m.impl("quant_linear", &pagedllm::tensor_ops::quant_linear);
   m.impl("quant_linear_x16", &pagedllm::tensor_ops::quant_linear_x16);

@@ -37,6 +37,7 @@ SOURCES = [
         "paged_attention.cpp",
         "packed_linear.cpp",
         "elementwise.cpp",
+        "argmax.cpp",
         "quant_linear.cpp",
         "quant_linear_bf16.cpp",
         "quant_x16.cpp",
@@ -216,6 +217,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` ``[rows, width]`` for contiguous ``gate_up`` ``[rows, 2 * width]``
     (gate first), float32 or bfloat16."""
     return ops().silu_and_mul(gate_up)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64 ``[rows]``) of 2-D ``x``: each row's first maximum, a NaN
+    counting as the largest. Contiguous float32 rows on the CPU go to the C++ kernel
+    (torch's compares one value at a time); anything else, or a build without the
+    kernels, to torch."""
+    fits = x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32
+    kernels = ops() if fits and x.is_contiguous() and x.shape[1] > 0 else None
+    return x.argmax(dim=-1) if kernels is None else kernels.argmax_rows(x)
 
 
 def rotary(

@@ -143,6 +143,10 @@ struct SiluMulProblem {
 };
 void silu_and_mul(const SiluMulProblem& problem);
 
+// out[r] = torch.argmax(x[r]) for the rows of x [rows, n] (float32, contiguous, n > 0):
+// the first maximum, or the first NaN where a row has one (argmax.cpp).
+void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out, int num_threads);
+
 // Splits qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] into q, k, v
 // ([num_tokens, heads, head_dim] each), rotating q and k ("rotate half" layout) by the
 // cos / sin rows [max_positions, head_dim / 2] of each token's position.

@@ -21,6 +21,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
                          const std::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
                                                       const at::Tensor& positions,
                                                       const at::Tensor& cos,

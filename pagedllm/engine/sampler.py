@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.cpu.extension import argmax_rows
 from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
 from pagedllm.engine.penalties import apply_penalties, token_counts
 from pagedllm.engine.request_errors import InvalidRequestError
@@ -359,7 +360,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
         logits = _processed_logits(logits, batch)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         if batch.random is not None:
             token_ids[batch.random.rows] = _draw(logits[batch.random.rows], batch.random)
         logprobs = None
