@@ -232,9 +232,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat &&
-                  x.is_contiguous() && x.device().is_cpu(),
-              "argmax_rows: x is contiguous float32 [rows, n] with n > 0 on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.size(1) <= INT32_MAX &&
+                  x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "argmax_rows: x is contiguous float32 [rows, n] with 0 < n < 2^31 on the CPU");
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   pagedllm::argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>(),
                         at::get_num_threads());

@@ -143,7 +143,8 @@ struct SiluMulProblem {
 };
 void silu_and_mul(const SiluMulProblem& problem);
 
-// out[r] = torch.argmax(x[r]) for the rows of x [rows, n] (float32, contiguous, n > 0):
+// out[r] = torch.argmax(x[r]) for the rows of x [rows, n] (float32, contiguous,
+// 0 < n < 2^31: lane indices are int32):
 // the first maximum, or the first NaN where a row has one (argmax.cpp).
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out, int num_threads);
 
