@@ -42,7 +42,6 @@ def emit(record: dict) -> None:
 
 
 TINY_MODEL = dict(
-    vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=1,
@@ -50,7 +49,8 @@ TINY_MODEL = dict(
     num_key_value_heads=1,
     max_position_embeddings=4096,
 )
-"""A random one-layer Llama whose forward pass costs next to nothing."""
+"""Overrides of ``write_tiny_llama``'s settings: a random one-layer Llama whose forward
+pass costs next to nothing."""
 
 
 def decoding_engine(model: str, num_seqs: int, kind: RequestOutputKind) -> LLMEngine:

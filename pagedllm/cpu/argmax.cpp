@@ -59,7 +59,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
   for (int64_t i = full; i < n; ++i) {  // the tail's indices follow every lane's
     nan = nan || std::isnan(x[i]);
-    if (x[i] > best_value || (full == 0 && i == 0)) {
+    if (x[i] > best_value || i == 0) {  // i == 0: a row shorter than the lanes
       best_value = x[i];
       best = i;
     }
