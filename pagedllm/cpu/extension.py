@@ -5,11 +5,9 @@
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
-the kernels), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``); later processes load the cached library in a fraction
-of a second unless a source changed. The library is built for this CPU
-(``-march=native``), so its cache name carries a tag of the CPU's instruction sets: a
-home directory shared by different CPUs never loads another CPU's build. The kernels run
+the kernels), into torch's extension cache (:mod:`pagedllm.cpu.build` says where);
+later processes load the cached library in a fraction of a second unless a source
+changed. The library is built for this CPU (``-march=native``). The kernels run
 on torch's own OpenMP thread pool with ``torch.get_num_threads()`` threads, so they never
 compete with torch's threads.
 
@@ -19,16 +17,15 @@ torch's operators (much slower), after one warning.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import cpp_extension
+
+from pagedllm.cpu.build import load_library
 
 SOURCES = [
     str(Path(__file__).with_name(name))
@@ -61,15 +58,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 logger = logging.getLogger("pagedllm")
 
 
-def instruction_set_tag() -> str:
-    """Ten hex digits naming this CPU's instruction-set flags (from ``/proc/cpuinfo``,
-    else the platform's processor string)."""
-    flags = platform.processor()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        flags = next((line for line in cpuinfo if line.startswith("flags")), flags)
-    return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:10]
-
-
 def headers_flag() -> str:
     """A define naming the headers' contents: torch rebuilds the extension when a source
     or a flag changes, not when a header does, so a changed header changes the flags."""
@@ -88,13 +76,7 @@ def ops() -> Any | None:
     """The ``torch.ops.pagedllm_cpu`` namespace, compiling the extension if needed; None,
     after one warning, when it cannot be built."""
     try:
-        cpp_extension.load(
-            name=f"pagedllm_cpu_{instruction_set_tag()}",
-            sources=SOURCES,
-            extra_cflags=[*FLAGS, headers_flag()],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        load_library("pagedllm_cpu", SOURCES, [*FLAGS, headers_flag()], ["-fopenmp"])
     except Exception as error:  # no compiler, no OpenMP, a failed build: run without
         reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         logger.warning(

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import cpp_extension
 
-from pagedllm.cpu.extension import instruction_set_tag
+from pagedllm.cpu.build import load_library
 
 logger = logging.getLogger("pagedllm")
 
@@ -45,12 +44,7 @@ POLL_S = 0.2
 def library() -> Any | None:
     """``torch.ops.pagedllm_shm``, built on first use; None when it cannot be built."""
     try:
-        cpp_extension.load(
-            name=f"pagedllm_shm_{instruction_set_tag()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
-            is_python_module=False,
-        )
+        load_library("pagedllm_shm", [str(SOURCE)], ["-O3", "-march=native"])
     except Exception as error:  # no compiler: gloo does the all-reduces
         logger.warning("shared-memory all-reduce unavailable (%s); using gloo", error)
         return None
