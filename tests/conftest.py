@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+from typing import TextIO
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -13,6 +15,30 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     # Triton kernels run under its interpreter on CPU tensors; read when they are decorated
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+COLLECTION_WATCHDOG_S = 600
+"""Collection (which builds the C++ kernels) taking longer prints every thread's stack
+once, so a hang says where it is (each test has pytest's faulthandler_timeout)."""
+
+TERMINAL_STDERR = pytest.StashKey[TextIO]()
+
+
+def pytest_configure(config):
+    # output capture is suspended here, so descriptor 2 is still the terminal's
+    config.stash[TERMINAL_STDERR] = os.fdopen(os.dup(2), "w")  # noqa: SIM115
+
+
+def pytest_unconfigure(config):
+    config.stash[TERMINAL_STDERR].close()
+
+
+def pytest_collection(session):
+    stderr = session.config.stash[TERMINAL_STDERR]
+    faulthandler.dump_traceback_later(COLLECTION_WATCHDOG_S, file=stderr)
+
+
+def pytest_collection_finish(session):
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session", autouse=True)
