@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from pagedllm.bench.workload import shared_prefix_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.sampling_params import SamplingParams
@@ -51,11 +52,8 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingPa
 
 
 def part_a(loaded, rng: random.Random) -> None:
-    system = [rng.randrange(16, 49152) for _ in range(1024)]
-    prompts = [
-        system + [rng.randrange(16, 49152) for _ in range(rng.randint(32, 128))]
-        for _ in range(32)
-    ]
+    workload = shared_prefix_workload(seed=rng.randrange(1 << 31))
+    prompts = [request.prompt_token_ids for request in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)] * len(prompts)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     results = {}

@@ -15,14 +15,18 @@ not timed). vLLM runs with ``VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>``,
 machine where anything else holds memory) and everything else at its defaults
 (torch.compile on). Runs alternate between the engines.
 
-Records (JSON lines): ``machine``; ``ceiling`` (per dtype, the most output tokens/s any
-engine could reach if its matrix products ran at torch's best GEMM rate on this machine
-and nothing else cost time: ``pagedllm.bench.ceiling``); ``run`` (engine, dtype, run,
-output tokens/s); ``summary`` (per dtype, medians, pagedllm / vLLM, and how far 1.3x
-vLLM would be from the ceiling).
+``--workload shared-prefix`` runs instead 32 requests that share one 1,024-token prefix
+(then 32-128 tokens of their own, 32 output tokens), both engines with prefix caching on
+(each one's default).
+
+Records (JSON lines): ``machine``; ``ceiling`` (mixed workload only; per dtype, the most
+output tokens/s any engine could reach if its matrix products ran at torch's best GEMM
+rate on this machine and nothing else cost time: ``pagedllm.bench.ceiling``); ``run``
+(engine, dtype, run, output tokens/s, seconds); ``summary`` (per dtype, medians,
+pagedllm / vLLM, and for the mixed workload how far 1.3x vLLM would be from the ceiling).
 
     python benchmarks/vllm_cpu.py --vllm-python ../vllm-venv/bin/python [--runs 3]
-        [--dtypes float32,bfloat16] [--num-requests 64]
+        [--dtypes float32,bfloat16] [--num-requests 64] [--workload shared-prefix]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from pathlib import Path
 
 from pagedllm.bench.ceiling import ceiling_record
 from pagedllm.bench.machine import machine_record
-from pagedllm.bench.workload import length_range, synthetic_workload
+from pagedllm.bench.workload import length_range, shared_prefix_workload, synthetic_workload
 
 PAGEDLLM_RUN = """
 import json, sys, torch
@@ -95,11 +99,15 @@ def export_default_model(folder: Path) -> Path:
     return folder
 
 
-def run_once(python: str, code: str, folder: Path, dtype: str, workload: Path,
-             env: dict[str, str]) -> dict[str, object]:
+def run_once(
+    python: str, code: str, folder: Path, dtype: str, workload: Path, env: dict[str, str]
+) -> dict[str, object]:
     done = subprocess.run(
         [python, "-c", code, str(folder), dtype, str(workload)],
-        capture_output=True, text=True, env=env, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"{python} failed:\n{done.stderr[-4000:]}")
@@ -116,25 +124,34 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
     parser.add_argument("--output-len", type=length_range, default=(16, 256))
     parser.add_argument("--work-dir", type=Path, default=Path("bench-vllm"))
+    parser.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
     args = parser.parse_args()
     emit(machine_record())
     args.work_dir.mkdir(parents=True, exist_ok=True)
     folder = export_default_model(args.work_dir / "smollm2-hf").resolve()
-    requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
-    workload = args.work_dir / "workload.json"
-    workload.write_text(json.dumps(
-        [{"prompt": r.prompt_token_ids, "output": r.output_len} for r in requests]
-    ))
+    if args.workload == "mixed":
+        requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
+    else:
+        requests = shared_prefix_workload()
+    workload = args.work_dir / f"workload-{args.workload}.json"
+    workload.write_text(
+        json.dumps([{"prompt": r.prompt_token_ids, "output": r.output_len} for r in requests])
+    )
     config = json.loads((folder / "config.json").read_text())
     ceilings = {}
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes.split(",") if args.workload == "mixed" else ():
         ceilings[dtype] = ceiling_record(config, requests, dtype)
         emit(ceilings[dtype])
     cores = len(os.sched_getaffinity(0))
-    vllm_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    engines = {"pagedllm": (sys.executable, PAGEDLLM_RUN, dict(os.environ)),
-               "vllm": (args.vllm_python, VLLM_RUN, vllm_env)}
+    vllm_env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    engines = {
+        "pagedllm": (sys.executable, PAGEDLLM_RUN, dict(os.environ)),
+        "vllm": (args.vllm_python, VLLM_RUN, vllm_env),
+    }
     rates: dict[tuple[str, str], list[float]] = {}
     for run in range(args.runs):
         for dtype in args.dtypes.split(","):
@@ -145,12 +162,22 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         ours = statistics.median(rates["pagedllm", dtype])
         theirs = statistics.median(rates["vllm", dtype])
-        ceiling = ceilings[dtype]["max_output_tokens_per_s"]
-        emit({"measure": "summary", "dtype": dtype, "pagedllm_output_tokens_per_s": ours,
-              "vllm_output_tokens_per_s": theirs, "ratio_pagedllm_over_vllm": ours / theirs,
-              "pagedllm_share_of_ceiling": ours / ceiling,
-              "vllm_share_of_ceiling": theirs / ceiling,
-              "goal_1_3x_vllm_share_of_ceiling": 1.3 * theirs / ceiling})
+        summary = {
+            "measure": "summary",
+            "workload": args.workload,
+            "dtype": dtype,
+            "pagedllm_output_tokens_per_s": ours,
+            "vllm_output_tokens_per_s": theirs,
+            "ratio_pagedllm_over_vllm": ours / theirs,
+        }
+        if dtype in ceilings:
+            ceiling = ceilings[dtype]["max_output_tokens_per_s"]
+            summary.update(
+                pagedllm_share_of_ceiling=ours / ceiling,
+                vllm_share_of_ceiling=theirs / ceiling,
+                goal_1_3x_vllm_share_of_ceiling=1.3 * theirs / ceiling,
+            )
+        emit(summary)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,27 @@ def synthetic_workload(
     return requests
 
 
+def shared_prefix_workload(
+    num_requests: int = 32,
+    seed: int = 0,
+    prefix_len: int = 1024,
+    unique_len: tuple[int, int] = (32, 128),
+    output_len: int = 32,
+    vocab_size: int = 49152,
+) -> list[BenchRequest]:
+    """Requests that all start with one random ``prefix_len``-token prefix (a shared
+    system prompt) followed by their own tokens, a length uniform in ``unique_len``."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(16, vocab_size) for _ in range(prefix_len)]
+    return [
+        BenchRequest(
+            prefix + [rng.randrange(16, vocab_size) for _ in range(rng.randint(*unique_len))],
+            output_len,
+        )
+        for _ in range(num_requests)
+    ]
+
+
 def length_range(text: str) -> tuple[int, int]:
     """``"MIN,MAX"`` as an inclusive range of token counts (an argparse ``type``)."""
     try:
