@@ -26,7 +26,7 @@ rate on this machine and nothing else cost time: ``pagedllm.bench.ceiling``); ``
 pagedllm / vLLM, and for the mixed workload how far 1.3x vLLM would be from the ceiling).
 
     python benchmarks/vllm_cpu.py --vllm-python ../vllm-venv/bin/python [--runs 3]
-        [--dtypes float32,bfloat16] [--num-requests 64] [--workload shared-prefix]
+        [--dtypes float32,bfloat16] [--num-requests N] [--workload shared-prefix]
 """
 
 from __future__ import annotations
@@ -120,28 +120,33 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
-    parser.add_argument("--output-len", type=length_range, default=(16, 256))
+    parser.add_argument("--num-requests", type=int, help="64 mixed, 32 shared-prefix")
+    parser.add_argument("--prompt-len", type=length_range, help="mixed only; 32,512")
+    parser.add_argument("--output-len", type=length_range, help="mixed only; 16,256")
     parser.add_argument("--work-dir", type=Path, default=Path("bench-vllm"))
     parser.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
     args = parser.parse_args()
+    if args.workload == "mixed":
+        requests = synthetic_workload(
+            args.num_requests or 64, 0, args.prompt_len or (32, 512), args.output_len or (16, 256)
+        )
+    elif args.prompt_len or args.output_len:
+        parser.error("--prompt-len and --output-len shape the mixed workload only")
+    else:
+        requests = shared_prefix_workload(args.num_requests or 32)
     emit(machine_record())
     args.work_dir.mkdir(parents=True, exist_ok=True)
     folder = export_default_model(args.work_dir / "smollm2-hf").resolve()
-    if args.workload == "mixed":
-        requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
-    else:
-        requests = shared_prefix_workload()
     workload = args.work_dir / f"workload-{args.workload}.json"
     workload.write_text(
         json.dumps([{"prompt": r.prompt_token_ids, "output": r.output_len} for r in requests])
     )
     config = json.loads((folder / "config.json").read_text())
     ceilings = {}
-    for dtype in args.dtypes.split(",") if args.workload == "mixed" else ():
-        ceilings[dtype] = ceiling_record(config, requests, dtype)
-        emit(ceilings[dtype])
+    if args.workload == "mixed":  # with a shared prefix, cached tokens cost no products
+        for dtype in args.dtypes.split(","):
+            ceilings[dtype] = ceiling_record(config, requests, dtype)
+            emit(ceilings[dtype])
     cores = len(os.sched_getaffinity(0))
     vllm_env = {
         **os.environ,
