@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -40,6 +41,9 @@ constexpr int64_t kPrefetchBytes = 8192;        // how far ahead each of K and V
 // keys (TransposedScores): 48-row tiles measured 10-20% faster over a cache-resident
 // context, 12-18-row tiles no faster.
 constexpr int64_t kTransposedMinRows = 24;
+// Decode rows of sequences sharing a prefix are attended together over it, up to this
+// many rows per work item (like a prefill tile of 16 tokens with 3 query heads per kv head).
+constexpr int64_t kSharedRows = 48;
 constexpr float kMinScore = -1e30f;
 // Below this many (query row, position) pairs, waking a second thread costs more than
 // it saves.
@@ -323,7 +327,9 @@ constexpr bool kPairDot =
 struct Scratch {
   std::vector<vfloat> query, acc, keys_t;
   std::vector<float> row_max, row_sum;
+  std::vector<int64_t> pos;  // each row's position in its sequence
   void resize(int64_t rows, int64_t vectors) {
+    pos.resize(rows);
     query.resize(rows * vectors);
     acc.resize(rows * vectors);
     keys_t.resize(kChunkVectors * vectors * kLanes);
@@ -427,38 +433,72 @@ struct TransposedScores {
   }
 };
 
-// Attention of query tokens [first_token, first_token + num_tokens) of one sequence,
-// for the query heads of kv head `kv_head`. The first of these tokens sits at position
-// `first_pos` of the sequence and sees positions [0, first_pos]; each later one sees one
-// more (with a sliding window W, a token at position p sees [p - W + 1, p] only). A row is one (query token, query head) pair; rows are processed RB at a time so
-// that every K/V row loaded serves RB query rows. NV is head_dim / 16, or 0 when only
-// known at run time.
-template <typename T, typename Rows, int NV, int RB>
-void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
-                 const typename Rows::Elem* v_cache, const int32_t* table, int64_t first_token,
-                 int64_t num_tokens, int64_t first_pos, int64_t kv_head, const Shapes& s,
-                 Scratch& w) {
-  constexpr int kNV = NV ? NV : kMaxVectors;
+// One tile of query tokens: tokens [first_token, first_token + num_tokens) of sequence
+// `seq`, the first at position first_pos, each later one a position further. cost: query
+// tokens x positions seen, for the schedule.
+struct Tile {
+  int64_t seq, first_token, num_tokens, first_pos, cost;
+};
+
+// Copies the query rows of `tile` for kv head `kv_head` into the scratch from row `row`
+// on, with an empty softmax state. A row is one (query token, query head) pair; the
+// query heads of one kv head share every K/V row loaded (grouped-query attention).
+template <typename T, typename Rows, int NV>
+void load_rows(const T* q, const Tile& tile, int64_t kv_head, int64_t row, const Shapes& s,
+               Scratch& w) {
   const int64_t group = s.num_q_heads / s.num_kv_heads;
-  const int64_t rows = num_tokens * group;
+  const int64_t nv = NV ? NV : s.head_dim / kLanes;
+  for (int64_t r = 0; r < tile.num_tokens * group; ++r) {
+    const T* src = q + ((tile.first_token + r / group) * s.num_q_heads + kv_head * group +
+                        r % group) * s.head_dim;
+    vfloat* query = &w.query[(row + r) * nv];
+    for (int64_t j = 0; j < nv; ++j) {
+      if constexpr (kPairDot<T, Rows, NV>) {  // the bfloat16 bits as they are; scaled per score
+        if (j < nv / 2) std::memcpy(&query[j], src + j * 2 * kLanes, sizeof(vfloat));
+      } else {
+        query[j] = load(src + j * kLanes) * s.scale;
+      }
+      w.acc[(row + r) * nv + j] = vfloat{};
+    }
+    w.pos[row + r] = tile.first_pos + r / group;
+    w.row_max[row + r] = kMinScore;
+    w.row_sum[row + r] = 0.f;
+  }
+}
+
+// Writes the normalized output of the rows `load_rows` put at `row`.
+template <typename T, int NV>
+void store_rows(T* out, const Tile& tile, int64_t kv_head, int64_t row, const Shapes& s,
+                const Scratch& w) {
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  const int64_t nv = NV ? NV : s.head_dim / kLanes;
+  for (int64_t r = 0; r < tile.num_tokens * group; ++r) {
+    T* dst = out + ((tile.first_token + r / group) * s.num_q_heads + kv_head * group +
+                    r % group) * s.head_dim;
+    const float inv = 1.f / w.row_sum[row + r];
+    for (int64_t j = 0; j < nv; ++j) {
+      const vfloat o = w.acc[(row + r) * nv + j] * inv;
+      for (int i = 0; i < kLanes; ++i) store(dst + j * kLanes + i, o[i]);
+    }
+  }
+}
+
+// Attention of the scratch's rows [row_begin, row_begin + rows) over positions
+// [begin, end) of the sequence whose block table is `table`; begin is a multiple of
+// kChunk and end is past the last position any of the rows sees. Row r sits at position
+// w.pos[r] and sees [0, w.pos[r]] (with a sliding window W, [w.pos[r] - W + 1, w.pos[r]]
+// only). Rows are processed RB at a time so that every K/V row loaded serves RB query
+// rows. NV is head_dim / 16, or 0 when only known at run time. Each row's result does not
+// depend on the other rows, nor on how its positions are split between calls at multiples
+// of kChunk: every row meets its chunks in order, one at a time.
+template <typename T, typename Rows, int NV, int RB>
+void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* v_cache,
+                 const int32_t* table, int64_t kv_head, int64_t row_begin, int64_t rows,
+                 int64_t begin, int64_t end, const Shapes& s, Scratch& w) {
+  constexpr int kNV = NV ? NV : kMaxVectors;
   const int64_t nv = NV ? NV : s.head_dim / kLanes;
   const int64_t block_mask = (int64_t{1} << s.block_size_shift) - 1;
   constexpr bool pair_dot = kPairDot<T, Rows, NV>;
-  w.resize(rows, nv);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + ((first_token + r / group) * s.num_q_heads + kv_head * group +
-                        r % group) * s.head_dim;
-    for (int64_t j = 0; j < nv; ++j) {
-      if constexpr (pair_dot) {  // the row's bfloat16 bits as they are; scaled per score
-        if (j < nv / 2) std::memcpy(&w.query[r * nv + j], src + j * 2 * kLanes, sizeof(vfloat));
-      } else {
-        w.query[r * nv + j] = load(src + j * kLanes) * s.scale;
-      }
-      w.acc[r * nv + j] = vfloat{};
-    }
-    w.row_max[r] = kMinScore;
-    w.row_sum[r] = 0.f;
-  }
   using Elem = typename Rows::Elem;
   const Elem* k_rows[kChunk];
   const Elem* v_rows[kChunk];
@@ -467,12 +507,17 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
   vfloat parts[RB][kChunk];
   alignas(64) float probs[RB][kChunk];
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t visible_end = first_pos + num_tokens;
+  const int64_t visible_end = end;
   const int64_t window = s.sliding_window;
+  const int64_t* pos = &w.pos[row_begin];
   // The first position any row sees. Rows before it are never loaded: their blocks may
   // have been released (a null block-table entry). Chunks stay aligned to kChunk
   // positions, so the summation order does not depend on where a query tile starts.
-  const int64_t window_begin = window ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  int64_t window_begin = begin;
+  if (window) {
+    const int64_t first_pos = *std::min_element(pos, pos + rows);
+    window_begin = std::max(begin, first_pos - window + 1);
+  }
   const int64_t visible_begin = window_begin / kChunk * kChunk;
   const int64_t row_bytes = s.head_dim * static_cast<int64_t>(sizeof(Elem));
   const int64_t prefetch_distance = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
@@ -508,15 +553,14 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
       int64_t seen_max = 0, seen_min = n;
       bool any_seen = false;
       for (int i = 0; i < RB; ++i) {
-        const int64_t pos = first_pos + (r0 + i) / group;
-        seen[i] = std::clamp<int64_t>(pos + 1 - c0, 0, n);
-        seen_from[i] = window ? std::clamp<int64_t>(pos - window + 1 - c0, 0, n) : 0;
+        seen[i] = std::clamp<int64_t>(pos[r0 + i] + 1 - c0, 0, n);
+        seen_from[i] = window ? std::clamp<int64_t>(pos[r0 + i] - window + 1 - c0, 0, n) : 0;
         seen_max = std::max(seen_max, seen[i]);
         seen_min = std::min(seen_min, seen_from[i]);
         any_seen = any_seen || seen_from[i] < seen[i];
       }
       if (!any_seen) continue;
-      const vfloat* qr = &w.query[r0 * nv];
+      const vfloat* qr = &w.query[(row_begin + r0) * nv];
       vfloat raw[kChunkVectors][RB];  // scores before the scales, one position per lane
       if (transposed) {
         for (int c = 0; c < kChunkVectors; ++c)
@@ -560,7 +604,7 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
           for (int i = 0; i < RB; ++i) raw[c][i] = transpose_sum(&parts[i][c * kLanes]);
       }
       for (int i = 0; i < RB; ++i) {
-        const int64_t r = r0 + i;
+        const int64_t r = row_begin + r0 + i;
         vfloat visible[kChunkVectors], score[kChunkVectors];
         vfloat chunk_max = vfloat{} + kMinScore;
         for (int c = 0; c < kChunkVectors; ++c) {
@@ -596,7 +640,7 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
       }
       vfloat acc[RB][kNV];
       for (int i = 0; i < RB; ++i)
-        for (int64_t j = 0; j < nv; ++j) acc[i][j] = w.acc[(r0 + i) * nv + j];
+        for (int64_t j = 0; j < nv; ++j) acc[i][j] = w.acc[(row_begin + r0 + i) * nv + j];
       for (int64_t t = seen_min; t < seen_max; ++t) {
         vfloat value[kNV];
         for (int64_t j = 0; j < nv; ++j) value[j] = Rows::widen(v_rows[t] + j * kLanes);
@@ -606,48 +650,133 @@ void attend_tile(const T* q, T* out, const typename Rows::Elem* k_cache,
         }
       }
       for (int i = 0; i < RB; ++i)
-        for (int64_t j = 0; j < nv; ++j) w.acc[(r0 + i) * nv + j] = acc[i][j];
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + ((first_token + r / group) * s.num_q_heads + kv_head * group + r % group) *
-                       s.head_dim;
-    const float inv = 1.f / w.row_sum[r];
-    for (int64_t j = 0; j < nv; ++j) {
-      const vfloat o = w.acc[r * nv + j] * inv;
-      for (int i = 0; i < kLanes; ++i) store(dst + j * kLanes + i, o[i]);
+        for (int64_t j = 0; j < nv; ++j) w.acc[(row_begin + r0 + i) * nv + j] = acc[i][j];
     }
   }
 }
 
-// Picks the compile-time variant: RB rows per pass must divide the tile's rows and, with
-// their accumulators, fit the 32 vector registers.
-template <typename T, typename Rows>
-void attend_tile_dispatch(const T* q, T* out, const typename Rows::Elem* k_cache,
+// Picks the compile-time variant: RB rows per pass must divide the rows and, with their
+// accumulators, fit the 32 vector registers.
+template <typename T, typename Rows, int NV>
+void attend_rows_dispatch(const typename Rows::Elem* k_cache,
                           const typename Rows::Elem* v_cache, const int32_t* table,
-                          int64_t first_token, int64_t num_tokens, int64_t first_pos,
-                          int64_t kv_head, const Shapes& s, Scratch& w) {
-  const int64_t rows = num_tokens * (s.num_q_heads / s.num_kv_heads);
-#define PAGEDLLM_ATTEND(NV, RB)                                                          \
-  return attend_tile<T, Rows, NV, RB>(q, out, k_cache, v_cache, table, first_token,     \
-                                      num_tokens, first_pos, kv_head, s, w)
-  if (s.head_dim == 64) {
-    if (rows % 4 == 0) PAGEDLLM_ATTEND(4, 4);
-    if (rows % 3 == 0) PAGEDLLM_ATTEND(4, 3);
-    if (rows % 2 == 0) PAGEDLLM_ATTEND(4, 2);
-    PAGEDLLM_ATTEND(4, 1);
+                          int64_t kv_head, int64_t row_begin, int64_t rows, int64_t begin,
+                          int64_t end, const Shapes& s, Scratch& w) {
+#define PAGEDLLM_ATTEND(RB)                                                                \
+  return attend_rows<T, Rows, NV, RB>(k_cache, v_cache, table, kv_head, row_begin, rows, \
+                                      begin, end, s, w)
+  if constexpr (NV == 4) {
+    if (rows % 4 == 0) PAGEDLLM_ATTEND(4);
+    if (rows % 3 == 0) PAGEDLLM_ATTEND(3);
   }
-  if (s.head_dim == 128) {
-    if (rows % 2 == 0) PAGEDLLM_ATTEND(8, 2);
-    PAGEDLLM_ATTEND(8, 1);
+  if constexpr (NV == 4 || NV == 8) {
+    if (rows % 2 == 0) PAGEDLLM_ATTEND(2);
   }
-  PAGEDLLM_ATTEND(0, 1);
+  PAGEDLLM_ATTEND(1);
 #undef PAGEDLLM_ATTEND
 }
 
-struct Tile {
-  int64_t seq, first_token, num_tokens, first_pos, cost;
+// One work item, done once per kv head: tiles [first_tile, first_tile + num_tiles). With
+// shared_end > 0, positions [0, shared_end) are the same blocks in the tables of all the
+// tiles' sequences and every row of them sees them all: they are read once, through the
+// first tile's table, for all the rows together; then each tile goes on alone. cost:
+// the tiles' costs summed, for the schedule.
+struct WorkItem {
+  int64_t first_tile, num_tiles, shared_end, cost;
 };
+
+template <typename T, typename Rows, int NV>
+void attend_item(const WorkItem& item, const Tile* tiles, int64_t kv_head, const Shapes& s,
+                 Scratch& w) {
+  const auto* kp = static_cast<const typename Rows::Elem*>(s.k_cache);
+  const auto* vp = static_cast<const typename Rows::Elem*>(s.v_cache);
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  const Tile* first = tiles + item.first_tile;
+  const Tile* last = first + item.num_tiles;
+  int64_t rows = 0;
+  for (const Tile* t = first; t != last; ++t) rows += t->num_tokens * group;
+  w.resize(rows, NV ? NV : s.head_dim / kLanes);
+  int64_t row = 0;
+  for (const Tile* t = first; t != last; ++t) {
+    load_rows<T, Rows, NV>(static_cast<const T*>(s.q), *t, kv_head, row, s, w);
+    row += t->num_tokens * group;
+  }
+  const auto table = [&](const Tile* t) { return s.block_tables + t->seq * s.max_blocks; };
+  if (item.shared_end > 0)
+    attend_rows_dispatch<T, Rows, NV>(kp, vp, table(first), kv_head, 0, rows, 0,
+                                      item.shared_end, s, w);
+  row = 0;
+  for (const Tile* t = first; t != last; ++t) {
+    const int64_t tile_rows = t->num_tokens * group;
+    attend_rows_dispatch<T, Rows, NV>(kp, vp, table(t), kv_head, row, tile_rows,
+                                      item.shared_end, t->first_pos + t->num_tokens, s, w);
+    store_rows<T, NV>(static_cast<T*>(s.out), *t, kv_head, row, s, w);
+    row += tile_rows;
+  }
+}
+
+// Leading positions, a multiple of kChunk, that sequence b's block table shares with
+// sequence a's and that every row of b's tile sees.
+int64_t shared_positions(const Shapes& s, const Tile& a, const Tile& b) {
+  const int32_t* ta = s.block_tables + a.seq * s.max_blocks;
+  const int32_t* tb = s.block_tables + b.seq * s.max_blocks;
+  const int64_t seen = std::min(a.first_pos, b.first_pos) + 1;  // positions both see whole
+  const int64_t blocks = std::min(seen >> s.block_size_shift, s.max_blocks);
+  int64_t same = 0;
+  while (same < blocks && ta[same] == tb[same]) ++same;
+  return std::min(same << s.block_size_shift, seen) / kChunk * kChunk;
+}
+
+// The work items: each tile of kTransposedMinRows rows or more alone (it already shares
+// every K/V row among many query rows), and the smaller tiles (decode) of sequences that
+// start on the same block grouped, up to kSharedRows rows per item, by how much of their
+// block tables they share, longest sharing first. Not with a sliding window.
+std::vector<WorkItem> plan_items(const Shapes& s, std::vector<Tile>& tiles) {
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  const auto small = [&](const Tile& t) {
+    return !s.sliding_window && t.num_tokens * group < kTransposedMinRows &&
+           t.first_pos >= kChunk;
+  };
+  const auto first_block = [&](const Tile& t) { return s.block_tables[t.seq * s.max_blocks]; };
+  // Tiles to group first, by first block; the rest after them, as they were.
+  std::stable_partition(tiles.begin(), tiles.end(), small);
+  const auto grouped_end = std::find_if_not(tiles.begin(), tiles.end(), small);
+  std::stable_sort(tiles.begin(), grouped_end, [&](const Tile& a, const Tile& b) {
+    return first_block(a) < first_block(b);
+  });
+  std::vector<WorkItem> items;
+  const int64_t num_grouped = grouped_end - tiles.begin();
+  for (int64_t i = 0; i < num_grouped;) {
+    int64_t j = i + 1;
+    while (j < num_grouped && first_block(tiles[j]) == first_block(tiles[i])) ++j;
+    // Tiles [i, j) start on one block: order them by what they share with tile i.
+    std::vector<int64_t> shared(j - i);
+    for (int64_t k = i; k < j; ++k) shared[k - i] = shared_positions(s, tiles[i], tiles[k]);
+    std::vector<int64_t> order(j - i);
+    for (int64_t k = 0; k < j - i; ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return shared[x] > shared[y]; });
+    std::vector<Tile> run(j - i);
+    for (int64_t k = 0; k < j - i; ++k) run[k] = tiles[i + order[k]];
+    std::copy(run.begin(), run.end(), tiles.begin() + i);
+    std::sort(shared.begin(), shared.end(), std::greater<>());
+    for (int64_t k = 0; k < j - i;) {
+      const int64_t per_item = std::max<int64_t>(1, kSharedRows / (tiles[i + k].num_tokens * group));
+      const int64_t n = std::min(per_item, j - i - k);
+      WorkItem item{i + k, n, n > 1 ? shared[k + n - 1] : 0, 0};
+      for (int64_t m = 0; m < n; ++m) item.cost += tiles[i + k + m].cost;
+      items.push_back(item);
+      k += n;
+    }
+    i = j;
+  }
+  for (int64_t i = num_grouped; i < static_cast<int64_t>(tiles.size()); ++i)
+    items.push_back({i, 1, 0, tiles[i].cost});
+  // Longest first: dynamic scheduling then balances the two ends of the queue.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
 
 template <typename T, typename Rows>
 void run(const Shapes& s) {
@@ -664,24 +793,23 @@ void run(const Shapes& s) {
       tiles.push_back({i, start + t0, n, context + t0, n * seen});
     }
   }
-  // Longest first: dynamic scheduling then balances the two ends of the queue.
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
-  const T* qp = static_cast<const T*>(s.q);
-  T* op = static_cast<T*>(s.out);
-  const auto* kp = static_cast<const typename Rows::Elem*>(s.k_cache);
-  const auto* vp = static_cast<const typename Rows::Elem*>(s.v_cache);
-  const int64_t items = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
+  const std::vector<WorkItem> items = plan_items(s, tiles);
+  const int64_t num_items = static_cast<int64_t>(items.size()) * s.num_kv_heads;
   int64_t work = 0;  // query rows x visible positions, summed
   for (const Tile& tile : tiles) work += tile.cost * s.num_q_heads;
   const int threads = work < kMinParallelWork ? 1 : s.num_threads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < items; ++item) {
+  for (int64_t index = 0; index < num_items; ++index) {
     thread_local Scratch scratch;
-    const Tile& tile = tiles[item / s.num_kv_heads];
-    attend_tile_dispatch<T, Rows>(qp, op, kp, vp, s.block_tables + tile.seq * s.max_blocks,
-                            tile.first_token, tile.num_tokens, tile.first_pos,
-                            item % s.num_kv_heads, s, scratch);
+    const WorkItem& item = items[index / s.num_kv_heads];
+    const int64_t kv_head = index % s.num_kv_heads;
+    if (s.head_dim == 64) {
+      attend_item<T, Rows, 4>(item, tiles.data(), kv_head, s, scratch);
+    } else if (s.head_dim == 128) {
+      attend_item<T, Rows, 8>(item, tiles.data(), kv_head, s, scratch);
+    } else {
+      attend_item<T, Rows, 0>(item, tiles.data(), kv_head, s, scratch);
+    }
   }
 }
 
