@@ -65,3 +65,10 @@ def test_a_process_loads_the_kernels_past_a_lock_left_by_a_killed_build(tmp_path
     assert done.stdout.split() == ["True"]
     assert "killed midway" in done.stderr
     assert not (tmp_path / name / "lock").exists()
+
+
+def test_every_header_is_hashed_into_the_build():
+    """torch rebuilds on a changed source or flag only: a header left out of HEADERS
+    would let an edit to it load a stale library."""
+    folder = Path(extension.__file__).parent
+    assert set(extension.HEADERS) == set(folder.glob("*.h"))

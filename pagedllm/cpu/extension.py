@@ -51,6 +51,8 @@ HEADERS = [
         "quant_codes.h",
         "quant_panel.h",
         "tensor_ops.h",
+        "vector_math.h",
+        "kv_rows.h",
     )
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]

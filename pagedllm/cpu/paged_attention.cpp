@@ -4,13 +4,15 @@
 // Cache (per layer, K and V alike): [num_blocks, num_kv_heads, block_size, head_dim] with
 // any strides but a contiguous head_dim; KVCache makes each (block, kv head) pair one
 // contiguous block_size x head_dim tile.
-// Work items are (sequence, query tile, kv head); every item handles the
-// query_heads / kv_heads query heads that share one kv head (grouped-query attention),
-// so each K/V row is loaded once per group. Softmax is online, chunk by chunk. Few query
-// rows score by dot products, many against the chunk's keys transposed, to the same bits.
-// Numbers are accumulated in float32 whatever the storage format: float32, bfloat16 or
-// float16 rows are widened; int8 and fp8 rows (one-byte codes and a bfloat16 scale, see
-// kernels.h) are decoded and multiplied by their scale here, never copied out decoded.
+// A work item is a group of query rows under one kv head: a tile of up to 16 query tokens
+// of one sequence, or the decode tokens of sequences whose block tables start alike, read
+// together over the blocks they share. A row is one (query token, query head) pair: the
+// query heads of one kv head (grouped-query attention) share every K/V row loaded.
+// Softmax is online, chunk by chunk; few rows score by dot products, many against the
+// chunk's keys transposed, to the same bits. Numbers are accumulated in float32 whatever
+// the storage format (kv_rows.h): float32, bfloat16 or float16 rows are widened; int8 and
+// fp8 rows (one-byte codes and a bfloat16 scale) are decoded and multiplied by their
+// scale here, never copied out decoded.
 
 #include <immintrin.h>
 
@@ -19,19 +21,18 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "kernels.h"
+#include "kv_rows.h"
+#include "vector_math.h"
 
 namespace {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint16_t vhalf __attribute__((vector_size(32)));
-constexpr int kLanes = 16;
+using namespace pagedllm::vec;
+using namespace pagedllm::kv_rows;
+
 constexpr int kMaxVectors = 16;  // head_dim <= 256
 constexpr int kQueryTile = 16;  // query tokens per work item in prefill
 constexpr int kChunkVectors = 2;
@@ -48,265 +49,6 @@ constexpr float kMinScore = -1e30f;
 // Below this many (query row, position) pairs, waking a second thread costs more than
 // it saves.
 constexpr int64_t kMinParallelWork = 16384;
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// bfloat16 is the high half of a float32: widen by a 16-bit shift. With AVX-512 one
-// zero-extending load and one shift; the generic vector conversion compiled to two
-// half-width conversions and an insert, and measured 1.5x slower over cached K/V.
-inline vfloat load(const uint16_t* p) {
-#ifdef __AVX512F__
-  const __m512i w = _mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-#else
-  vhalf h;
-  std::memcpy(&h, p, sizeof h);
-  const vuint w = __builtin_convertvector(h, vuint) << 16;
-#endif
-  vfloat v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-// A cache row format: Elem is the stored element, widen turns 16 of them into float32,
-// and a scaled format keeps the row's bfloat16 multiplier right after head_dim codes.
-template <typename E>
-struct LoadedRows {  // float32 or bfloat16, widened by load()
-  using Elem = E;
-  static constexpr bool kScaled = false;
-  static vfloat widen(const Elem* p) { return load(p); }
-};
-
-template <typename E, typename Narrow, bool kScaledRows>
-struct ConvertedRows {  // 16 elements of Narrow converted lane by lane
-  using Elem = E;
-  static constexpr bool kScaled = kScaledRows;
-  static vfloat widen(const Elem* p) {
-    Narrow n;
-    std::memcpy(&n, p, sizeof n);
-    return __builtin_convertvector(n, vfloat);
-  }
-};
-
-typedef _Float16 vfloat16 __attribute__((vector_size(32)));
-typedef int8_t vint8 __attribute__((vector_size(16)));
-using Float32Rows = LoadedRows<float>;
-using BFloat16Rows = LoadedRows<uint16_t>;
-using Float16Rows = ConvertedRows<uint16_t, vfloat16, false>;
-using Int8Rows = ConvertedRows<int8_t, vint8, true>;
-
-// The float value of each of the 256 codes of an 8-bit float with `exp_bits` exponent
-// bits (sign, exponent, mantissa; bias 2^(exp_bits-1) - 1; subnormals). E4M3 is the
-// "fn" variant (no infinities, only S.1111.111 is NaN); E5M2 follows IEEE.
-struct Fp8Table {
-  float value[256];
-  explicit Fp8Table(int exp_bits) {
-    const int mant_bits = 7 - exp_bits, bias = (1 << (exp_bits - 1)) - 1;
-    const int exp_max = (1 << exp_bits) - 1, mant_max = (1 << mant_bits) - 1;
-    for (int code = 0; code < 256; ++code) {
-      const int exp = (code >> mant_bits) & exp_max, mant = code & mant_max;
-      float x;
-      if (exp == exp_max && (exp_bits == 5 || mant == mant_max)) {
-        x = exp_bits == 5 && mant == 0 ? std::numeric_limits<float>::infinity()
-                                       : std::numeric_limits<float>::quiet_NaN();
-      } else if (exp == 0) {
-        x = std::ldexp(static_cast<float>(mant), 1 - bias - mant_bits);
-      } else {
-        x = std::ldexp(static_cast<float>(mant + (1 << mant_bits)), exp - bias - mant_bits);
-      }
-      value[code] = code & 0x80 ? -x : x;
-    }
-  }
-};
-
-const Fp8Table kE4M3(4), kE5M2(5);
-
-template <const Fp8Table& kTable>
-struct Fp8Rows {
-  using Elem = uint8_t;
-  static constexpr bool kScaled = true;
-  static vfloat widen(const Elem* p) {
-    typedef uint8_t vbyte __attribute__((vector_size(16)));
-    vbyte b;
-    std::memcpy(&b, p, sizeof b);
-    const vint index = __builtin_convertvector(b, vint);
-#ifdef __AVX512F__
-    __m512i idx;
-    std::memcpy(&idx, &index, sizeof idx);
-    const __m512 v = _mm512_i32gather_ps(idx, kTable.value, 4);
-    vfloat out;
-    std::memcpy(&out, &v, sizeof out);
-    return out;
-#else
-    vfloat out;
-    for (int i = 0; i < kLanes; ++i) out[i] = kTable.value[index[i]];
-    return out;
-#endif
-  }
-};
-
-// The bfloat16 scale stored after the head_dim codes of a scaled row.
-template <typename Rows>
-inline float row_scale(const typename Rows::Elem* row, int64_t head_dim) {
-  if constexpr (!Rows::kScaled) {
-    return 1.f;
-  } else {
-    uint16_t half;
-    std::memcpy(&half, row + head_dim, sizeof half);
-    const uint32_t bits = static_cast<uint32_t>(half) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-  }
-}
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *p = 0x7fc0;  // NaN stays NaN
-    return;
-  }
-  *p = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // nearest even
-}
-
-// x in every lane.
-inline vfloat broadcast(float x) {
-#ifdef __AVX512F__
-  return (vfloat)_mm512_set1_ps(x);
-#else
-  return vfloat{} + x;
-#endif
-}
-
-// a * b + c rounded once. Written out because the compiler's own contraction of
-// `x * y + z * w` may fuse either product, and the two scoring paths below must round
-// alike.
-inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
-#ifdef __AVX512F__
-  return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  typedef float half8 __attribute__((vector_size(32)));
-  const auto half = [](vfloat v, int h) {
-    half8 x;
-    std::memcpy(&x, reinterpret_cast<const float*>(&v) + 8 * h, sizeof x);
-    return (__m256)x;
-  };
-  vfloat r;
-  for (int h = 0; h < 2; ++h) {
-    const __m256 x = _mm256_fmadd_ps(half(a, h), half(b, h), half(c, h));
-    std::memcpy(reinterpret_cast<float*>(&r) + 8 * h, &x, sizeof x);
-  }
-  return r;
-#else
-  vfloat r;
-  for (int l = 0; l < kLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
-  return r;
-#endif
-}
-
-inline float hsum(vfloat v) {
-  typedef float half8 __attribute__((vector_size(32)));
-  half8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += h[i];
-  return s;
-}
-
-inline float hmax(vfloat v) {
-  typedef float half8 __attribute__((vector_size(32)));
-  const half8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const half8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const half8 h = a > b ? a : b;
-  float m = h[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, h[i]);
-  return m;
-}
-
-// Lane t of the result is the sum of the lanes of parts[t]: 16 horizontal sums in
-// 15 shuffle-add pairs instead of 16 separate reductions.
-inline vfloat transpose_sum(const vfloat* parts) {
-  vfloat b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) {
-    const vfloat x = parts[2 * i], y = parts[2 * i + 1];
-    b[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                   31);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const vfloat x = b[2 * i], y = b[2 * i + 1];
-    c[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                   31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const vfloat x = c[2 * i], y = c[2 * i + 1];
-    d[i] = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                   31);
-  }
-  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-}
-
-// Transposes 16 vectors of 16 32-bit lanes in place: afterwards lane i of r[l] holds what
-// lane l of r[i] held. Four butterfly stages; stage b swaps the lanes whose bit b differs
-// from their vector's bit b.
-inline void transpose16(vfloat* r) {
-  for (int i = 0; i < 8; ++i) {
-    const vfloat x = r[i], y = r[i + 8];
-    r[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    r[i + 8] =
-        __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i : {0, 1, 2, 3, 8, 9, 10, 11}) {
-    const vfloat x = r[i], y = r[i + 4];
-    r[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    r[i + 4] =
-        __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  }
-  for (int i : {0, 1, 4, 5, 8, 9, 12, 13}) {
-    const vfloat x = r[i], y = r[i + 2];
-    r[i] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-    r[i + 2] =
-        __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  }
-  for (int i = 0; i < 16; i += 2) {
-    const vfloat x = r[i], y = r[i + 1];
-    r[i] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-    r[i + 1] =
-        __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  }
-}
-
-// exp(x) for x <= 0, relative error ~1e-7; inputs below -87 are clamped.
-inline vfloat vexp(vfloat x) {
-  x = x < -87.f ? vfloat{} - 87.f : x;
-  vfloat t = x * 1.44269504088896341f - 0.5f;
-  vint n = __builtin_convertvector(t, vint);  // truncation toward 0 = round(x / ln2)
-  vfloat nf = __builtin_convertvector(n, vfloat);
-  vfloat r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-  vfloat p = vfloat{} + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  vint bits = (n + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 using Shapes = pagedllm::AttentionBatch;
 
