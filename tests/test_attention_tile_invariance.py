@@ -101,7 +101,8 @@ def test_decode_rows_sharing_a_prefix_equal_each_row_alone(query_dtype, name, he
     k_cache, v_cache = caches(case, query_dtype, name)
     tables = sharing_tables(gen, num_blocks, blocks_per_seq)
     seq_lens = torch.randint(330, 27 * block_size, (20,), generator=gen).tolist()
-    query_lens = [1] * 19 + [40]  # the last one a prefill chunk over the shared prefix
+    # The last: a prefill chunk over the shared prefix, whose 5-token tail tile is grouped.
+    query_lens = [1] * 19 + [37]
     q = torch.randn(sum(query_lens), 2 * ratio, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     together = torch.empty_like(q)
@@ -121,7 +122,7 @@ def test_decode_rows_sharing_a_prefix_equal_each_row_alone(query_dtype, name, he
         block_tables=tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=starts,
-        max_query_len=40,
+        max_query_len=37,
         max_seq_len=max(seq_lens),
     )
     if name in QUANTIZED:
