@@ -20,7 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -129,13 +129,14 @@ void transpose_keys(const typename Rows::Elem* const* k_rows, int64_t first, int
 }
 
 // Scores of RB query rows (nv vectors apart in `query`) against 16 transposed keys
-// (`keys_t`, `words` vectors per key): node<0, 1> leaves them in out[RB], one position
-// per lane. node<L, D> is the tree's sum of the partials A_L, A_{L+D}, ... (D < 16).
+// (`keys_t`: nv vectors per key, or nv / 2 with the pair product): node<0, 1> leaves
+// them in out[RB], one position per lane. node<L, D> is the tree's sum of the partials
+// A_L, A_{L+D}, ... (D < 16).
 template <int NV, int RB, bool kPair>
 struct TransposedScores {
   const vfloat* query;
   const vfloat* keys_t;
-  int64_t nv, words;
+  int64_t nv;
 
   template <int L>
   void partial(vfloat (&out)[RB]) const {
@@ -153,12 +154,13 @@ struct TransposedScores {
     }
 #endif
     const auto* q = reinterpret_cast<const float*>(query);
-    const int64_t row = (NV ? NV : nv) * kLanes;
-    const int64_t n = NV ? NV : words;
+    const int64_t words = NV ? NV : nv;
+    const int64_t row = words * kLanes;
     for (int i = 0; i < RB; ++i) out[i] = broadcast(q[i * row + L]) * keys_t[L];
-    for (int64_t j = 1; j < n; ++j) {
+    for (int64_t j = 1; j < words; ++j) {
       const vfloat k = keys_t[j * kLanes + L];
-      for (int i = 0; i < RB; ++i) out[i] = fmadd(broadcast(q[i * row + j * kLanes + L]), k, out[i]);
+      for (int i = 0; i < RB; ++i)
+        out[i] = fmadd(broadcast(q[i * row + j * kLanes + L]), k, out[i]);
     }
   }
 
@@ -182,17 +184,24 @@ struct Tile {
   int64_t seq, first_token, num_tokens, first_pos, cost;
 };
 
+// Element offset in q / out of row r of `tile` under kv head `kv_head`. A row is one
+// (query token, query head) pair; the query heads of one kv head share every K/V row
+// loaded (grouped-query attention).
+int64_t query_offset(const Tile& tile, int64_t kv_head, int64_t r, const Shapes& s) {
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  return ((tile.first_token + r / group) * s.num_q_heads + kv_head * group + r % group) *
+         s.head_dim;
+}
+
 // Copies the query rows of `tile` for kv head `kv_head` into the scratch from row `row`
-// on, with an empty softmax state. A row is one (query token, query head) pair; the
-// query heads of one kv head share every K/V row loaded (grouped-query attention).
+// on, with an empty softmax state.
 template <typename T, typename Rows, int NV>
 void load_rows(const T* q, const Tile& tile, int64_t kv_head, int64_t row, const Shapes& s,
                Scratch& w) {
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   const int64_t nv = NV ? NV : s.head_dim / kLanes;
   for (int64_t r = 0; r < tile.num_tokens * group; ++r) {
-    const T* src = q + ((tile.first_token + r / group) * s.num_q_heads + kv_head * group +
-                        r % group) * s.head_dim;
+    const T* src = q + query_offset(tile, kv_head, r, s);
     vfloat* query = &w.query[(row + r) * nv];
     for (int64_t j = 0; j < nv; ++j) {
       if constexpr (kPairDot<T, Rows, NV>) {  // the bfloat16 bits as they are; scaled per score
@@ -215,8 +224,7 @@ void store_rows(T* out, const Tile& tile, int64_t kv_head, int64_t row, const Sh
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   const int64_t nv = NV ? NV : s.head_dim / kLanes;
   for (int64_t r = 0; r < tile.num_tokens * group; ++r) {
-    T* dst = out + ((tile.first_token + r / group) * s.num_q_heads + kv_head * group +
-                    r % group) * s.head_dim;
+    T* dst = out + query_offset(tile, kv_head, r, s);
     const float inv = 1.f / w.row_sum[row + r];
     for (int64_t j = 0; j < nv; ++j) {
       const vfloat o = w.acc[(row + r) * nv + j] * inv;
@@ -249,7 +257,6 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
   vfloat parts[RB][kChunk];
   alignas(64) float probs[RB][kChunk];
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const int64_t visible_end = end;
   const int64_t window = s.sliding_window;
   const int64_t* pos = &w.pos[row_begin];
   // The first position any row sees. Rows before it are never loaded: their blocks may
@@ -269,8 +276,8 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
     return table[pos >> s.block_size_shift] * s.block_stride + kv_head * s.head_stride +
            (pos & block_mask) * s.token_stride;
   };
-  for (int64_t c0 = visible_begin; c0 < visible_end; c0 += kChunk) {
-    const int64_t n = std::min<int64_t>(kChunk, visible_end - c0);
+  for (int64_t c0 = visible_begin; c0 < end; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, end - c0);
     const int64_t first = std::max<int64_t>(0, window_begin - c0);
     for (int64_t t = 0; t < kChunk; ++t) {
       if (t < first || t >= n) {
@@ -285,7 +292,7 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
     }
     if (transposed) {
       transpose_keys<Rows, pair_dot>(k_rows, first, n, words, w.keys_t.data());
-      for (int64_t t = first; t < n && c0 + t + prefetch_distance < visible_end; ++t)
+      for (int64_t t = first; t < n && c0 + t + prefetch_distance < end; ++t)
         prefetch_rows(k_cache, v_cache, row_offset(c0 + t + prefetch_distance), row_bytes);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
@@ -306,7 +313,7 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
       vfloat raw[kChunkVectors][RB];  // scores before the scales, one position per lane
       if (transposed) {
         for (int c = 0; c < kChunkVectors; ++c)
-          TransposedScores<NV, RB, pair_dot>{qr, &w.keys_t[c * words * kLanes], nv, words}
+          TransposedScores<NV, RB, pair_dot>{qr, &w.keys_t[c * words * kLanes], nv}
               .template node<0, 1>(raw[c]);
       } else {
         for (int64_t t = 0; t < kChunk; ++t) {
@@ -318,7 +325,7 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
           // position scored fetches the K/V rows of one position kPrefetchBytes ahead
           // into L2. Spread out like this it measured 20-30% faster on decode than a
           // burst per chunk, and L2 beat L1 or no prefetch.
-          if (r0 == 0 && c0 + t + prefetch_distance < visible_end)
+          if (r0 == 0 && c0 + t + prefetch_distance < end)
             prefetch_rows(k_cache, v_cache, row_offset(c0 + t + prefetch_distance), row_bytes);
           if constexpr (pair_dot) {
 #ifdef __AVX512BF16__
@@ -491,22 +498,19 @@ std::vector<WorkItem> plan_items(const Shapes& s, std::vector<Tile>& tiles) {
   for (int64_t i = 0; i < num_grouped;) {
     int64_t j = i + 1;
     while (j < num_grouped && first_block(tiles[j]) == first_block(tiles[i])) ++j;
-    // Tiles [i, j) start on one block: order them by what they share with tile i.
-    std::vector<int64_t> shared(j - i);
-    for (int64_t k = i; k < j; ++k) shared[k - i] = shared_positions(s, tiles[i], tiles[k]);
-    std::vector<int64_t> order(j - i);
-    for (int64_t k = 0; k < j - i; ++k) order[k] = k;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t x, int64_t y) { return shared[x] > shared[y]; });
-    std::vector<Tile> run(j - i);
-    for (int64_t k = 0; k < j - i; ++k) run[k] = tiles[i + order[k]];
-    std::copy(run.begin(), run.end(), tiles.begin() + i);
-    std::sort(shared.begin(), shared.end(), std::greater<>());
+    // Tiles [i, j) start on one block: order them by what they share with tile i, so
+    // that each item's shared length is that of its last tile.
+    std::vector<std::pair<int64_t, Tile>> run;
+    for (int64_t k = i; k < j; ++k)
+      run.emplace_back(shared_positions(s, tiles[i], tiles[k]), tiles[k]);
+    std::stable_sort(run.begin(), run.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (int64_t k = 0; k < j - i; ++k) tiles[i + k] = run[k].second;
     for (int64_t k = 0; k < j - i;) {
-      const int64_t per_item = std::max<int64_t>(1, kSharedRows / (tiles[i + k].num_tokens * group));
-      const int64_t n = std::min(per_item, j - i - k);
-      WorkItem item{i + k, n, n > 1 ? shared[k + n - 1] : 0, 0};
-      for (int64_t m = 0; m < n; ++m) item.cost += tiles[i + k + m].cost;
+      const int64_t tile_rows = run[k].second.num_tokens * group;
+      const int64_t n = std::min(std::max<int64_t>(1, kSharedRows / tile_rows), j - i - k);
+      WorkItem item{i + k, n, n > 1 ? run[k + n - 1].first : 0, 0};
+      for (int64_t m = k; m < k + n; ++m) item.cost += run[m].second.cost;
       items.push_back(item);
       k += n;
     }
