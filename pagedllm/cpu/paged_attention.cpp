@@ -187,22 +187,21 @@ struct TransposedScores {
 };
 
 // Scores of RB rows against the chunk's transposed keys into raw[c][i] (position 16 c + lane
-// of row i), passes as TransposedScores describes.
+// of row i), in passes of R rows over H halves as TransposedScores describes.
 template <int NV, int RB, bool kPair>
 void transposed_scores(const vfloat* query, const vfloat* keys_t, int64_t nv,
                        vfloat (&raw)[kChunkVectors][RB]) {
-  if constexpr (kPair && RB % 2 == 0) {
-    for (int r = 0; r < RB; r += 2) {
-      vfloat part[kChunkVectors][2];
-      TransposedScores<NV, kChunkVectors, 2, true>{query + r * NV, keys_t, nv}
+  constexpr bool kBothHalves = kPair && RB % 2 == 0;
+  constexpr int H = kBothHalves ? kChunkVectors : 1;
+  constexpr int R = kBothHalves ? 2 : RB;
+  const int64_t words = kPair ? nv / 2 : nv;
+  for (int c = 0; c < kChunkVectors; c += H) {
+    for (int r = 0; r < RB; r += R) {
+      vfloat part[H][R];
+      TransposedScores<NV, H, R, kPair>{query + r * nv, keys_t + c * words * kLanes, nv}
           .template node<0, 1>(part);
-      for (int c = 0; c < kChunkVectors; ++c) std::copy(part[c], part[c] + 2, raw[c] + r);
+      for (int h = 0; h < H; ++h) std::copy(part[h], part[h] + R, raw[c + h] + r);
     }
-  } else {
-    const int64_t words = kPair ? nv / 2 : nv;
-    for (int c = 0; c < kChunkVectors; ++c)
-      TransposedScores<NV, 1, RB, kPair>{query, keys_t + c * words * kLanes, nv}
-          .template node<0, 1>(reinterpret_cast<vfloat(&)[1][RB]>(raw[c]));
   }
 }
 
