@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.cpu.attention_choice import ATTENTION_KERNELS
 from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
@@ -144,6 +145,15 @@ class EngineConfig:
         "form; packed forces the C++ packed_linear kernel (AVX-512, batch invariant); "
         "onednn forces torch's GEMM on the plain matrix",
         LINEAR_KERNELS,
+    )
+    attention_kernel: str = knob(
+        "auto",
+        "CPU attention of a sequence's prefill chunk: auto times the C++ paged kernel "
+        "against gathering its K/V for torch's SDPA (oneDNN, AMX tiles where present) once "
+        "per CPU model and head layout, and sends chunks from the measured crossover rows "
+        "to SDPA (none where paged wins); paged forces the C++ kernel (batch invariant); "
+        "sdpa sends chunks of 16 rows or more to SDPA",
+        ATTENTION_KERNELS,
     )
     device: str | torch.device = knob(
         "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
@@ -294,6 +304,7 @@ class EngineConfig:
         self._check_activation_quantization()
         self._check_parallel()
         self._check_linear_kernel()
+        self._check_attention_kernel()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -334,6 +345,18 @@ class EngineConfig:
             raise ValueError(
                 "activation_quantization='int8' runs bfloat16 models on the CPU, not "
                 f"{self.dtype} on {self.device.type}"
+            )
+
+    def _check_attention_kernel(self) -> None:
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got "
+                f"{self.attention_kernel!r}"
+            )
+        if self.attention_kernel != "auto" and self.device.type != "cpu":
+            raise ValueError(
+                f"attention_kernel={self.attention_kernel!r} chooses a CPU kernel; "
+                f"{self.device.type} runs the Triton kernel (leave it auto)"
             )
 
     def _check_linear_kernel(self) -> None:

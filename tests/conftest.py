@@ -44,17 +44,24 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="session", autouse=True)
 def kernel_choice_without_timing(tmp_path_factory):
     """``linear_kernel="auto"`` picks packed wherever the AVX-512 kernels take a weight,
-    with no timing (nor contention check), so every test sees the same forms whatever the
-    load on the machine (batch invariance needs packed); timings live in a session
-    folder, never the user's cache. test_kernel_choice.py restores the real timer."""
-    from pagedllm.cpu import kernel_choice
+    and ``attention_kernel="auto"`` the paged kernel for every row, with no timing (nor
+    contention check), so every test sees the same kernels whatever the load on the
+    machine (batch invariance needs packed and paged); timings live in a session folder,
+    never the user's cache. test_kernel_choice.py and test_sdpa_prefill.py restore the
+    real timers."""
+    from pagedllm.cpu import attention_choice, kernel_choice
 
     def packed_first(weight, kernels):
         return {k: dict.fromkeys(kernel_choice.BUCKETS, i + 1.0) for i, k in enumerate(kernels)}
 
+    def paged_first(layout):
+        buckets = attention_choice.ROW_BUCKETS
+        return {"paged": dict.fromkeys(buckets, 1.0), "sdpa": dict.fromkeys(buckets, 2.0)}
+
     folder = tmp_path_factory.mktemp("pagedllm-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_choice, "time_kernels", packed_first)
+        patch.setattr(attention_choice, "time_prefill", paged_first)
         patch.setattr(kernel_choice, "cache_dir", lambda: folder)
         patch.setattr(kernel_choice, "contended", lambda cores: False)
         yield

@@ -24,7 +24,7 @@ from pagedllm import EngineConfig
 from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.cpu import kernel_choice
 from pagedllm.cpu.extension import avx512_kernels_available
-from pagedllm.cpu.kernel_choice import BUCKETS, KernelChoice, TimingTable, winner
+from pagedllm.cpu.kernel_choice import BUCKETS, KernelChoice, TimingTable, shape_entry, winner
 from pagedllm.models.linear import PackedWeight, prepare_weight
 from pagedllm.models.loader import load_model
 
@@ -109,14 +109,15 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
     kernels = ("packed", "onednn") if avx512_kernels_available() else ("onednn",)
     weight = torch.randn(100, 64)
     first = TimingTable()
-    measured = first.timings(weight, kernels)
+    measured = first.timings(shape_entry(weight), kernels, lambda: counted(weight, kernels))
     assert first.path.parent == tmp_path / "pagedllm" and first.shapes_timed == 1
     assert all(set(measured[k]) == set(BUCKETS) and min(measured[k].values()) > 0 for k in kernels)
     stored = json.loads(first.path.read_text())
     assert stored["key"] == kernel_choice.machine_key()
     assert stored["key"]["threads"] == torch.get_num_threads()
     again = TimingTable()
-    assert again.timings(weight, kernels) == measured and again.shapes_timed == 0
+    again_timed = again.timings(shape_entry(weight), kernels, lambda: counted(weight, kernels))
+    assert again_timed == measured and again.shapes_timed == 0
     assert timed == [(100, 64)]
     other_torch = {**kernel_choice.machine_key(), "torch": "0.0"}
     assert kernel_choice.cache_path(other_torch) != first.path
@@ -156,7 +157,7 @@ def test_a_cache_that_cannot_be_written_only_warns(monkeypatch, tmp_path, caplog
     monkeypatch.setattr(kernel_choice, "cache_dir", lambda: blocker / "pagedllm")
     table = TimingTable()
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
-        table.timings(torch.randn(8, 8), ("onednn",))
+        table.timings("float32 8x8", ("onednn",), lambda: REAL_TIMER(torch.randn(8, 8), ["onednn"]))
     assert "Cannot cache matrix kernel timings" in caplog.text
     assert set(table.entries) == {"float32 8x8"}
 

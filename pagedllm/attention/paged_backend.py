@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
+from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
 from pagedllm.cpu import paged_attention
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv.kv_cache import KVCache
@@ -23,15 +26,24 @@ class PagedAttentionBackend:
     model's dtype (float16, int8, fp8, or bfloat16 under a float32 model) the kernel
     decodes K/V itself and takes a float32 query. The C++ kernels are built (or loaded
     from the extension cache) here, so a first step never pays for a compile.
+
+    With ``sdpa_min_rows`` (chosen by :mod:`pagedllm.cpu.attention_choice`), a sequence
+    running at least that many query rows in a step attends through torch's SDPA over
+    its gathered K/V (:mod:`pagedllm.attention.sdpa_prefill`), the other rows through
+    the paged kernel; soft-capped layers run every row paged.
     """
 
-    def __init__(self, kv_cache: KVCache) -> None:
+    def __init__(self, kv_cache: KVCache, sdpa_min_rows: int | None = None) -> None:
         self.kv_cache = kv_cache
-        self.uses_fast_kernel = (
-            kv_cache.head_dim % 16 == 0 and kv_cache.head_dim <= 256 and kernels_built()
-        )
+        self.uses_fast_kernel = fast_kernel_takes(kv_cache)
+        if sdpa_min_rows is not None:
+            reason = sdpa_refusal(kv_cache)
+            if reason is not None:
+                raise ValueError(f"SDPA prefill cannot run here: {reason}")
+        self.sdpa_min_rows = sdpa_min_rows
         self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
         self._prepared: tuple[torch.Tensor, ...] = ()
+        self._split: StepSplit | None = None
 
     def kernel_metadata(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
         """Kernel-ready metadata, converted once per step. A step's tensors are not
@@ -51,7 +63,38 @@ class PagedAttentionBackend:
                 query_start_loc.to(torch.int32).contiguous(),
             )
             self._source = source
+            self._split = self._split_step(metadata)
         return self._prepared
+
+    def routes_to_sdpa(self, metadata: AttentionMetadata) -> bool:
+        """Whether some sequence of this step attends through SDPA."""
+        self.kernel_metadata(metadata)
+        return self._split is not None
+
+    def _split_step(self, metadata: AttentionMetadata) -> StepSplit | None:
+        """The step's SDPA chunks and the paged kernel's share of it; ``None`` when every
+        row runs paged."""
+        if self.sdpa_min_rows is None or metadata.max_query_len < self.sdpa_min_rows:
+            return None
+        _, block_tables, seq_lens, starts = self._prepared
+        bounds, lengths = starts.tolist(), seq_lens.tolist()
+        block_size = self.kv_cache.block_size
+        chunks, paged = [], []
+        for seq, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            if end - start < self.sdpa_min_rows:
+                paged.append(seq)
+                continue
+            blocks = block_tables[seq, : -(-lengths[seq] // block_size)].long()
+            chunks.append(PrefillChunk(start, end, lengths[seq], blocks))
+        if not paged:
+            return StepSplit(chunks, None, ())
+        rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in paged])
+        index = torch.tensor(paged)
+        paged_starts = torch.zeros(len(paged) + 1, dtype=torch.int32)
+        torch.cumsum(starts[index + 1] - starts[index], 0, out=paged_starts[1:])
+        return StepSplit(
+            chunks, rows, (block_tables[index].contiguous(), seq_lens[index], paged_starts)
+        )
 
     def forward(
         self,
@@ -78,8 +121,62 @@ class PagedAttentionBackend:
         query = q if q.dtype == torch.float32 or same_bf16 else q.float()
         query = query.contiguous()
         out = torch.empty_like(query)
-        paged_attention(
-            out, query, keys, values, block_tables, seq_lens, query_start_loc, options.scale,
-            options.sliding_window or 0, options.logit_softcap or 0.0,
-        )  # fmt: skip
+        split = self._split if options.logit_softcap is None else None
+        if split is None:
+            tables = (block_tables, seq_lens, query_start_loc)
+            self._paged(out, query, keys, values, tables, options)
+            return out.to(q.dtype)
+        if split.paged_rows is not None:
+            paged_out = torch.empty_like(query[split.paged_rows])
+            self._paged(
+                paged_out, query[split.paged_rows], keys, values, split.paged_tables, options
+            )
+            out[split.paged_rows] = paged_out
+        for chunk in split.chunks:
+            out[chunk.start : chunk.end] = attend_chunk(query, keys, values, chunk, options)
         return out.to(q.dtype)
+
+    @staticmethod
+    def _paged(
+        out: torch.Tensor,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        options: AttentionOptions,
+    ) -> None:
+        """The C++ kernel over ``tables`` = (block tables, sequence lengths, query starts)."""
+        paged_attention(
+            out, query, keys, values, *tables, options.scale, options.sliding_window or 0,
+            options.logit_softcap or 0.0,
+        )  # fmt: skip
+
+
+def fast_kernel_takes(kv_cache: KVCache) -> bool:
+    """Whether the C++ kernel takes ``kv_cache``'s head dim (built or loaded here)."""
+    return kv_cache.head_dim % 16 == 0 and kv_cache.head_dim <= 256 and kernels_built()
+
+
+def sdpa_refusal(kv_cache: KVCache) -> str | None:
+    """Why chunks over ``kv_cache`` cannot attend through SDPA; ``None`` when they can (a
+    float32 or bfloat16 cache on the CPU, in the model's dtype, which the caller
+    checks, and the C++ paged kernel for the other rows)."""
+    fmt = kv_cache.format
+    if kv_cache.tensor.device.type != "cpu":
+        return f"the KV cache is on {kv_cache.tensor.device.type}, not the CPU"
+    if fmt.quantized or fmt.dtype not in (torch.float32, torch.bfloat16):
+        return f"the KV cache holds {fmt.name}, not float32 or bfloat16"
+    if not fast_kernel_takes(kv_cache):
+        return "the C++ paged kernel, which runs the other rows, does not take this cache"
+    return None
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A step whose long chunks run through SDPA: ``chunks``, and the rows of the other
+    sequences (``paged_rows``, ``None`` when there are none) with their block tables,
+    lengths and query starts renumbered from 0 (``paged_tables``)."""
+
+    chunks: list[PrefillChunk]
+    paged_rows: torch.Tensor | None
+    paged_tables: tuple[torch.Tensor, ...]

@@ -44,7 +44,8 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -94,15 +95,15 @@ Timings = dict[str, dict[int, float]]
 logger = logging.getLogger("pagedllm")
 
 
-def machine_key() -> dict[str, object]:
-    """What a timing table holds for: CPU, library versions, threads and buckets."""
+def machine_key(buckets: Sequence[int] = tuple(BUCKETS)) -> dict[str, object]:
+    """What a timing table holds for: CPU, library versions, threads and ``buckets``."""
     return {
         "cpu": cpu_model(),
         "flags": sorted(cpu_flags() & MATRIX_FLAGS),
         "torch": torch.__version__,
         "kernels": sources_digest(),
         "threads": torch.get_num_threads(),
-        "buckets": list(BUCKETS),
+        "buckets": list(buckets),
     }
 
 
@@ -111,10 +112,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
 
 
-def cache_path(key: dict[str, object]) -> Path:
-    """The JSON file caching the timings of ``key``."""
+def cache_path(key: dict[str, object], kind: str = "linear-kernels") -> Path:
+    """The JSON file caching the ``kind`` timings of ``key``."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_dir() / f"linear-kernels-{digest}.json"
+    return cache_dir() / f"{kind}-{digest}.json"
 
 
 def timed_rows(rows: int, out_features: int, in_features: int) -> int:
@@ -152,6 +153,24 @@ def product(kernel: str, x: torch.Tensor, operand: torch.Tensor, n: int) -> torc
     return packed_linear(x, operand, n) if kernel == "packed" else F.linear(x, operand)
 
 
+def least_seconds(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """The least seconds of one call of each of ``calls``, taken in turns after one
+    warm-up round: :data:`REPEATS` rounds, more until :data:`BUCKET_SECONDS` have passed
+    (up to :data:`MAX_ROUNDS`)."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    start = time.perf_counter()
+    rounds = 0  # the first warms up
+    while rounds <= REPEATS or (
+        time.perf_counter() - start < BUCKET_SECONDS and rounds < MAX_ROUNDS
+    ):
+        for name, call in calls.items():
+            begin = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - begin)
+        rounds += 1
+    return {name: min(seconds[1:]) for name, seconds in samples.items()}
+
+
 def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
     """Seconds of one product by each of ``kernels`` with contiguous ``weight``
     ``[out, in]``, per :data:`BUCKETS` row count (see the module's docstring)."""
@@ -165,19 +184,11 @@ def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
             operands = {"onednn": weight[:n]}
             if panels is not None:
                 operands["packed"] = panels[: -(-n // PANEL_WIDTH)]
-            samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
-            start = time.perf_counter()
-            rounds = 0  # the first warms up
-            while rounds <= REPEATS or (
-                time.perf_counter() - start < BUCKET_SECONDS and rounds < MAX_ROUNDS
-            ):
-                for kernel in kernels:
-                    begin = time.perf_counter()
-                    product(kernel, x, operands[kernel], n)
-                    samples[kernel].append(time.perf_counter() - begin)
-                rounds += 1
+            least = least_seconds(
+                {k: partial(product, k, x, operands[k], n) for k in kernels}
+            )
             for kernel in kernels:
-                timings[kernel][rows] = min(samples[kernel][1:]) * out_features / n
+                timings[kernel][rows] = least[kernel] * out_features / n
     return timings
 
 
@@ -197,12 +208,20 @@ def winner(timings: Timings) -> str:
 
 
 class TimingTable:
-    """The cached timings of one machine key, shape by shape; a shape is timed on first
-    use and the file rewritten (atomically: concurrent engines never read half a file)."""
+    """The cached timings of one machine key, entry by entry (a weight shape, a head
+    layout); an entry is timed on first use and the file rewritten (atomically:
+    concurrent engines never read half a file). ``kind`` names the file, ``subject``
+    what is timed, in the warnings."""
 
-    def __init__(self, key: dict[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        key: dict[str, object] | None = None,
+        kind: str = "linear-kernels",
+        subject: str = "matrix kernel",
+    ) -> None:
         self.key = key or machine_key()
-        self.path = cache_path(self.key)
+        self.path = cache_path(self.key, kind)
+        self.subject = subject
         self.entries: dict[str, Timings] = {}
         self.seconds_timing = 0.0
         self.shapes_timed = 0
@@ -215,17 +234,19 @@ class TimingTable:
                     for shape, kernels in stored["timings"].items()
                 }
 
-    def timings(self, weight: torch.Tensor, kernels: Sequence[str]) -> Timings | None:
-        """Timings of ``kernels`` for ``weight``'s dtype and shape, cached or measured;
-        ``None`` when measured under contention (see the module's docstring)."""
-        shape = f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
-        known = self.entries.get(shape, {})
-        if shape in self.contended_shapes:
+    def timings(
+        self, entry: str, kernels: Sequence[str], measure: Callable[[], Timings]
+    ) -> Timings | None:
+        """Timings of ``kernels`` for ``entry``, cached or taken by ``measure``; ``None``
+        when measured under contention (see the module's docstring)."""
+        known = self.entries.get(entry, {})
+        if entry in self.contended_shapes:
             return None
-        if all(set(known.get(kernel, ())) == set(BUCKETS) for kernel in kernels):
+        buckets = set(self.key["buckets"])
+        if all(set(known.get(kernel, ())) == buckets for kernel in kernels):
             return {kernel: known[kernel] for kernel in kernels}
         begin, start = time.perf_counter(), cpu_clock()
-        measured = time_kernels(weight, kernels)
+        measured = measure()
         end = cpu_clock()
         self.seconds_timing += time.perf_counter() - begin
         self.shapes_timed += 1
@@ -233,27 +254,33 @@ class TimingTable:
         if contended(others):
             if not self.contended_shapes:
                 logger.warning(
-                    "Other processes kept %.1f cores busy while the matrix kernels were "
-                    "timed; shapes timed so are kept in the preferred form and not cached "
+                    "Other processes kept %.1f cores busy while the %ss were timed; "
+                    "what was timed so keeps the preferred kernel and is not cached "
                     "(timed again at the next start)",
                     others,
+                    self.subject,
                 )
-            self.contended_shapes.add(shape)
+            self.contended_shapes.add(entry)
             return None
-        self.entries[shape] = {**known, **measured}
+        self.entries[entry] = {**known, **measured}
         self.save()
-        return {kernel: self.entries[shape][kernel] for kernel in kernels}
+        return {kernel: self.entries[entry][kernel] for kernel in kernels}
 
     def save(self) -> None:
         """Writes the table; a cache that cannot be written only costs timing again."""
         text = json.dumps({"key": self.key, "timings": self.entries}, indent=1)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(text)
-            partial.replace(self.path)
+            pending = self.path.with_suffix(f".{os.getpid()}.tmp")
+            pending.write_text(text)
+            pending.replace(self.path)
         except OSError as error:
-            logger.warning("Cannot cache matrix kernel timings at %s: %s", self.path, error)
+            logger.warning("Cannot cache %s timings at %s: %s", self.subject, self.path, error)
+
+
+def shape_entry(weight: torch.Tensor) -> str:
+    """A weight's entry in the timing table: its dtype and shape."""
+    return f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
 
 
 class KernelChoice:
@@ -286,7 +313,9 @@ class KernelChoice:
             kernel = kernels[0]
         else:
             self.table = self.table or TimingTable()
-            timings = self.table.timings(weight, kernels)
+            timings = self.table.timings(
+                shape_entry(weight), kernels, lambda: time_kernels(weight, kernels)
+            )
             kernel = kernels[0] if timings is None else winner(timings)
         if weight.device.type == "cpu":
             self.shapes[(weight.dtype, *weight.shape)] = kernel

@@ -152,8 +152,9 @@ class ModelRunner:
             rows = batch.sample_rows
         else:
             rows = torch.cat([batch.sample_rows, batch.prompt_rows])
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.attn, metadata, rows, self.layer_stack
-        )
+        stack = self.layer_stack
+        if stack is not None and stack.attn.routes_to_sdpa(metadata):
+            stack = None  # the C++ stack runs the paged kernel only
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, metadata, rows, stack)
         logits = self.model.compute_logits(hidden[:num_samples])
         return ModelOutput(logits, hidden[num_samples:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig
+from pagedllm.cpu.attention_choice import sdpa_min_rows
 from pagedllm.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.kv.kv_cache import KVCache
@@ -47,9 +48,13 @@ class ModelWorker:
     ) -> None:
         self.model = model
         self.kv_cache = make_kv_cache(config, model, num_cache_blocks)
+        min_rows = None
+        if self.kv_cache.tensor.device.type == "cpu":
+            heads = model.layer_config.num_heads
+            min_rows = sdpa_min_rows(config.attention_kernel, self.kv_cache, model.dtype, heads)
         self.runner = ModelRunner(
             model,
-            attention_backend_for(self.kv_cache),
+            attention_backend_for(self.kv_cache, min_rows),
             config.block_size,
             max_model_len,
             config.device,
