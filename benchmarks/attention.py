@@ -3,8 +3,10 @@
 Prints JSON lines: the machine (cores, measured memory bandwidth), the extension's load
 time, then per shape the median time of the paged kernel, of SDPA on the same K/V
 already contiguous, and of gathering K/V through the block table followed by SDPA,
-with the ratios and the K/V read bandwidth each achieves. Candidates are timed
-round-robin so that background load hits them alike.
+with the ratios and the K/V read bandwidth each achieves; then what
+``attention_kernel="auto"`` times for prefill chunks (paged against gather-then-SDPA)
+and the crossover it would pick. Candidates are timed round-robin so that background
+load hits them alike.
 
     python benchmarks/attention.py [--reps 9] [--quick] [--fresh-build]
 """
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu import paged_attention
+from pagedllm.cpu.attention_choice import CONTEXT, ROW_BUCKETS, TOTAL_ROWS, crossover, time_prefill
 from pagedllm.cpu.extension import ops
 
 NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 9, 3, 64  # SmolLM2-135M's attention
@@ -185,6 +188,25 @@ def bench_prefill(reps: int, chunk: int, context: int) -> None:
         )
 
 
+def bench_prefill_choice() -> None:
+    """What ``attention_kernel="auto"`` measures for this head layout: the least time of
+    the paged kernel and of gather-then-SDPA per chunk size, and the crossover it picks."""
+    for dtype in (torch.float32, torch.bfloat16):
+        timings = time_prefill((dtype, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 16))
+        emit(
+            bench="prefill_choice",
+            dtype=str(dtype).removeprefix("torch."),
+            context=CONTEXT,
+            total_rows=TOTAL_ROWS,
+            ms={k: {rows: round(s * 1e3, 3) for rows, s in t.items()} for k, t in timings.items()},
+            sdpa_over_paged={
+                rows: round(timings["sdpa"][rows] / timings["paged"][rows], 3)
+                for rows in ROW_BUCKETS
+            },
+            sdpa_min_rows=crossover(timings),
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=9, help="timed calls per candidate")
@@ -210,6 +232,7 @@ def main() -> None:
     if args.quick:
         return
     bench_prefill(args.reps, chunk=256, context=2048)
+    bench_prefill_choice()
     bench_block_sizes(args.reps, [8, 16, 32, 64, 128, 256], context=2048)
 
 

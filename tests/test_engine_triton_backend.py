@@ -18,6 +18,12 @@ from pagedllm.engine.sampling_params import SamplingParams  # noqa: E402
 pytestmark = pytest.mark.triton
 
 
+def triton_backend_for(kv_cache, sdpa_min_rows=None):
+    """The Triton backend where the engine would build the CPU one (under the
+    interpreter on a CPU cache; the paged kernel's SDPA option does not apply)."""
+    return TritonAttentionBackend(kv_cache)
+
+
 def test_triton_backend_engine_matches_cpu_backend(tiny_model, monkeypatch):
     shared = list(range(100, 140))  # 40 tokens: 10 full blocks of 4 shared by the prompts
     prompts = [shared + [7, 8, 9], shared + [11] * 6, list(range(300, 323)), [5, 6]]
@@ -25,7 +31,7 @@ def test_triton_backend_engine_matches_cpu_backend(tiny_model, monkeypatch):
     # a pool small enough that the batch preempts, and a token budget that chunks prefills
     settings = dict(num_blocks=26, max_num_seqs=8, max_num_batched_tokens=16)
     expected = run_token_ids(tiny_engine(tiny_model, **settings), prompts, params)
-    monkeypatch.setattr(model_worker, "attention_backend_for", TritonAttentionBackend)
+    monkeypatch.setattr(model_worker, "attention_backend_for", triton_backend_for)
     engine = tiny_engine(tiny_model, **settings)
     assert isinstance(engine.runner.attn, TritonAttentionBackend)
     got = run_token_ids(engine, prompts, params)
@@ -48,7 +54,7 @@ def test_triton_backend_engine_releases_blocks_out_of_the_window(tmp_path, monke
     params = SamplingParams(temperature=0.0, max_tokens=24, n=2, ignore_eos=True)
     settings = dict(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=16)
     expected = run_token_ids(tiny_engine(loaded, **settings), prompts, params)
-    monkeypatch.setattr(model_worker, "attention_backend_for", TritonAttentionBackend)
+    monkeypatch.setattr(model_worker, "attention_backend_for", triton_backend_for)
     engine = tiny_engine(loaded, **settings)
     assert engine.block_manager.sliding_window == 16
     assert run_token_ids(engine, prompts, params) == expected

@@ -127,10 +127,9 @@ class PagedAttentionBackend:
             self._paged(out, query, keys, values, tables, options)
             return out.to(q.dtype)
         if split.paged_rows is not None:
-            paged_out = torch.empty_like(query[split.paged_rows])
-            self._paged(
-                paged_out, query[split.paged_rows], keys, values, split.paged_tables, options
-            )
+            paged_query = query[split.paged_rows]
+            paged_out = torch.empty_like(paged_query)
+            self._paged(paged_out, paged_query, keys, values, split.paged_tables, options)
             out[split.paged_rows] = paged_out
         for chunk in split.chunks:
             out[chunk.start : chunk.end] = attend_chunk(query, keys, values, chunk, options)
