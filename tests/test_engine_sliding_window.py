@@ -104,6 +104,21 @@ def test_chunked_prefill_reads_the_window_before_each_chunk(mistral):
     assert max(held for held, _ in seen) <= chunk_bound(16)
 
 
+def test_chunks_through_sdpa_gather_only_the_window(mistral):
+    """Chunks of 32 rows attend through SDPA over K/V gathered from the first block the
+    window reaches; the blocks before it are back in the pool (null table entries)."""
+    loaded, reference = mistral
+    ids = prompt(100, 4)
+    engine = tiny_engine(
+        loaded, 64, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=8,
+        attention_kernel="sdpa",
+    )  # fmt: skip
+    assert engine.runner.attn.sdpa_min_rows == 16
+    (tokens,), seen = run(engine, [ids], [greedy(40)])
+    assert tokens == [reference_greedy(reference, ids, 40)]
+    assert_bounded(seen)
+
+
 def test_a_prefix_cache_hit_needs_only_the_window(mistral):
     loaded, reference = mistral
     ids = prompt(100, 2)
