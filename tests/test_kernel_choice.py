@@ -110,14 +110,14 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
     weight = torch.randn(100, 64)
     first = TimingTable()
     measured = first.timings(shape_entry(weight), kernels, lambda: counted(weight, kernels))
-    assert first.path.parent == tmp_path / "pagedllm" and first.shapes_timed == 1
+    assert first.path.parent == tmp_path / "pagedllm" and first.entries_timed == 1
     assert all(set(measured[k]) == set(BUCKETS) and min(measured[k].values()) > 0 for k in kernels)
     stored = json.loads(first.path.read_text())
     assert stored["key"] == kernel_choice.machine_key()
     assert stored["key"]["threads"] == torch.get_num_threads()
     again = TimingTable()
     again_timed = again.timings(shape_entry(weight), kernels, lambda: counted(weight, kernels))
-    assert again_timed == measured and again.shapes_timed == 0
+    assert again_timed == measured and again.entries_timed == 0
     assert timed == [(100, 64)]
     other_torch = {**kernel_choice.machine_key(), "torch": "0.0"}
     assert kernel_choice.cache_path(other_torch) != first.path

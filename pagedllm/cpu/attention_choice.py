@@ -142,7 +142,7 @@ def sdpa_min_rows(
     chosen = "paged for every row" if min_rows is None else f"SDPA from {min_rows} rows"
     if timings is None:
         chosen += " (timed under contention, not cached)"
-    elif table.shapes_timed:
+    elif table.entries_timed:
         chosen += f" (timed in {table.seconds_timing:.2f} s)"
     logger.info(
         "Prefill attention (timed on %s, cached at %s): %s", table.key["cpu"], table.path, chosen

@@ -224,8 +224,8 @@ class TimingTable:
         self.subject = subject
         self.entries: dict[str, Timings] = {}
         self.seconds_timing = 0.0
-        self.shapes_timed = 0
-        self.contended_shapes: set[str] = set()  # not trusted, not timed again
+        self.entries_timed = 0
+        self.contended_entries: set[str] = set()  # not trusted, not timed again
         with contextlib.suppress(OSError, ValueError):
             stored = json.loads(self.path.read_text())
             if stored.get("key") == self.key:
@@ -240,7 +240,7 @@ class TimingTable:
         """Timings of ``kernels`` for ``entry``, cached or taken by ``measure``; ``None``
         when measured under contention (see the module's docstring)."""
         known = self.entries.get(entry, {})
-        if entry in self.contended_shapes:
+        if entry in self.contended_entries:
             return None
         buckets = set(self.key["buckets"])
         if all(set(known.get(kernel, ())) == buckets for kernel in kernels):
@@ -249,10 +249,10 @@ class TimingTable:
         measured = measure()
         end = cpu_clock()
         self.seconds_timing += time.perf_counter() - begin
-        self.shapes_timed += 1
+        self.entries_timed += 1
         others = other_cores(start, end) if start and end else 0.0
         if contended(others):
-            if not self.contended_shapes:
+            if not self.contended_entries:
                 logger.warning(
                     "Other processes kept %.1f cores busy while the %ss were timed; "
                     "what was timed so keeps the preferred kernel and is not cached "
@@ -260,7 +260,7 @@ class TimingTable:
                     others,
                     self.subject,
                 )
-            self.contended_shapes.add(entry)
+            self.contended_entries.add(entry)
             return None
         self.entries[entry] = {**known, **measured}
         self.save()
@@ -332,12 +332,12 @@ class KernelChoice:
         )
         if self.table is None:
             return f"Matrix kernels (linear_kernel={self.requested}): {kernels}"
-        timed = ""
-        if self.table.shapes_timed:
-            timed = f"; timed {self.table.shapes_timed} shapes in {self.table.seconds_timing:.2f} s"
-        if self.table.contended_shapes:
-            timed += f", {len(self.table.contended_shapes)} under contention (preferred kernel)"
+        table, timed = self.table, ""
+        if table.entries_timed:
+            timed = f"; timed {table.entries_timed} shapes in {table.seconds_timing:.2f} s"
+        if table.contended_entries:
+            timed += f", {len(table.contended_entries)} under contention (preferred kernel)"
         return (
-            f"Matrix kernels (timed on {self.table.key['cpu']}, cached at {self.table.path}"
+            f"Matrix kernels (timed on {table.key['cpu']}, cached at {table.path}"
             f"{timed}): {kernels}"
         )
