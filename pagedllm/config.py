@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.cpu.attention_choice import ATTENTION_KERNELS
+from pagedllm.cpu.attention_choice import ATTENTION_KERNELS, check_attention_kernel
 from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
@@ -348,11 +348,7 @@ class EngineConfig:
             )
 
     def _check_attention_kernel(self) -> None:
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(
-                f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got "
-                f"{self.attention_kernel!r}"
-            )
+        check_attention_kernel(self.attention_kernel)
         if self.attention_kernel != "auto" and self.device.type != "cpu":
             raise ValueError(
                 f"attention_kernel={self.attention_kernel!r} chooses a CPU kernel; "

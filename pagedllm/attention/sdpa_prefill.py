@@ -11,7 +11,7 @@ query's dtype before they weight V), so which one runs is measured
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -19,20 +19,41 @@ import torch.nn.functional as F
 from pagedllm.attention.backend import AttentionOptions
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefillChunk:
     """One sequence's query rows ``start:end`` of a flattened batch: its last
     ``end - start`` positions out of ``seq_len`` tokens, whose K/V lie in the physical
-    blocks ``blocks`` (int64, its block table cut at ``seq_len``)."""
+    blocks ``blocks`` (int64, its block table cut at ``seq_len``). Made once per step;
+    what its rows see under a window is worked out once and kept for every layer."""
 
     start: int
     end: int
     seq_len: int
     blocks: torch.Tensor
+    _seen: dict[int | None, VisibleKeys] = field(default_factory=dict, repr=False)
 
-    @property
-    def num_rows(self) -> int:
-        return self.end - self.start
+    def visible_keys(self, window: int | None, block_size: int) -> VisibleKeys:
+        """The keys this chunk reads under a sliding ``window`` (``None``: whole)."""
+        if window not in self._seen:
+            first_query = self.seq_len - (self.end - self.start)
+            first_block = 0 if window is None else max(0, first_query - window + 1) // block_size
+            first_key = first_block * block_size
+            key_positions = torch.arange(first_key, self.seq_len)
+            query_positions = torch.arange(first_query, self.seq_len)[:, None]
+            mask = key_positions <= query_positions
+            if window is not None:
+                mask &= key_positions > query_positions - window
+            self._seen[window] = VisibleKeys(self.blocks[first_block:], mask)
+        return self._seen[window]
+
+
+@dataclass(frozen=True)
+class VisibleKeys:
+    """The blocks a chunk reads (from the first its window reaches) and its mask
+    ``[rows, keys]`` over their positions up to the sequence's end (True: attends)."""
+
+    blocks: torch.Tensor
+    mask: torch.Tensor
 
 
 def attend_chunk(
@@ -49,26 +70,18 @@ def attend_chunk(
     if options.logit_softcap is not None:
         raise ValueError("SDPA has no logit soft-cap; soft-capped layers run paged")
     num_kv_heads, block_size, head_dim = keys.shape[1:]
-    first_query = chunk.seq_len - chunk.num_rows  # position of the chunk's first row
-    window = options.sliding_window
-    first_block = 0 if window is None else max(0, first_query - window + 1) // block_size
-    first_key = first_block * block_size
-    blocks = chunk.blocks[first_block:]
+    seen = chunk.visible_keys(options.sliding_window, block_size)
+    num_keys = seen.mask.shape[1]
 
     def gathered(cache: torch.Tensor) -> torch.Tensor:  # [1, Hkv, keys, D]
-        rows = cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-        return rows[None, :, : chunk.seq_len - first_key]
+        rows = cache[seen.blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        return rows[None, :, :num_keys]
 
-    key_positions = torch.arange(first_key, chunk.seq_len)
-    query_positions = torch.arange(first_query, chunk.seq_len)[:, None]
-    visible = key_positions <= query_positions
-    if window is not None:
-        visible &= key_positions > query_positions - window
     attended = F.scaled_dot_product_attention(
         q[chunk.start : chunk.end].transpose(0, 1)[None],
         gathered(keys),
         gathered(values),
-        attn_mask=visible,
+        attn_mask=seen.mask,
         scale=options.scale,
         enable_gqa=True,
     )

@@ -52,6 +52,14 @@ FORCED_MIN_ROWS = ROW_BUCKETS[0]
 logger = logging.getLogger("pagedllm")
 
 
+def check_attention_kernel(requested: str) -> None:
+    """Raises unless ``requested`` is one of :data:`ATTENTION_KERNELS`."""
+    if requested not in ATTENTION_KERNELS:
+        raise ValueError(
+            f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {requested!r}"
+        )
+
+
 class TimedPrefill:
     """``TOTAL_ROWS // rows`` chunks of ``rows`` query rows after :data:`CONTEXT` cached
     tokens each, in scattered blocks of a random cache, run by either kernel."""
@@ -117,10 +125,7 @@ def sdpa_min_rows(
 ) -> int | None:
     """Rows from which a chunk attends through SDPA over ``kv_cache`` (``None``: never),
     for an ``attention_kernel`` of :data:`ATTENTION_KERNELS`; logs the choice once."""
-    if requested not in ATTENTION_KERNELS:
-        raise ValueError(
-            f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {requested!r}"
-        )
+    check_attention_kernel(requested)
     if requested == "paged":
         return None
     reason = sdpa_refusal(kv_cache)
