@@ -20,8 +20,9 @@ machine where anything else holds memory) and everything else at its defaults
 (each one's default).
 
 Records (JSON lines): ``machine``; ``ceiling`` (mixed workload only; per dtype, the most
-output tokens/s any engine could reach if its matrix products ran at torch's best GEMM
-rate on this machine and nothing else cost time: ``pagedllm.bench.ceiling``); ``run``
+output tokens/s any engine could reach if its matrix products ran at the best GEMM rate
+measured on this machine, torch's or the packed kernel's, and nothing else cost time:
+``pagedllm.bench.ceiling``); ``run``
 (engine, dtype, run, output tokens/s, seconds); ``summary`` (per dtype, medians,
 pagedllm / vLLM, and for the mixed workload how far 1.3x vLLM would be from the ceiling).
 
