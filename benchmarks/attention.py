@@ -3,7 +3,8 @@
 Prints JSON lines: the machine (cores, measured memory bandwidth), the extension's load
 time, then per shape the median time of the paged kernel, of SDPA on the same K/V
 already contiguous, and of gathering K/V through the block table followed by SDPA,
-with the ratios and the K/V read bandwidth each achieves; then what
+with the ratios and the K/V read bandwidth each achieves; decode over 30 layers' caches
+in turn, as an engine step reads them (``decode_cold``); then what
 ``attention_kernel="auto"`` times for prefill chunks (paged against gather-then-SDPA)
 and the crossover it would pick. Candidates are timed round-robin so that background
 load hits them alike.
@@ -146,6 +147,29 @@ def bench_decode(reps: int, contexts: list[int], dtypes: list[torch.dtype]) -> N
             )
 
 
+def bench_decode_cold(reps: int, contexts: list[int], layers: int = 30) -> None:
+    """Decode as an engine step meets it: one batch per layer, each read once per step,
+    so no layer finds its K/V in a cache the step before left warm."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for context in contexts:
+            stack = [PagedBatch(NUM_SEQS, context, 1, 16, dtype) for _ in range(layers)]
+
+            def step(stack: list[PagedBatch] = stack) -> None:
+                for batch in stack:
+                    batch.paged()
+
+            seconds = race({"step": step}, reps)["step"]
+            emit(
+                bench="decode_cold",
+                dtype=str(dtype).removeprefix("torch."),
+                num_seqs=NUM_SEQS,
+                context=context,
+                layers=layers,
+                ms_per_layer=round(seconds / layers * 1e3, 3),
+                kv_gb_s=round(layers * stack[0].kv_bytes / seconds / 1e9, 2),
+            )
+
+
 def bench_block_sizes(reps: int, block_sizes: list[int], context: int) -> None:
     """Decode time per block size, and the token-major layout at the same block sizes."""
     for dtype in (torch.float32, torch.bfloat16):
@@ -229,6 +253,7 @@ def main() -> None:
         **{k: round(v, 1) for k, v in memory_bandwidth(args.reps).items()},
     )
     bench_decode(args.reps, [512, 2048], [torch.float32, torch.bfloat16])
+    bench_decode_cold(args.reps, [128, 384, 1024])
     if args.quick:
         return
     bench_prefill(args.reps, chunk=256, context=2048)
