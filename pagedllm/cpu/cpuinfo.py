@@ -9,6 +9,10 @@ import functools
 import os
 import platform
 
+NUMBERS = (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+"""How :func:`cpu_model` labels the ``/proc/cpuinfo`` fields that tell CPU generations
+apart."""
+
 
 @functools.cache
 def cpuinfo_fields() -> dict[str, str]:
@@ -25,8 +29,15 @@ def cpuinfo_fields() -> dict[str, str]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name, e.g. ``"AMD EPYC 9454"``."""
-    return cpuinfo_fields().get("model name") or platform.processor() or "unknown CPU"
+    """The CPU's model name with its family, model and stepping numbers, e.g. ``"AMD EPYC
+    (family 26, model 2, stepping 1)"``: under a hypervisor the name alone can be as
+    generic as ``"AMD EPYC"`` for two generations whose kernels run 2x apart."""
+    fields = cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    numbers = [(label, fields.get(field)) for label, field in NUMBERS]
+    if not all(value for _, value in numbers):
+        return name
+    return f"{name} ({', '.join(f'{label} {value}' for label, value in numbers)})"
 
 
 def cpu_flags() -> frozenset[str]:
