@@ -5,7 +5,6 @@ target can ask of a compute-bound CPU."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -35,29 +34,22 @@ def workload_matmul_flops(config: dict, requests: Sequence[BenchRequest]) -> flo
     return float(through_layers * per_token + outputs * head_row)
 
 
-def gemm_rates(dtype: torch.dtype, reps: int = 10) -> dict[str, float]:
-    """The best rate (FLOP/s, the current thread count) over ``reps`` products of 512 x
-    2,048 by 2,048 x 2,048 of each GEMM here: torch's (``torch``) and, where the C++
-    kernels are built, ``packed_linear`` on packed panels (``packed``). On some CPUs
-    torch's float32 GEMM runs at under half the peak the packed kernel reaches, so the
-    bound takes the faster."""
+def gemm_rates(dtype: torch.dtype) -> dict[str, float]:
+    """The best rate (FLOP/s, the current thread count) of one product of 512 x 2,048 by
+    2,048 x 2,048 by each GEMM here, timed in turns (:func:`least_seconds`): torch's
+    (``torch``) and, where the C++ kernels are built, ``packed_linear`` on packed panels
+    (``packed``). On some CPUs torch's float32 GEMM runs at under half the peak the
+    packed kernel reaches, so the bound takes the faster."""
     from pagedllm.cpu.extension import fits_avx512_kernels, pack_weight, packed_linear
+    from pagedllm.cpu.kernel_choice import least_seconds
 
     x, weight = torch.randn(512, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
     products = {"torch": lambda: x @ weight.T}
     if fits_avx512_kernels(x, weight):
         panels = pack_weight(weight)
         products["packed"] = lambda: packed_linear(x, panels, 2048)
-    rates = {}
-    for name, product in products.items():
-        product()
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-        rates[name] = 2 * 512 * 2048 * 2048 / best
-    return rates
+    seconds = least_seconds(products)
+    return {name: 2 * 512 * 2048 * 2048 / s for name, s in seconds.items()}
 
 
 def ceiling_record(config: dict, requests: Sequence[BenchRequest], dtype: str) -> dict:

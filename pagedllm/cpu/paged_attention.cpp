@@ -354,10 +354,12 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
           // this it measured 20-30% faster on decode than a burst per chunk (Zen 4); the
           // L1 step and 6 instead of 8 KiB ahead another 1.2-1.3x on cold caches (Zen 5:
           // 26 -> 33 GB/s of float32 K/V, 20 -> 25 of bfloat16).
-          if (r0 == 0 && c0 + t + prefetch_distance < end)
-            prefetch_rows(k_cache, v_cache, row_offset(c0 + t + prefetch_distance), row_bytes);
-          if (r0 == 0 && c0 + t + kNearPositions < end)
-            prefetch_rows<3>(k_cache, v_cache, row_offset(c0 + t + kNearPositions), row_bytes);
+          if (r0 == 0) {
+            if (c0 + t + prefetch_distance < end)
+              prefetch_rows(k_cache, v_cache, row_offset(c0 + t + prefetch_distance), row_bytes);
+            if (c0 + t + kNearPositions < end)
+              prefetch_rows<3>(k_cache, v_cache, row_offset(c0 + t + kNearPositions), row_bytes);
+          }
           if constexpr (pair_dot) {
 #ifdef __AVX512BF16__
             __m512bh key[NV / 2];
