@@ -4,7 +4,8 @@ Prints JSON lines: the machine (cores, measured memory bandwidth), the extension
 time, then per shape the median time of the paged kernel, of SDPA on the same K/V
 already contiguous, and of gathering K/V through the block table followed by SDPA,
 with the ratios and the K/V read bandwidth each achieves; decode over 30 layers' caches
-in turn, as an engine step reads them (``decode_cold``); then what
+in turn, as an engine step reads them (``decode_cold``); prefill chunks of many
+sequences over one prefix in shared blocks (``prefill_shared``); then what
 ``attention_kernel="auto"`` times for prefill chunks (paged against gather-then-SDPA)
 and the crossover it would pick. Candidates are timed round-robin so that background
 load hits them alike.
@@ -59,7 +60,8 @@ def memory_bandwidth(reps: int) -> dict[str, float]:
 
 class PagedBatch:
     """``num_seqs`` sequences of ``seq_len`` tokens in scattered blocks; the last
-    ``q_len`` tokens of each are the queries."""
+    ``q_len`` tokens of each are the queries. The first ``shared_blocks`` blocks of every
+    table are the first sequence's (a cached prefix all of them start with)."""
 
     def __init__(
         self,
@@ -69,6 +71,7 @@ class PagedBatch:
         block_size: int,
         dtype: torch.dtype,
         token_major: bool = False,
+        shared_blocks: int = 0,
     ):
         blocks_per_seq = -(-seq_len // block_size)
         num_blocks = num_seqs * blocks_per_seq
@@ -81,6 +84,7 @@ class PagedBatch:
         self.kv_bytes = storage.numel() * storage.element_size()
         perm = torch.randperm(num_blocks, dtype=torch.int32)
         self.block_tables = perm.view(num_seqs, blocks_per_seq)
+        self.block_tables[:, :shared_blocks] = self.block_tables[0, :shared_blocks].clone()
         self.seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
         self.query_start_loc = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
         self.q = torch.randn(num_seqs * q_len, NUM_Q_HEADS, HEAD_DIM).to(dtype)
@@ -212,6 +216,28 @@ def bench_prefill(reps: int, chunk: int, context: int) -> None:
         )
 
 
+def bench_prefill_shared(
+    reps: int, num_seqs: int = 12, chunk: int = 80, prefix: int = 1024
+) -> None:
+    """``num_seqs`` sequences of ``chunk`` new tokens each after one ``prefix``-token
+    prefix in shared blocks, as a step of ``vllm_cpu.py --workload shared-prefix`` runs
+    them: the paged kernel's time and arithmetic rate (the shared K/V stay in cache, so
+    this is the kernel's compute, not memory, speed)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = PagedBatch(num_seqs, prefix + chunk, chunk, 16, dtype, shared_blocks=prefix // 16)
+        t = race({"paged": batch.paged}, reps)["paged"]
+        flops = num_seqs * 4 * chunk * NUM_Q_HEADS * HEAD_DIM * (prefix + (chunk + 1) / 2)
+        emit(
+            bench="prefill_shared",
+            dtype=str(dtype).removeprefix("torch."),
+            num_seqs=num_seqs,
+            chunk=chunk,
+            prefix=prefix,
+            ms=round(t * 1e3, 3),
+            paged_gflops=round(flops / t / 1e9, 1),
+        )
+
+
 def bench_prefill_choice() -> None:
     """What ``attention_kernel="auto"`` measures for this head layout: the least time of
     the paged kernel and of gather-then-SDPA per chunk size, and the crossover it picks."""
@@ -257,6 +283,7 @@ def main() -> None:
     if args.quick:
         return
     bench_prefill(args.reps, chunk=256, context=2048)
+    bench_prefill_shared(args.reps)
     bench_prefill_choice()
     bench_block_sizes(args.reps, [8, 16, 32, 64, 128, 256], context=2048)
 
