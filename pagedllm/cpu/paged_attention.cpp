@@ -182,7 +182,13 @@ struct TransposedScores {
       node<L, 2 * D>(out);
       node<L + D, 2 * D>(other);
       for (int h = 0; h < H; ++h)
-        for (int i = 0; i < R; ++i) out[h][i] += other[h][i];
+        for (int i = 0; i < R; ++i) {
+          out[h][i] += other[h][i];
+          // Each sum where the tree has it: without this GCC 12 computed all 16 partials
+          // of every row before adding any and spilled them (64 live vectors); float32
+          // prefill attention 1.04-1.07x faster without the spills (Zen 5).
+          pin(out[h][i]);
+        }
     }
   }
 };

@@ -1,6 +1,6 @@
 // Arithmetic on vectors of 16 float32 lanes (one AVX-512 register; two AVX2 halves
 // elsewhere), shared by the CPU attention kernel: loads that widen, stores that round,
-// fused multiply-add, horizontal reductions, transposes and exp.
+// fused multiply-add, horizontal reductions, transposes, exp and a compiler barrier.
 #pragma once
 
 #include <immintrin.h>
@@ -84,6 +84,16 @@ inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
   vfloat r;
   for (int l = 0; l < kLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
   return r;
+#endif
+}
+
+// Makes the compiler compute x here, in a register (an empty asm that reads and writes
+// it), so that it cannot move the work before this point past it. A no-op without AVX-512.
+inline void pin(vfloat& x) {
+#ifdef __AVX512F__
+  asm volatile("" : "+v"(x));
+#else
+  (void)x;
 #endif
 }
 
