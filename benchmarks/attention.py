@@ -198,12 +198,18 @@ def bench_block_sizes(reps: int, block_sizes: list[int], context: int) -> None:
             )
 
 
+def prefill_flops(chunk: int, context: int) -> float:
+    """Floating-point operations of one sequence's ``chunk`` new tokens attending causally
+    after ``context`` cached ones (QK^T and PV, every query head)."""
+    return 4 * chunk * NUM_Q_HEADS * HEAD_DIM * (context + (chunk + 1) / 2)
+
+
 def bench_prefill(reps: int, chunk: int, context: int) -> None:
     """One sequence: ``chunk`` new tokens after ``context`` cached ones."""
     for dtype in (torch.float32, torch.bfloat16):
         batch = PagedBatch(1, context + chunk, chunk, 16, dtype)
         t = race({"paged": batch.paged, "sdpa_contiguous": batch.sdpa_contiguous}, reps)
-        flops = 4 * chunk * NUM_Q_HEADS * HEAD_DIM * (context + (chunk + 1) / 2)
+        flops = prefill_flops(chunk, context)
         emit(
             bench="prefill",
             dtype=str(dtype).removeprefix("torch."),
@@ -226,7 +232,7 @@ def bench_prefill_shared(
     for dtype in (torch.float32, torch.bfloat16):
         batch = PagedBatch(num_seqs, prefix + chunk, chunk, 16, dtype, shared_blocks=prefix // 16)
         t = race({"paged": batch.paged}, reps)["paged"]
-        flops = num_seqs * 4 * chunk * NUM_Q_HEADS * HEAD_DIM * (prefix + (chunk + 1) / 2)
+        flops = num_seqs * prefill_flops(chunk, prefix)
         emit(
             bench="prefill_shared",
             dtype=str(dtype).removeprefix("torch."),
