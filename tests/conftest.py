@@ -46,9 +46,10 @@ def kernel_choice_without_timing(tmp_path_factory):
     """``linear_kernel="auto"`` picks packed wherever the AVX-512 kernels take a weight,
     and ``attention_kernel="auto"`` the paged kernel for every row, with no timing (nor
     contention check), so every test sees the same kernels whatever the load on the
-    machine (batch invariance needs packed and paged); timings live in a session folder,
-    never the user's cache. test_kernel_choice.py and test_sdpa_prefill.py restore the
-    real timers."""
+    machine (batch invariance needs packed and paged); timings and converted tokenizers
+    live in a session folder, never the user's cache. test_kernel_choice.py and
+    test_sdpa_prefill.py restore the real timers."""
+    from pagedllm import user_cache
     from pagedllm.cpu import attention_choice, kernel_choice
 
     def packed_first(weight, kernels):
@@ -63,6 +64,7 @@ def kernel_choice_without_timing(tmp_path_factory):
         patch.setattr(kernel_choice, "time_kernels", packed_first)
         patch.setattr(attention_choice, "time_prefill", paged_first)
         patch.setattr(kernel_choice, "cache_dir", lambda: folder)
+        patch.setattr(user_cache, "cache_dir", lambda: folder)
         patch.setattr(kernel_choice, "contended", lambda cores: False)
         yield
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
+from pagedllm.user_cache import cache_dir
 
 LINEAR_KERNELS = ("auto", "packed", "onednn")
 """``linear_kernel`` values: measure, or force one form for every float weight."""
@@ -105,11 +106,6 @@ def machine_key(buckets: Sequence[int] = tuple(BUCKETS)) -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "buckets": list(buckets),
     }
-
-
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
 
 
 def cache_path(key: dict[str, object], kind: str = "linear-kernels") -> Path:

@@ -1,0 +1,13 @@
+"""The user's cache folder: what pagedllm measures or converts once and keeps between
+runs (kernel timings, tokenizers converted from GGUF metadata). Everything in it can be
+deleted at any time; it is made again on the next start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"
