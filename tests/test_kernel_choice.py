@@ -25,7 +25,8 @@ from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.cpu import kernel_choice
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import BUCKETS, KernelChoice, TimingTable, shape_entry, winner
-from pagedllm.models.linear import PackedWeight, prepare_weight
+from pagedllm.cpu.onednn import reorderable
+from pagedllm.models.linear import OneDNNWeight, PackedWeight, prepare_weight
 from pagedllm.models.loader import load_model
 
 # Read at collection, before conftest swaps in its fake timer and session cache folder
@@ -35,7 +36,12 @@ REAL_CONTENDED = kernel_choice.contended
 needs_avx512 = pytest.mark.skipif(
     not avx512_kernels_available(), reason="the packed kernel needs AVX-512"
 )
-FORMS = {"packed": PackedWeight, "onednn": torch.Tensor}
+
+
+def onednn_form(dtype: torch.dtype) -> type:
+    """What oneDNN runs a weight of ``dtype`` in here: its blocked layout where it takes
+    the dtype, else the plain matrix."""
+    return OneDNNWeight if reorderable(torch.empty(1, 1, dtype=dtype)) else torch.Tensor
 
 
 def flat(seconds: float) -> dict[int, float]:
@@ -58,14 +64,18 @@ def fake_timer(monkeypatch, tmp_path):
 
 class FakeTimer:
     """Timings in which onednn is faster for the shapes ``(out, in)`` of
-    ``onednn_shapes`` and packed for the others; records the shapes it timed."""
+    ``onednn_shapes`` and packed for the others; records the shapes it timed, and in
+    ``plain`` those it was asked to time oneDNN on without reordering."""
 
     def __init__(self, onednn_shapes: set[tuple[int, int]] = frozenset()) -> None:
         self.onednn_shapes = onednn_shapes
         self.timed: list[tuple[int, int]] = []
+        self.plain: list[tuple[int, int]] = []
 
-    def __call__(self, weight, kernels):
+    def __call__(self, weight, kernels, reorder=True):
         self.timed.append(tuple(weight.shape))
+        if not reorder:
+            self.plain.append(tuple(weight.shape))
         fast = "onednn" if tuple(weight.shape) in self.onednn_shapes else "packed"
         return {k: flat(1e-3 if k == fast else 2e-3) for k in kernels}
 
@@ -84,13 +94,17 @@ def test_winner_is_the_least_weighted_score_with_a_margin_for_the_first():
 def test_auto_keeps_each_shape_in_its_winners_form_timing_each_shape_once(fake_timer):
     timer = fake_timer(onednn_shapes={(96, 64)})
     choice = KernelChoice("auto")
-    assert isinstance(prepare_weight(torch.randn(96, 64), choice), torch.Tensor)
-    assert isinstance(prepare_weight(torch.randn(96, 64), choice), torch.Tensor)
+    fp32_form, bf16_form = onednn_form(torch.float32), onednn_form(torch.bfloat16)
+    assert isinstance(prepare_weight(torch.randn(96, 64), choice), fp32_form)
+    assert isinstance(prepare_weight(torch.randn(96, 64), choice), fp32_form)
     assert isinstance(prepare_weight(torch.randn(48, 64), choice), PackedWeight)
     # bfloat16 is another table row; float16 has one candidate and is never timed
-    assert isinstance(prepare_weight(torch.randn(96, 64).bfloat16(), choice), torch.Tensor)
-    assert isinstance(prepare_weight(torch.randn(96, 64).half(), choice), torch.Tensor)
-    assert timer.timed == [(96, 64), (48, 64), (96, 64)]
+    assert isinstance(prepare_weight(torch.randn(96, 64).bfloat16(), choice), bf16_form)
+    assert type(prepare_weight(torch.randn(96, 64).half(), choice)) is torch.Tensor
+    # a weight whose rows are read too (a tied LM head) stays plain, timed as such
+    assert type(prepare_weight(torch.randn(96, 64), choice, rows_read=True)) is torch.Tensor
+    assert timer.timed == [(96, 64), (48, 64), (96, 64), (96, 64)]
+    assert timer.plain == [(96, 64)]
     summary = choice.summary()
     assert summary.startswith("Matrix kernels (timed on ")
     assert summary.endswith("onednn for 3 shapes, packed for 1 shape")
@@ -101,9 +115,9 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_choice, "cache_dir", REAL_CACHE_DIR)
     timed = []
 
-    def counted(weight, kernels):
+    def counted(weight, kernels, reorder=True):
         timed.append(tuple(weight.shape))
-        return REAL_TIMER(weight, kernels)
+        return REAL_TIMER(weight, kernels, reorder)
 
     monkeypatch.setattr(kernel_choice, "time_kernels", counted)
     kernels = ("packed", "onednn") if avx512_kernels_available() else ("onednn",)
@@ -168,7 +182,8 @@ def test_a_forced_kernel_is_never_timed(fake_timer, forced):
     timer = fake_timer()
     choice = KernelChoice(forced)
     for dtype in (torch.float32, torch.bfloat16):
-        assert isinstance(prepare_weight(torch.randn(96, 64, dtype=dtype), choice), FORMS[forced])
+        form = PackedWeight if forced == "packed" else onednn_form(dtype)
+        assert isinstance(prepare_weight(torch.randn(96, 64, dtype=dtype), choice), form)
     assert timer.timed == []
     assert choice.summary() == f"Matrix kernels (linear_kernel={forced}): {forced} for 2 shapes"
 
@@ -223,7 +238,10 @@ def test_each_kernel_matches_transformers(tiny_llama, kernel, caplog):
     folder, reference = tiny_llama
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         model = load_model(folder, linear_kernel=kernel).model
-    assert all(isinstance(w, FORMS[kernel]) for w in matrices(model))
+    form = PackedWeight if kernel == "packed" else onednn_form(torch.float32)
+    tied = model.lm_head is model.embed_tokens
+    assert all(isinstance(w, form) for w in matrices(model)[:-1])
+    assert type(model.lm_head) is (torch.Tensor if tied and kernel == "onednn" else form)
     assert caplog.text.count("Matrix kernels") == 1
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     torch.testing.assert_close(
@@ -239,7 +257,9 @@ def test_auto_reaches_the_decoder_by_measurement(tiny_llama, fake_timer):
     folder, reference = tiny_llama
     fake_timer(onednn_shapes={(64, 64)})
     model = load_model(folder).model  # o_proj [64, 64] by onednn, the rest packed
-    assert [type(w) for w in matrices(model)] == [PackedWeight, torch.Tensor, *[PackedWeight] * 3]
+    assert [type(w) for w in matrices(model)] == [
+        PackedWeight, onednn_form(torch.float32), *[PackedWeight] * 3
+    ]  # fmt: skip
     tokens = list(range(3, 43))
     torch.testing.assert_close(
         our_logits(model, tokens), reference_logits(reference, tokens),

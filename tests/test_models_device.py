@@ -58,9 +58,11 @@ class CausalSdpaBackend:
 
 @pytest.fixture
 def torch_operators(monkeypatch) -> None:
-    """Turn the AVX-512 kernels off, as on CUDA: weights stay plain, torch's operators run."""
+    """Turn the AVX-512 kernels and oneDNN's layout off, as on CUDA: weights stay plain,
+    torch's operators run."""
     for module in (fused, linear, rope):
         monkeypatch.setattr(module, "fits_avx512_kernels", lambda *tensors: False)
+    monkeypatch.setattr(linear, "reorderable", lambda weight: False)
 
 
 def device_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Which kernel multiplies each weight matrix on the CPU: by capability, then measurement.
 
 Candidates: ``packed`` (the weight packed into panels for ``packed_linear``, where the
-AVX-512 kernels take it) and ``onednn`` (torch's ``F.linear`` on the contiguous
-``[out, in]`` matrix: oneDNN, which runs bfloat16 on AMX tiles where the CPU has them).
-A weight is kept in one form only, so one kernel serves every batch size. With
+AVX-512 kernels take it) and ``onednn`` (torch's oneDNN on the weight reordered into its
+blocked layout, :mod:`pagedllm.cpu.onednn`; bfloat16 on AMX tiles where the CPU has
+them; ``F.linear`` on the plain ``[out, in]`` matrix where oneDNN cannot take it or the
+rows are read too). A weight is kept in one form only, so one kernel serves every batch
+size, and is timed in the form it would be kept in. With
 ``linear_kernel="auto"``, each (dtype, out_features, in_features) has its candidates
 timed once, on that weight, and the winner is the one of least score (see
 :func:`winner` for the margin the preferred ``packed`` gets)
@@ -53,6 +55,8 @@ import torch.nn.functional as F
 
 from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
+from pagedllm.cpu.onednn import onednn_linear, reorderable
+from pagedllm.cpu.onednn import reorder as reorder_weight
 from pagedllm.user_cache import cache_dir
 
 LINEAR_KERNELS = ("auto", "packed", "onednn")
@@ -97,12 +101,15 @@ logger = logging.getLogger("pagedllm")
 
 
 def machine_key(buckets: Sequence[int] = tuple(BUCKETS)) -> dict[str, object]:
-    """What a timing table holds for: CPU, library versions, threads and ``buckets``."""
+    """What a timing table holds for: CPU, library versions, threads and ``buckets``
+    (``onednn`` names the form its candidate is timed in: tables timed on the plain
+    matrix are not read back)."""
     return {
         "cpu": cpu_model(),
         "flags": sorted(cpu_flags() & MATRIX_FLAGS),
         "torch": torch.__version__,
         "kernels": sources_digest(),
+        "onednn": "reordered",
         "threads": torch.get_num_threads(),
         "buckets": list(buckets),
     }
@@ -145,8 +152,10 @@ def contended(cores: float) -> bool:
 
 def product(kernel: str, x: torch.Tensor, operand: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` times the first ``n`` rows of a weight, transposed, by ``kernel``: ``operand``
-    is those rows (``onednn``) or their panels (``packed``)."""
-    return packed_linear(x, operand, n) if kernel == "packed" else F.linear(x, operand)
+    is their panels (``packed``), or those rows (``onednn``) in oneDNN's layout or plain."""
+    if kernel == "packed":
+        return packed_linear(x, operand, n)
+    return onednn_linear(x, operand) if operand.is_mkldnn else F.linear(x, operand)
 
 
 def least_seconds(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -167,17 +176,20 @@ def least_seconds(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
     return {name: min(seconds[1:]) for name, seconds in samples.items()}
 
 
-def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
+def time_kernels(weight: torch.Tensor, kernels: Sequence[str], reorder: bool = True) -> Timings:
     """Seconds of one product by each of ``kernels`` with contiguous ``weight``
-    ``[out, in]``, per :data:`BUCKETS` row count (see the module's docstring)."""
+    ``[out, in]``, per :data:`BUCKETS` row count (see the module's docstring); ``onednn``
+    on the rows reordered into its layout where it takes them, unless ``reorder`` is
+    False (a weight whose rows are read too stays plain)."""
     out_features, in_features = weight.shape
     panels = pack_weight(weight) if "packed" in kernels else None
+    reordered = reorder and "onednn" in kernels and reorderable(weight)
     timings: Timings = {kernel: {} for kernel in kernels}
     with torch.inference_mode():
         for rows in BUCKETS:
             n = timed_rows(rows, out_features, in_features)
             x = torch.randn(rows, in_features, dtype=weight.dtype)
-            operands = {"onednn": weight[:n]}
+            operands = {"onednn": reorder_weight(weight[:n]) if reordered else weight[:n]}
             if panels is not None:
                 operands["packed"] = panels[: -(-n // PANEL_WIDTH)]
             least = least_seconds(
@@ -295,9 +307,11 @@ class KernelChoice:
         self.table: TimingTable | None = None
         self.shapes: dict[tuple[torch.dtype, int, int], str] = {}
 
-    def choose(self, weight: torch.Tensor, kernels: Sequence[str]) -> str:
+    def choose(self, weight: torch.Tensor, kernels: Sequence[str], rows_read: bool = False) -> str:
         """The kernel of ``kernels`` (those able to run ``weight``, in order of preference)
-        that runs ``weight``: the forced one, the only one, or the measured winner."""
+        that runs ``weight``: the forced one, the only one, or the measured winner.
+        ``rows_read``: the weight's rows are looked up too, so oneDNN would run it plain
+        (see :func:`~pagedllm.models.linear.prepare_weight`); timed and cached as such."""
         if self.requested != "auto":
             if self.requested not in kernels:
                 raise ValueError(
@@ -309,8 +323,9 @@ class KernelChoice:
             kernel = kernels[0]
         else:
             self.table = self.table or TimingTable()
+            entry = shape_entry(weight) + (" rows read" if rows_read else "")
             timings = self.table.timings(
-                shape_entry(weight), kernels, lambda: time_kernels(weight, kernels)
+                entry, kernels, lambda: time_kernels(weight, kernels, not rows_read)
             )
             kernel = kernels[0] if timings is None else winner(timings)
         if weight.device.type == "cpu":

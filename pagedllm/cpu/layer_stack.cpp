@@ -5,6 +5,8 @@
 // the same; what goes away is Python and the dispatcher between ~11 operators per layer.
 // Registered as the torch class torch.classes.pagedllm_cpu.LayerStack.
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
@@ -27,7 +29,19 @@ enum class MatrixKind : int64_t {
   kBlocks = 2,       // GGUF blocks in the file's row order
   kInterleaved = 3,  // GGUF blocks interleaved by groups of 16 rows
   kInterleavedInt8 = 4,  // the same, x quantized to int8 (quant_x16_int8.cpp)
+  kOneDNN = 5,       // oneDNN's blocked layout (pagedllm/cpu/onednn.py)
 };
+
+// torch's mkldnn::_linear_pointwise, as pagedllm/cpu/onednn.py calls it from Python.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& reordered,
+                         const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, reordered, bias, std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string()};
+  op.callBoxed(stack);
+  return stack[0].toTensor();
+}
 
 struct Matrix {
   MatrixKind kind;
@@ -44,6 +58,7 @@ struct Matrix {
         return ops::quant_linear_x16(x.contiguous(), data, ggml_type, out_features, bias);
       case MatrixKind::kInterleavedInt8:
         return ops::quant_linear_x16_int8(x.contiguous(), data, ggml_type, out_features, bias);
+      case MatrixKind::kOneDNN: return onednn_linear(x, data, bias);
     }
     TORCH_CHECK(false, "LayerStack: unknown matrix kind");
   }
@@ -80,11 +95,12 @@ struct LayerStack : torch::CustomClassHolder {
                   std::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers.empty() && layers.back().matrices.size() < 4,
                 "LayerStack: add_layer first; a layer has four matrices");
-    TORCH_CHECK(kind >= 0 && kind <= 4, "LayerStack: unknown matrix kind ", kind);
+    TORCH_CHECK(kind >= 0 && kind <= 5, "LayerStack: unknown matrix kind ", kind);
     const auto matrix_kind = static_cast<MatrixKind>(kind);
-    // Our kernels take float32 biases (torch's linear the model's dtype): converted once
-    // here rather than at every call.
-    if (bias.has_value() && matrix_kind != MatrixKind::kDense)
+    // Our kernels take float32 biases (torch's the model's dtype): converted once here
+    // rather than at every call.
+    if (bias.has_value() && matrix_kind != MatrixKind::kDense &&
+        matrix_kind != MatrixKind::kOneDNN)
       bias = bias->to(at::kFloat).contiguous();
     layers.back().matrices.push_back({matrix_kind, data, ggml_type, out_features, bias});
   }

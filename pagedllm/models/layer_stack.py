@@ -20,13 +20,13 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.cpu.extension import avx512_kernels_available, ops
 from pagedllm.models.interleaved_weight import InterleavedWeight
-from pagedllm.models.linear import PackedWeight, Weight
+from pagedllm.models.linear import OneDNNWeight, PackedWeight, Weight
 from pagedllm.models.quantized_weight import QuantizedWeight
 
 logger = logging.getLogger("pagedllm")
 
 # Matrix kinds of layer_stack.cpp's MatrixKind.
-DENSE, PACKED, BLOCKS, INTERLEAVED, INTERLEAVED_INT8 = range(5)
+DENSE, PACKED, BLOCKS, INTERLEAVED, INTERLEAVED_INT8, ONEDNN = range(6)
 
 
 def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
@@ -66,6 +66,8 @@ def _matrix(weight: Weight) -> tuple[int, torch.Tensor, int, int]:
         return BLOCKS, weight.blocks, int(weight.ggml_type), weight.out_features
     if isinstance(weight, PackedWeight):
         return PACKED, weight.panels, 0, weight.out_features
+    if isinstance(weight, OneDNNWeight):
+        return ONEDNN, weight.reordered, 0, weight.out_features
     return DENSE, weight, 0, weight.shape[0]
 
 

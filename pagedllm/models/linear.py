@@ -1,10 +1,11 @@
 """The decoder's matrix products and the form its weights are kept in.
 
-A float32 or bfloat16 weight on a CPU with AVX-512 may be packed once, at load time, into
-panels (:class:`PackedWeight`) that ``packed_linear`` (C++) streams with no per-call
-re-packing, or stay an ``[out, in]`` tensor that torch's GEMM (oneDNN) runs; which one
-is chosen per shape by capability and measurement
-(:mod:`pagedllm.cpu.kernel_choice`), or forced. Elsewhere weights stay tensors. Weights a
+A float32 or bfloat16 weight on the CPU is reordered once, at load time, into the layout
+of the kernel that multiplies it: panels (:class:`PackedWeight`) that ``packed_linear``
+(C++, AVX-512) streams, or oneDNN's blocked layout (:class:`OneDNNWeight`) for torch's
+oneDNN; which one is chosen per shape by capability and measurement
+(:mod:`pagedllm.cpu.kernel_choice`), or forced. Elsewhere (and for oneDNN where it cannot
+reorder, or the rows are read too) weights stay ``[out, in]`` tensors for ``F.linear``. Weights a
 GGUF file stores quantized may stay in its block format
 (:class:`~pagedllm.models.quantized_weight.QuantizedWeight`), interleaved by groups of 16
 rows where bfloat16 activations meet a kernel for the format
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from pagedllm.cpu.extension import PANEL_WIDTH, fits_avx512_kernels, pack_weight, packed_linear
 from pagedllm.cpu.kernel_choice import KernelChoice
+from pagedllm.cpu.onednn import onednn_linear, reorder, reorderable
 from pagedllm.models.interleaved_weight import BlockWeight, InterleavedWeight, interleavable
 from pagedllm.models.quantized_weight import QuantizedWeight, concat_rows
 
@@ -46,25 +48,45 @@ class PackedWeight:
         return gathered.reshape(len(indices), -1)[:, : self.in_features]
 
 
-Weight = torch.Tensor | PackedWeight | BlockWeight
+@dataclass(frozen=True)
+class OneDNNWeight:
+    """A weight ``[out_features, in_features]`` in oneDNN's blocked layout (see
+    :mod:`pagedllm.cpu.onednn`): an opaque tensor, held instead of the plain matrix."""
+
+    reordered: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def reorder(cls, weight: torch.Tensor) -> OneDNNWeight:
+        return cls(reorder(weight), weight.shape[0], weight.shape[1])
+
+
+Weight = torch.Tensor | PackedWeight | OneDNNWeight | BlockWeight
 
 
 def prepare_weight(
-    weight: torch.Tensor | QuantizedWeight, choice: KernelChoice | None = None
+    weight: torch.Tensor | QuantizedWeight,
+    choice: KernelChoice | None = None,
+    rows_read: bool = False,
 ) -> Weight:
     """The form :func:`linear` runs ``weight`` in: a quantized weight interleaved when
     ``choice`` says the activations are bfloat16 and a kernel takes its format, else as it
-    is; a float weight packed or the contiguous matrix, as ``choice`` picks among the
-    kernels able to run it (``packed`` only where the AVX-512 kernels take the weight);
-    without ``choice``, packed wherever it can be."""
+    is; a float weight packed, in oneDNN's layout, or the contiguous matrix, as ``choice``
+    picks among the kernels able to run it (``packed`` only where the AVX-512 kernels take
+    the weight); without ``choice``, packed wherever it can be. ``rows_read``: the
+    weight's rows are looked up too (an LM head tied to the embedding), which oneDNN's
+    opaque layout cannot serve, so for oneDNN it stays the plain matrix (one copy)."""
     if isinstance(weight, QuantizedWeight):
         if choice is not None and choice.activations == torch.bfloat16 and interleavable(weight):
             return InterleavedWeight.interleave(weight)
         return weight
     weight = weight.contiguous()
     kernels = ("packed", "onednn") if fits_avx512_kernels(weight) else ("onednn",)
-    kernel = choice.choose(weight, kernels) if choice else kernels[0]
-    return PackedWeight.pack(weight) if kernel == "packed" else weight
+    kernel = choice.choose(weight, kernels, rows_read) if choice else kernels[0]
+    if kernel == "packed":
+        return PackedWeight.pack(weight)
+    return weight if rows_read or not reorderable(weight) else OneDNNWeight.reorder(weight)
 
 
 def fuse_rows(parts: list[torch.Tensor] | list[QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
@@ -81,6 +103,8 @@ def weight_storage(weight: Weight) -> torch.Tensor:
     """The tensor holding a weight's bytes: the matrix, its panels, or its blocks."""
     if isinstance(weight, PackedWeight):
         return weight.panels
+    if isinstance(weight, OneDNNWeight):
+        return weight.reordered
     return weight.blocks if isinstance(weight, BlockWeight) else weight
 
 
@@ -91,4 +115,6 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         return weight.linear(x, bias)
     if isinstance(weight, PackedWeight):
         return packed_linear(x.contiguous(), weight.panels, weight.out_features, bias)
+    if isinstance(weight, OneDNNWeight):
+        return onednn_linear(x, weight.reordered, bias)
     return F.linear(x, weight, bias)

@@ -355,7 +355,7 @@ class LlamaDecoder(nn.Module):
         positions = get_as_dtype("model.embed_positions.weight") if learned else None
         self.register_buffer("embed_positions", positions)
         if config.tie_word_embeddings:
-            self.lm_head = prepare_weight(embed, choice)
+            self.lm_head = prepare_weight(embed, choice, rows_read=True)
             self.embed_tokens: Weight = self.lm_head
         else:
             self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"), choice)

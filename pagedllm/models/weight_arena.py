@@ -40,9 +40,13 @@ def move_into_arena(
     tensors: list[torch.Tensor], huge_pages: bool = True
 ) -> torch.Tensor | None:
     """Move the contiguous CPU tensors of ``tensors`` (each once) into one arena, in the
-    given order; the others stay where they are. Returns the arena (None when nothing
-    moved)."""
-    movable = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
+    given order; the others (and weights in oneDNN's layout, whose bytes torch cannot
+    reach) stay where they are. Returns the arena (None when nothing moved)."""
+    movable = [
+        t
+        for t in tensors
+        if t.device.type == "cpu" and not t.is_mkldnn and t.is_contiguous() and t.numel()
+    ]
     movable = list({id(t): t for t in movable}.values())
     if not movable:
         return None
