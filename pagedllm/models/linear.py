@@ -54,12 +54,14 @@ class OneDNNWeight:
     :mod:`pagedllm.cpu.onednn`): an opaque tensor, held instead of the plain matrix."""
 
     reordered: torch.Tensor
-    out_features: int
-    in_features: int
 
     @classmethod
     def reorder(cls, weight: torch.Tensor) -> OneDNNWeight:
-        return cls(reorder(weight), weight.shape[0], weight.shape[1])
+        return cls(reorder(weight))
+
+    @property
+    def out_features(self) -> int:
+        return self.reordered.shape[0]
 
 
 Weight = torch.Tensor | PackedWeight | OneDNNWeight | BlockWeight
