@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pagedllm.bench import ceiling
 from pagedllm.bench.ceiling import matmul_flops_per_token, workload_matmul_flops
 from pagedllm.bench.workload import BenchRequest
+from pagedllm.cpu.onednn import reorderable
 
 CONFIG = {
     "hidden_size": 64,
@@ -55,5 +56,7 @@ def test_gemm_rates_time_every_gemm_the_build_has():
     from pagedllm.cpu.extension import avx512_kernels_available
 
     rates = ceiling.gemm_rates(torch.float32)
-    assert set(rates) == ({"torch", "packed"} if avx512_kernels_available() else {"torch"})
+    expected = {"torch"} | ({"packed"} if avx512_kernels_available() else set())
+    expected |= {"onednn"} if reorderable(torch.empty(1, 1)) else set()
+    assert set(rates) == expected
     assert all(rate > 0 for rate in rates.values())
