@@ -1,19 +1,19 @@
-"""Matrix products on the default model's weight shapes: torch's oneDNN on weights in
-its blocked layout (``onednn``, what the engine keeps) and on the plain matrix
-(``onednn_plain``, ``F.linear``) against ``packed_linear`` (``packed``), side by side
-(JSON lines).
+"""Matrix products on the default model's weight shapes, the kernel choice's three
+candidates side by side (JSON lines): ``packed_linear`` on panels (``packed``), torch's
+oneDNN on weights in its blocked layout (``onednn``) and ``F.linear`` on the plain matrix
+(``dense``).
 
 ``shape`` records: per dtype and weight shape, each candidate's seconds per row bucket
 and score as :mod:`pagedllm.cpu.kernel_choice` times them (afresh, not from its cache),
-then a ``shape_choice`` record with the kernel ``linear_kernel="auto"`` picks between
-``packed`` and ``onednn`` (the preferred, ``packed``, when other processes kept the cores
-busy meanwhile: ``other_cores``), and the seconds the timing took.
+then a ``shape_choice`` record with the kernel ``linear_kernel="auto"`` picks from them
+(the preferred, ``packed``, when other processes kept the cores busy meanwhile:
+``other_cores``), and the seconds the timing took.
 
 ``step_matmuls`` records, one per (dtype, rows, kernel): the median time of one pass
 over every matrix product of a step — 30 layers of q/k/v (576 -> 960), o (576 -> 576),
 gate/up (576 -> 3,072) and down (1,536 -> 576), each layer with its own weights so they
 come from memory as in the engine, then the LM head (576 -> 49,152) — with the weight
-bytes and the FLOPs per second that implies, and the speedup over ``onednn`` in the
+bytes and the FLOPs per second that implies, and the speedup over ``dense`` in the
 same run.
 ``rows`` is the batch: one per sequence in a decode step, up to
 ``max_num_batched_tokens`` in a prefill step.
@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu.kernel_choice import (
-    KernelChoice,
     contended,
     cpu_clock,
     other_cores,
@@ -42,7 +41,7 @@ from pagedllm.cpu.kernel_choice import (
     time_kernels,
     winner,
 )
-from pagedllm.models.linear import PackedWeight, linear, prepare_weight
+from pagedllm.models.linear import OneDNNWeight, PackedWeight, linear
 
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
 NUM_LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -70,11 +69,10 @@ def shape_records(dtype_name: str) -> None:
     for k, out in [*LAYER_SHAPES, (HIDDEN, VOCAB)]:
         weight = torch.randn(out, k, dtype=dtype)
         begin, start = time.perf_counter(), cpu_clock()
-        timings = time_kernels(weight, ("packed", "onednn"))
+        timings = time_kernels(weight, ("packed", "onednn", "dense"))
         seconds, end = time.perf_counter() - begin, cpu_clock()
         others = other_cores(start, end) if start and end else 0.0
-        plain = time_kernels(weight, ("onednn",), reorder=False)["onednn"]
-        for kernel, per_rows in {**timings, "onednn_plain": plain}.items():
+        for kernel, per_rows in timings.items():
             record = {
                 "record": "shape",
                 "dtype": dtype_name,
@@ -121,8 +119,8 @@ def main() -> None:
         in_features = [k for k, _ in shapes]
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
         kernels: dict[str, tuple[list, Linear]] = {
-            "onednn": ([prepare_weight(w, KernelChoice("onednn")) for w in weights], linear),
-            "onednn_plain": (weights, F.linear),
+            "onednn": ([OneDNNWeight.reorder(w) for w in weights], linear),
+            "dense": (weights, F.linear),
             "packed": ([PackedWeight.pack(w) for w in weights], linear),
         }
         for rows in (int(r) for r in args.rows.split(",")):
@@ -138,7 +136,7 @@ def main() -> None:
                     "rows": rows,
                     "kernel": name,
                     "ms": round(1000 * seconds, 2),
-                    "speedup_vs_onednn": round(times["onednn"] / seconds, 3),
+                    "speedup_vs_dense": round(times["dense"] / seconds, 3),
                     "weight_gb_per_s": round(weight_bytes / seconds / 1e9, 2),
                     "gflop_per_s": round(flop / seconds / 1e9, 1),
                 }

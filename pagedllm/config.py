@@ -140,10 +140,12 @@ class EngineConfig:
     )
     linear_kernel: str = knob(
         "auto",
-        "CPU matrix products of float32/bfloat16 weights: auto times both kernels once per "
-        "weight shape (cached per CPU model) and keeps each weight in the faster one's "
+        "CPU matrix products of float32/bfloat16 weights: auto times the kernels once per "
+        "weight shape (cached per CPU model) and keeps each weight in the fastest one's "
         "form; packed forces the C++ packed_linear kernel (AVX-512, batch invariant); "
-        "onednn forces torch's GEMM on the plain matrix",
+        "onednn forces torch's oneDNN on the weight reordered into its blocked layout "
+        "(the plain matrix where it cannot take it); dense forces torch's GEMM on the "
+        "plain matrix",
         LINEAR_KERNELS,
     )
     attention_kernel: str = knob(
@@ -371,4 +373,4 @@ class EngineConfig:
             reason = "needs the C++ AVX-512 kernels, which this CPU (or this build) lacks"
         else:
             return
-        raise ValueError(f"linear_kernel='packed' {reason}; use auto or onednn")
+        raise ValueError(f"linear_kernel='packed' {reason}; use auto, onednn or dense")

@@ -52,7 +52,7 @@ def kernel_choice_without_timing(tmp_path_factory):
     from pagedllm import user_cache
     from pagedllm.cpu import attention_choice, kernel_choice
 
-    def packed_first(weight, kernels, reorder=True):
+    def packed_first(weight, kernels):
         return {k: dict.fromkeys(kernel_choice.BUCKETS, i + 1.0) for i, k in enumerate(kernels)}
 
     def paged_first(layout):

@@ -42,13 +42,13 @@ def test_workload_counts_each_output_tokens_head_row_and_feeds_back_all_but_the_
 
 
 def test_ceiling_rests_on_the_faster_gemm(monkeypatch):
-    rates = {"torch": 1e11, "packed": 4e11}
+    rates = {"dense": 1e11, "packed": 4e11}
     monkeypatch.setattr(ceiling, "gemm_rates", lambda dtype: rates)
     requests = [BenchRequest([1, 2, 3], 4), BenchRequest([5], 1)]
     record = ceiling.ceiling_record(CONFIG, requests, "float32")
     flops = workload_matmul_flops(CONFIG, requests)
     assert record["gemm_gflop_per_s"] == 400.0
-    assert record["gflop_per_s_by_gemm"] == {"torch": 100.0, "packed": 400.0}
+    assert record["gflop_per_s_by_gemm"] == {"dense": 100.0, "packed": 400.0}
     assert record["max_output_tokens_per_s"] == 5 / (flops / 4e11)
 
 
@@ -56,7 +56,7 @@ def test_gemm_rates_time_every_gemm_the_build_has():
     from pagedllm.cpu.extension import avx512_kernels_available
 
     rates = ceiling.gemm_rates(torch.float32)
-    expected = {"torch"} | ({"packed"} if avx512_kernels_available() else set())
+    expected = {"dense"} | ({"packed"} if avx512_kernels_available() else set())
     expected |= {"onednn"} if reorderable(torch.empty(1, 1)) else set()
     assert set(rates) == expected
     assert all(rate > 0 for rate in rates.values())

@@ -53,8 +53,11 @@ def fake_timer(monkeypatch, tmp_path):
     """Installs a :class:`FakeTimer` with its own cache folder, so its made-up timings
     never reach other tests."""
 
-    def install(onednn_shapes: set[tuple[int, int]] = frozenset()) -> FakeTimer:
-        timer = FakeTimer(onednn_shapes)
+    def install(
+        onednn_shapes: set[tuple[int, int]] = frozenset(),
+        dense_shapes: set[tuple[int, int]] = frozenset(),
+    ) -> FakeTimer:
+        timer = FakeTimer(onednn_shapes, dense_shapes)
         monkeypatch.setattr(kernel_choice, "time_kernels", timer)
         monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path / "pagedllm")
         return timer
@@ -64,20 +67,28 @@ def fake_timer(monkeypatch, tmp_path):
 
 class FakeTimer:
     """Timings in which onednn is faster for the shapes ``(out, in)`` of
-    ``onednn_shapes`` and packed for the others; records the shapes it timed, and in
-    ``plain`` those it was asked to time oneDNN on without reordering."""
+    ``onednn_shapes`` (then dense second), dense for ``dense_shapes`` and packed for the
+    others; records the shapes it timed and the candidates of each."""
 
-    def __init__(self, onednn_shapes: set[tuple[int, int]] = frozenset()) -> None:
-        self.onednn_shapes = onednn_shapes
+    def __init__(
+        self,
+        onednn_shapes: set[tuple[int, int]] = frozenset(),
+        dense_shapes: set[tuple[int, int]] = frozenset(),
+    ) -> None:
+        self.onednn_shapes, self.dense_shapes = onednn_shapes, dense_shapes
         self.timed: list[tuple[int, int]] = []
-        self.plain: list[tuple[int, int]] = []
+        self.candidates: list[tuple[str, ...]] = []
 
-    def __call__(self, weight, kernels, reorder=True):
-        self.timed.append(tuple(weight.shape))
-        if not reorder:
-            self.plain.append(tuple(weight.shape))
-        fast = "onednn" if tuple(weight.shape) in self.onednn_shapes else "packed"
-        return {k: flat(1e-3 if k == fast else 2e-3) for k in kernels}
+    def __call__(self, weight, kernels):
+        shape = tuple(weight.shape)
+        self.timed.append(shape)
+        self.candidates.append(tuple(kernels))
+        order = ["packed", "onednn", "dense"]
+        if shape in self.onednn_shapes:
+            order = ["onednn", "dense", "packed"]
+        elif shape in self.dense_shapes:
+            order = ["dense", "onednn", "packed"]
+        return {k: flat(1e-3 * (1 + order.index(k))) for k in kernels}
 
 
 def test_winner_is_the_least_weighted_score_with_a_margin_for_the_first():
@@ -101,13 +112,22 @@ def test_auto_keeps_each_shape_in_its_winners_form_timing_each_shape_once(fake_t
     # bfloat16 is another table row; float16 has one candidate and is never timed
     assert isinstance(prepare_weight(torch.randn(96, 64).bfloat16(), choice), bf16_form)
     assert type(prepare_weight(torch.randn(96, 64).half(), choice)) is torch.Tensor
-    # a weight whose rows are read too (a tied LM head) stays plain, timed as such
-    assert type(prepare_weight(torch.randn(96, 64), choice, rows_read=True)) is torch.Tensor
-    assert timer.timed == [(96, 64), (48, 64), (96, 64), (96, 64)]
-    assert timer.plain == [(96, 64)]
+    assert timer.timed == [(96, 64), (48, 64), (96, 64)]
     summary = choice.summary()
     assert summary.startswith("Matrix kernels (timed on ")
-    assert summary.endswith("onednn for 3 shapes, packed for 1 shape")
+    assert summary.endswith("onednn for 2 shapes, packed for 1 shape, dense for 1 shape")
+
+
+@needs_avx512
+def test_dense_can_win_and_a_tied_weight_never_takes_onednns_layout(fake_timer):
+    timer = fake_timer(onednn_shapes={(96, 64)}, dense_shapes={(80, 64)})
+    choice = KernelChoice("auto")
+    assert type(prepare_weight(torch.randn(80, 64), choice)) is torch.Tensor
+    # rows also read (a tied LM head): oneDNN's opaque layout is no candidate
+    tied = prepare_weight(torch.randn(96, 64).bfloat16(), choice, rows_read=True)
+    assert type(tied) is torch.Tensor
+    assert timer.candidates[-1] == ("packed", "dense")
+    assert type(prepare_weight(torch.randn(96, 64), KernelChoice("onednn"), True)) is torch.Tensor
 
 
 def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
@@ -115,12 +135,12 @@ def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_choice, "cache_dir", REAL_CACHE_DIR)
     timed = []
 
-    def counted(weight, kernels, reorder=True):
+    def counted(weight, kernels):
         timed.append(tuple(weight.shape))
-        return REAL_TIMER(weight, kernels, reorder)
+        return REAL_TIMER(weight, kernels)
 
     monkeypatch.setattr(kernel_choice, "time_kernels", counted)
-    kernels = ("packed", "onednn") if avx512_kernels_available() else ("onednn",)
+    kernels = ("packed",) * avx512_kernels_available() + ("onednn", "dense")
     weight = torch.randn(100, 64)
     first = TimingTable()
     measured = first.timings(shape_entry(weight), kernels, lambda: counted(weight, kernels))
@@ -177,15 +197,17 @@ def test_a_cache_that_cannot_be_written_only_warns(monkeypatch, tmp_path, caplog
 
 
 @needs_avx512
-@pytest.mark.parametrize("forced", ["packed", "onednn"])
+@pytest.mark.parametrize("forced", ["packed", "onednn", "dense"])
 def test_a_forced_kernel_is_never_timed(fake_timer, forced):
     timer = fake_timer()
     choice = KernelChoice(forced)
     for dtype in (torch.float32, torch.bfloat16):
-        form = PackedWeight if forced == "packed" else onednn_form(dtype)
-        assert isinstance(prepare_weight(torch.randn(96, 64, dtype=dtype), choice), form)
+        form = {"packed": PackedWeight, "onednn": onednn_form(dtype), "dense": torch.Tensor}
+        assert type(prepare_weight(torch.randn(96, 64, dtype=dtype), choice)) is form[forced]
     assert timer.timed == []
-    assert choice.summary() == f"Matrix kernels (linear_kernel={forced}): {forced} for 2 shapes"
+    if forced != "onednn" or onednn_form(torch.bfloat16) is OneDNNWeight:
+        expected = f"{forced} for 2 shapes"
+        assert choice.summary() == f"Matrix kernels (linear_kernel={forced}): {expected}"
 
 
 def test_packed_where_it_cannot_run_is_refused():
@@ -230,7 +252,7 @@ def matrices(model) -> list:
             model.lm_head]  # fmt: skip
 
 
-KERNELS = ["packed", "onednn"] if avx512_kernels_available() else ["onednn"]
+KERNELS = ["packed"] * avx512_kernels_available() + ["onednn", "dense"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -238,10 +260,10 @@ def test_each_kernel_matches_transformers(tiny_llama, kernel, caplog):
     folder, reference = tiny_llama
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         model = load_model(folder, linear_kernel=kernel).model
-    form = PackedWeight if kernel == "packed" else onednn_form(torch.float32)
+    form = {"packed": PackedWeight, "onednn": onednn_form(torch.float32), "dense": torch.Tensor}
     tied = model.lm_head is model.embed_tokens
-    assert all(isinstance(w, form) for w in matrices(model)[:-1])
-    assert type(model.lm_head) is (torch.Tensor if tied and kernel == "onednn" else form)
+    assert all(type(w) is form[kernel] for w in matrices(model)[:-1])
+    assert type(model.lm_head) is (torch.Tensor if tied and kernel == "onednn" else form[kernel])
     assert caplog.text.count("Matrix kernels") == 1
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     torch.testing.assert_close(

@@ -86,6 +86,7 @@ def test_default_model_int8_activations():
         ("bfloat16", "packed", PackedWeight),
         ("float32", "onednn", OneDNNWeight),
         ("bfloat16", "onednn", OneDNNWeight),
+        ("bfloat16", "dense", torch.Tensor),
     ],
 )
 def test_tiny_model_with_biases(tmp_path_factory, dtype, linear_kernel, kind):

@@ -36,17 +36,18 @@ def workload_matmul_flops(config: dict, requests: Sequence[BenchRequest]) -> flo
 
 def gemm_rates(dtype: torch.dtype) -> dict[str, float]:
     """The best rate (FLOP/s, the current thread count) of one product of 512 x 2,048 by
-    2,048 x 2,048 by each GEMM here, timed in turns (:func:`least_seconds`): torch's on
-    the plain matrix (``torch``), oneDNN on the matrix in its blocked layout where it
-    takes the dtype (``onednn``) and, where the C++ kernels are built, ``packed_linear``
-    on packed panels (``packed``). On some CPUs torch's float32 GEMM on the plain matrix
-    runs at under half the peak the others reach, so the bound takes the fastest."""
+    2,048 x 2,048 by each candidate of :mod:`pagedllm.cpu.kernel_choice` here, timed in
+    turns (:func:`least_seconds`): torch's GEMM on the plain matrix (``dense``), oneDNN on
+    the matrix in its blocked layout where it takes the dtype (``onednn``) and, where
+    the C++ kernels are built, ``packed_linear`` on packed panels (``packed``). On some
+    CPUs torch's float32 GEMM on the plain matrix runs at under half the peak the others
+    reach, so the bound takes the fastest."""
     from pagedllm.cpu.extension import fits_avx512_kernels, pack_weight, packed_linear
     from pagedllm.cpu.kernel_choice import least_seconds
     from pagedllm.cpu.onednn import onednn_linear, reorder, reorderable
 
     x, weight = torch.randn(512, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    products = {"torch": lambda: x @ weight.T}
+    products = {"dense": lambda: x @ weight.T}
     if reorderable(weight):
         reordered = reorder(weight)
         products["onednn"] = lambda: onednn_linear(x, reordered)

@@ -1,11 +1,14 @@
 """Which kernel multiplies each weight matrix on the CPU: by capability, then measurement.
 
-Candidates: ``packed`` (the weight packed into panels for ``packed_linear``, where the
-AVX-512 kernels take it) and ``onednn`` (torch's oneDNN on the weight reordered into its
-blocked layout, :mod:`pagedllm.cpu.onednn`; bfloat16 on AMX tiles where the CPU has
-them; ``F.linear`` on the plain ``[out, in]`` matrix where oneDNN cannot take it or the
-rows are read too). A weight is kept in one form only, so one kernel serves every batch
-size, and is timed in the form it would be kept in. With
+Candidates, in order of preference: ``packed`` (the weight packed into panels for
+``packed_linear``, where the AVX-512 kernels take it), ``onednn`` (torch's oneDNN on the
+weight reordered into its blocked layout, :mod:`pagedllm.cpu.onednn`, where oneDNN takes
+the dtype and the weight's rows are not also read as an embedding; bfloat16 on AMX tiles
+where the CPU has them) and ``dense`` (``F.linear`` on the plain ``[out, in]`` matrix:
+torch's GEMM as it is, which repacks the matrix at each call, yet on a 2-core Zen 5
+beat the blocked layout in one of two runs at 14,336 inputs in bfloat16). A weight is
+kept in one form only, so one kernel serves every batch size, and is timed in that
+form. With
 ``linear_kernel="auto"``, each (dtype, out_features, in_features) has its candidates
 timed once, on that weight, and the winner is the one of least score (see
 :func:`winner` for the margin the preferred ``packed`` gets)
@@ -55,11 +58,10 @@ import torch.nn.functional as F
 
 from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
-from pagedllm.cpu.onednn import onednn_linear, reorderable
-from pagedllm.cpu.onednn import reorder as reorder_weight
+from pagedllm.cpu.onednn import onednn_linear, reorder
 from pagedllm.user_cache import cache_dir
 
-LINEAR_KERNELS = ("auto", "packed", "onednn")
+LINEAR_KERNELS = ("auto", "packed", "onednn", "dense")
 """``linear_kernel`` values: measure, or force one form for every float weight."""
 
 BUCKETS = {1: 16, 16: 4, 128: 2, 512: 1}
@@ -152,10 +154,11 @@ def contended(cores: float) -> bool:
 
 def product(kernel: str, x: torch.Tensor, operand: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` times the first ``n`` rows of a weight, transposed, by ``kernel``: ``operand``
-    is their panels (``packed``), or those rows (``onednn``) in oneDNN's layout or plain."""
+    is their panels (``packed``), those rows in oneDNN's layout (``onednn``) or plain
+    (``dense``)."""
     if kernel == "packed":
         return packed_linear(x, operand, n)
-    return onednn_linear(x, operand) if operand.is_mkldnn else F.linear(x, operand)
+    return onednn_linear(x, operand) if kernel == "onednn" else F.linear(x, operand)
 
 
 def least_seconds(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -176,20 +179,19 @@ def least_seconds(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
     return {name: min(seconds[1:]) for name, seconds in samples.items()}
 
 
-def time_kernels(weight: torch.Tensor, kernels: Sequence[str], reorder: bool = True) -> Timings:
+def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
     """Seconds of one product by each of ``kernels`` with contiguous ``weight``
-    ``[out, in]``, per :data:`BUCKETS` row count (see the module's docstring); ``onednn``
-    on the rows reordered into its layout where it takes them, unless ``reorder`` is
-    False (a weight whose rows are read too stays plain)."""
+    ``[out, in]``, per :data:`BUCKETS` row count (see the module's docstring)."""
     out_features, in_features = weight.shape
     panels = pack_weight(weight) if "packed" in kernels else None
-    reordered = reorder and "onednn" in kernels and reorderable(weight)
     timings: Timings = {kernel: {} for kernel in kernels}
     with torch.inference_mode():
         for rows in BUCKETS:
             n = timed_rows(rows, out_features, in_features)
             x = torch.randn(rows, in_features, dtype=weight.dtype)
-            operands = {"onednn": reorder_weight(weight[:n]) if reordered else weight[:n]}
+            operands = {"dense": weight[:n]}
+            if "onednn" in kernels:
+                operands["onednn"] = reorder(weight[:n])
             if panels is not None:
                 operands["packed"] = panels[: -(-n // PANEL_WIDTH)]
             least = least_seconds(
@@ -307,25 +309,26 @@ class KernelChoice:
         self.table: TimingTable | None = None
         self.shapes: dict[tuple[torch.dtype, int, int], str] = {}
 
-    def choose(self, weight: torch.Tensor, kernels: Sequence[str], rows_read: bool = False) -> str:
+    def choose(self, weight: torch.Tensor, kernels: Sequence[str]) -> str:
         """The kernel of ``kernels`` (those able to run ``weight``, in order of preference)
-        that runs ``weight``: the forced one, the only one, or the measured winner.
-        ``rows_read``: the weight's rows are looked up too, so oneDNN would run it plain
-        (see :func:`~pagedllm.models.linear.prepare_weight`); timed and cached as such."""
+        that runs ``weight``: the forced one, the only one, or the measured winner. A
+        forced ``onednn`` runs a weight oneDNN cannot take in its layout ``dense``."""
         if self.requested != "auto":
-            if self.requested not in kernels:
+            if self.requested == "onednn" and "onednn" not in kernels:
+                kernel = "dense"
+            elif self.requested not in kernels:
                 raise ValueError(
                     f"linear_kernel={self.requested!r} cannot run a {weight.dtype} weight on "
                     f"{weight.device.type} (it can: {', '.join(kernels)})"
                 )
-            kernel = self.requested
+            else:
+                kernel = self.requested
         elif len(kernels) == 1:
             kernel = kernels[0]
         else:
             self.table = self.table or TimingTable()
-            entry = shape_entry(weight) + (" rows read" if rows_read else "")
             timings = self.table.timings(
-                entry, kernels, lambda: time_kernels(weight, kernels, not rows_read)
+                shape_entry(weight), kernels, lambda: time_kernels(weight, kernels)
             )
             kernel = kernels[0] if timings is None else winner(timings)
         if weight.device.type == "cpu":

@@ -1,12 +1,11 @@
 """The decoder's matrix products and the form its weights are kept in.
 
-A float32 or bfloat16 weight on the CPU is reordered once, at load time, into the layout
-of the kernel that multiplies it: panels (:class:`PackedWeight`) that ``packed_linear``
-(C++, AVX-512) streams, or oneDNN's blocked layout (:class:`OneDNNWeight`) for torch's
-oneDNN; which one is chosen per shape by capability and measurement
-(:mod:`pagedllm.cpu.kernel_choice`), or forced. Elsewhere (and for oneDNN where it cannot
-reorder, or the rows are read too) weights stay ``[out, in]`` tensors for ``F.linear``. Weights a
-GGUF file stores quantized may stay in its block format
+A float32 or bfloat16 weight on the CPU is kept, from load time on, in the layout of the
+kernel that multiplies it, chosen per shape by capability and measurement
+(:mod:`pagedllm.cpu.kernel_choice`) or forced: panels (:class:`PackedWeight`) that
+``packed_linear`` (C++, AVX-512) streams, oneDNN's blocked layout
+(:class:`OneDNNWeight`), or the plain ``[out, in]`` matrix for ``F.linear``, as
+everywhere off the CPU. Weights a GGUF file stores quantized may stay in its block format
 (:class:`~pagedllm.models.quantized_weight.QuantizedWeight`), interleaved by groups of 16
 rows where bfloat16 activations meet a kernel for the format
 (:class:`~pagedllm.models.interleaved_weight.InterleavedWeight`). All accumulate in
@@ -75,20 +74,28 @@ def prepare_weight(
     """The form :func:`linear` runs ``weight`` in: a quantized weight interleaved when
     ``choice`` says the activations are bfloat16 and a kernel takes its format, else as it
     is; a float weight packed, in oneDNN's layout, or the contiguous matrix, as ``choice``
-    picks among the kernels able to run it (``packed`` only where the AVX-512 kernels take
-    the weight); without ``choice``, packed wherever it can be. ``rows_read``: the
-    weight's rows are looked up too (an LM head tied to the embedding), which oneDNN's
-    opaque layout cannot serve, so for oneDNN it stays the plain matrix (one copy)."""
+    picks among the kernels able to run it (see :mod:`pagedllm.cpu.kernel_choice`);
+    without ``choice``, the first of them. ``rows_read``: the weight's rows are looked up
+    too (an LM head tied to the embedding), which oneDNN's opaque layout cannot serve, so
+    it is not a candidate (one copy, never two)."""
     if isinstance(weight, QuantizedWeight):
         if choice is not None and choice.activations == torch.bfloat16 and interleavable(weight):
             return InterleavedWeight.interleave(weight)
         return weight
     weight = weight.contiguous()
-    kernels = ("packed", "onednn") if fits_avx512_kernels(weight) else ("onednn",)
-    kernel = choice.choose(weight, kernels, rows_read) if choice else kernels[0]
+    kernels = [
+        kernel
+        for kernel, able in (
+            ("packed", fits_avx512_kernels(weight)),
+            ("onednn", reorderable(weight) and not rows_read),
+            ("dense", True),
+        )
+        if able
+    ]
+    kernel = choice.choose(weight, kernels) if choice else kernels[0]
     if kernel == "packed":
         return PackedWeight.pack(weight)
-    return weight if rows_read or not reorderable(weight) else OneDNNWeight.reorder(weight)
+    return OneDNNWeight.reorder(weight) if kernel == "onednn" else weight
 
 
 def fuse_rows(parts: list[torch.Tensor] | list[QuantizedWeight]) -> torch.Tensor | QuantizedWeight:

@@ -302,7 +302,7 @@ class LlamaDecoder(nn.Module):
     (:mod:`pagedllm.distributed.sharded_weights`): its layers run ``layer_config``, the
     rank's heads and MLP width; embedding rows and logits are those of its vocabulary
     shard (``vocab_rows``, padded), summed and gathered across the ranks. ``config``
-    stays the whole model's. ``linear_kernel`` (``auto``, ``packed``, ``onednn``;
+    stays the whole model's. ``linear_kernel`` (``auto``, ``packed``, ``onednn``, ``dense``;
     see :mod:`pagedllm.cpu.kernel_choice`) picks the form of each float matrix on the CPU;
     the choice is logged once.
     """

@@ -62,8 +62,9 @@ def load_model(
     to ``dtype``; ``"int8"`` rounds a safetensors checkpoint's matrices to int8 per output
     channel (CPU only).
     ``linear_kernel``: the form of the float matrices on the CPU, ``"auto"`` (packed for
-    ``packed_linear`` or plain for torch's GEMM, each shape by measurement, see
-    :mod:`pagedllm.cpu.kernel_choice`), ``"packed"`` or ``"onednn"``.
+    ``packed_linear``, oneDNN's blocked layout or the plain matrix for torch's GEMM, each
+    shape by measurement, see :mod:`pagedllm.cpu.kernel_choice`), ``"packed"``,
+    ``"onednn"`` or ``"dense"``.
     ``parallel``: load only this tensor-parallel rank's slice of the weights (see
     :mod:`pagedllm.distributed.sharded_weights`).
     ``activation_quantization``: ``"int8"`` rounds the activations meeting Q8_0 / Q4_0 /
