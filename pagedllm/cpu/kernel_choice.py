@@ -314,15 +314,14 @@ class KernelChoice:
         that runs ``weight``: the forced one, the only one, or the measured winner. A
         forced ``onednn`` runs a weight oneDNN cannot take in its layout ``dense``."""
         if self.requested != "auto":
-            if self.requested == "onednn" and "onednn" not in kernels:
+            kernel = self.requested
+            if kernel == "onednn" and kernel not in kernels:
                 kernel = "dense"
-            elif self.requested not in kernels:
+            if kernel not in kernels:
                 raise ValueError(
                     f"linear_kernel={self.requested!r} cannot run a {weight.dtype} weight on "
                     f"{weight.device.type} (it can: {', '.join(kernels)})"
                 )
-            else:
-                kernel = self.requested
         elif len(kernels) == 1:
             kernel = kernels[0]
         else:

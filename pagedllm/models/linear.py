@@ -83,15 +83,10 @@ def prepare_weight(
             return InterleavedWeight.interleave(weight)
         return weight
     weight = weight.contiguous()
-    kernels = [
-        kernel
-        for kernel, able in (
-            ("packed", fits_avx512_kernels(weight)),
-            ("onednn", reorderable(weight) and not rows_read),
-            ("dense", True),
-        )
-        if able
-    ]
+    kernels = ["packed"] if fits_avx512_kernels(weight) else []
+    if reorderable(weight) and not rows_read:
+        kernels.append("onednn")
+    kernels.append("dense")
     kernel = choice.choose(weight, kernels) if choice else kernels[0]
     if kernel == "packed":
         return PackedWeight.pack(weight)
