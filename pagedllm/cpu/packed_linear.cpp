@@ -22,6 +22,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -44,7 +45,8 @@ struct Float32Panels {
   static constexpr int64_t kStep = 1;
   static constexpr int64_t kChunk = 256;  // k values summed in registers at a time
   static Vec weights(const float* row, int v) { return _mm512_loadu_ps(row + 16 * v); }
-  static Vec broadcast(const float* x, int64_t k, int64_t) { return _mm512_set1_ps(x[k]); }
+  static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static Vec broadcast_last(const float* x) { return _mm512_set1_ps(*x); }
   static __m512 fma(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
   static __m512 load(const float* y, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, y); }
   static void store(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
@@ -56,10 +58,13 @@ struct BFloat16Panels {
   static constexpr int64_t kStep = 2;
   static constexpr int64_t kChunk = std::numeric_limits<int64_t>::max();  // y is rounded once
   static Vec weights(const uint16_t* row, int v) { return _mm512_loadu_si512(row + 32 * v); }
-  static Vec broadcast(const uint16_t* x, int64_t k, int64_t K) {
-    uint32_t pair = x[k];
-    if (k + 1 < K) std::memcpy(&pair, x + k, sizeof pair);
+  static Vec broadcast(const uint16_t* x) {  // the pair x[0], x[1]
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
     return _mm512_set1_epi32(static_cast<int>(pair));
+  }
+  static Vec broadcast_last(const uint16_t* x) {  // x[0] paired with zero: odd K's last k
+    return _mm512_set1_epi32(*x);
   }
   static __m512 fma(__m512 acc, Vec x, Vec w) {
 #ifdef __AVX512BF16__
@@ -95,20 +100,37 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
   __m512 acc[MR][kVectors];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += F::kStep) {
-    const T* row = panel + k / F::kStep * kRow;
-    const int64_t step = k / F::kStep;
-    if (next.rows && step % next.every == 0) {
-      const char* ahead = next.rows + step / next.every * kRowBytes;
-      for (int line = 0; line < kRowBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-    }
+  // One step: panel row `step` against the step's x values of every row.
+  auto multiply = [&](int64_t step, auto broadcast) {
+    const T* row = panel + step * kRow;
     typename F::Vec w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = F::weights(row, v);
     for (int m = 0; m < MR; ++m) {
-      const typename F::Vec xv = F::broadcast(x + m * K, k, K);
+      const typename F::Vec xv = broadcast(x + m * K + step * F::kStep);
       for (int v = 0; v < kVectors; ++v) acc[m][v] = F::fma(acc[m][v], xv, w[v]);
     }
+  };
+  // Whole steps run in segments of next.every, each but the first started by prefetching
+  // one panel row of the next panel; the steps inside check nothing (a test and a division
+  // per step cost more than the multiply-adds left room for).
+  const int64_t last_step = k1 / F::kStep;  // steps from here on hold k past K
+  int64_t step = k0 / F::kStep;
+  int64_t boundary = last_step;  // the next step that starts a segment
+  const char* ahead = nullptr;
+  if (next.rows) {
+    const int64_t share = (step + next.every - 1) / next.every;
+    boundary = share * next.every;
+    ahead = next.rows + share * kRowBytes;
   }
+  while (true) {
+    for (const int64_t end = std::min(boundary, last_step); step < end; ++step)
+      multiply(step, [](const T* p) { return F::broadcast(p); });
+    if (step >= last_step) break;
+    for (int line = 0; line < kRowBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    ahead += kRowBytes;
+    boundary += next.every;
+  }
+  if (k1 % F::kStep) multiply(last_step, [](const T* p) { return F::broadcast_last(p); });
   for (int v = 0; v < kVectors; ++v) {
     const int64_t left = N - n0 - 16 * v;
     if (left <= 0) break;
