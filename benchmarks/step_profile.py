@@ -11,12 +11,16 @@ dispatcher, where the profiler cannot see them, so the Python share here is that
 layer-by-layer path. The profiler adds some overhead of its own, so the shares, not the
 absolute times, are the result.
 
+``--workload shared-prefix`` profiles instead the 32 requests of ``benchmarks/vllm_cpu.py
+--workload shared-prefix`` (one 1,024-token prefix, prefix caching on) from their first
+step to their last.
+
 Records: ``machine``; ``phases`` (ms per step in each part of the step, from the
 engine's clocks); ``operators`` (ms per step and share by kind, the top operators of
 each); run it once per dtype and kernel setting to compare.
 
     python benchmarks/step_profile.py [--dtype bfloat16] [--num-requests 64]
-        [--steps 40] [--model M] [--quantization none]
+        [--steps 40] [--model M] [--quantization none] [--workload shared-prefix]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections import defaultdict
 from torch.profiler import ProfilerActivity, profile
 
 from pagedllm.bench.machine import machine_record
-from pagedllm.bench.workload import length_range, synthetic_workload
+from pagedllm.bench.workload import length_range, shared_prefix_workload, synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -66,12 +70,18 @@ def main() -> None:
     parser.add_argument("--output-len", type=length_range, default=(16, 256))
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
     args = parser.parse_args()
     emit(machine_record())
+    shared = args.workload == "shared-prefix"
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          log_stats_interval=0, enable_prefix_caching=False, enforce_eager=True)
+                          log_stats_interval=0, enable_prefix_caching=shared,
+                          enforce_eager=True)
     engine = LLMEngine(config)
-    requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
+    if shared:
+        requests = shared_prefix_workload(32)
+    else:
+        requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
     for index, request in enumerate(requests):
         params = SamplingParams(
             temperature=0.0,
@@ -80,12 +90,16 @@ def main() -> None:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids}, params)
-    for _ in range(args.warmup_steps):
+    for _ in range(0 if shared else args.warmup_steps):
         engine.step()
     before = dict(vars(engine.step_times))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            engine.step()
+        if shared:
+            while engine.has_unfinished_requests():
+                engine.step()
+        else:
+            for _ in range(args.steps):
+                engine.step()
     after = vars(engine.step_times)
     steps = after["steps"] - before["steps"]
     phases = {k: 1e3 * (after[k] - before[k]) / steps for k in after if k != "steps"}
