@@ -72,6 +72,23 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
     assert torch.equal(linear(x[3:16], w), together[3:16])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_row_is_summed_whole_across_blocks_of_k(dtype):
+    """K = 6,001: a panel too large for L2 is taken in blocks of K, and each output's sum
+    carries over from block to block. Small integers keep every partial sum exact, so
+    the result must be the exact sum, rounded once to the dtype: a block that restarted
+    its sums, or rounded them to bfloat16 on the way, would show."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (21, 6001), generator=generator).to(dtype)
+    w = torch.randint(-3, 4, (100, 6001), generator=generator).to(dtype)
+    bias = torch.randint(-3, 4, (100,), generator=generator).to(dtype)
+    exact = x.double() @ w.double().T + bias.double()
+    packed = PackedWeight.pack(w)
+    y = linear(x, packed, bias)
+    assert torch.equal(y, exact.to(dtype))
+    assert torch.equal(linear(x[20:], packed, bias)[0], y[20])
+
+
 def test_rejects_panels_that_do_not_match():
     w = torch.randn(100, 8)
     panels = pack_weight(w)

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "bfloat16.h"
 #include "kernels.h"
@@ -38,12 +39,14 @@ namespace {
 constexpr int kRowsPerTile = 8;  // rows of x per tile
 constexpr int kVectors = pagedllm::kPanelWidth / 16;
 constexpr int64_t kMinParallelBytes = 1 << 18;  // smaller weights stay on one thread
+constexpr int64_t kPanelBlockBytes = 1 << 19;     // larger panels are taken in blocks of K
 
 struct Float32Panels {
   using T = float;
   using Vec = __m512;
   static constexpr int64_t kStep = 1;
   static constexpr int64_t kChunk = 256;  // k values summed in registers at a time
+  static constexpr bool kRoundedOnce = false;  // y holds the sums between chunks
   static Vec weights(const float* row, int v) { return _mm512_loadu_ps(row + 16 * v); }
   static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
   static Vec broadcast_last(const float* x) { return _mm512_set1_ps(*x); }
@@ -56,7 +59,8 @@ struct BFloat16Panels {
   using T = uint16_t;
   using Vec = __m512i;  // 16 pairs of bfloat16
   static constexpr int64_t kStep = 2;
-  static constexpr int64_t kChunk = std::numeric_limits<int64_t>::max();  // y is rounded once
+  static constexpr int64_t kChunk = std::numeric_limits<int64_t>::max();
+  static constexpr bool kRoundedOnce = true;  // y is rounded once, from float32 sums
   static Vec weights(const uint16_t* row, int v) { return _mm512_loadu_si512(row + 32 * v); }
   static Vec broadcast(const uint16_t* x) {  // the pair x[0], x[1]
     uint32_t pair;
@@ -81,25 +85,33 @@ struct BFloat16Panels {
   static void store(uint16_t* y, __m512 v, __mmask16 mask) { pagedllm::bf16::store(y, v, mask); }
 };
 
-// The part of the next panel one tile prefetches: one panel row (kRowBytes, three cache
-// lines) every `every` steps of k, starting at `rows`; none when rows is null.
+// The part of the next panel rows one tile prefetches: one panel row (kRowBytes, three
+// cache lines) every `every` steps of k counted from step `origin`, starting at `rows`;
+// none when rows is null.
 struct NextPanelShare {
   const char* rows;
   int64_t every;
+  int64_t origin;
 };
 
 constexpr int64_t kRowBytes = pagedllm::kPanelWidth * 4;  // bytes per panel row, both types
 
 // y[m, n0 .. n0 + kPanelWidth) for the MR rows of x starting at x, over k in [k0, k1);
-// the first chunk stores, later ones add, the last adds the bias.
+// the first chunk stores, later ones add, the last adds the bias. With `partial` (MR x
+// kPanelWidth float32 sums of bfloat16 products, whose y is rounded once), the sums
+// carry over between calls instead: a call that is not the first starts from them and
+// one that is not the last leaves them there, so they run on in the same order.
 template <typename F, int MR, typename T = typename F::T>
 void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const float* bias,
-          T* y, int64_t N, int64_t n0, bool first, bool last, NextPanelShare next) {
+          T* y, int64_t N, int64_t n0, bool first, bool last, NextPanelShare next,
+          float* partial) {
   constexpr int64_t kRow = pagedllm::kPanelWidth * F::kStep;  // values per panel row
   static_assert(kRow * sizeof(T) == kRowBytes);
   __m512 acc[MR][kVectors];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kVectors; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v)
+      acc[m][v] = partial && !first ? _mm512_loadu_ps(partial + (m * kVectors + v) * 16)
+                                    : _mm512_setzero_ps();
   // One step: panel row `step` against the step's x values of every row.
   auto multiply = [&](int64_t step, auto broadcast) {
     const T* row = panel + step * kRow;
@@ -118,8 +130,8 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
   int64_t boundary = last_step;  // the next step that starts a segment
   const char* ahead = nullptr;
   if (next.rows) {
-    const int64_t share = (step + next.every - 1) / next.every;
-    boundary = share * next.every;
+    const int64_t share = (step - next.origin + next.every - 1) / next.every;
+    boundary = next.origin + share * next.every;
     ahead = next.rows + share * kRowBytes;
   }
   while (true) {
@@ -131,6 +143,12 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
     boundary += next.every;
   }
   if (k1 % F::kStep) multiply(last_step, [](const T* p) { return F::broadcast_last(p); });
+  if (partial && !last) {
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < kVectors; ++v)
+        _mm512_storeu_ps(partial + (m * kVectors + v) * 16, acc[m][v]);
+    return;
+  }
   for (int v = 0; v < kVectors; ++v) {
     const int64_t left = N - n0 - 16 * v;
     if (left <= 0) break;
@@ -146,17 +164,25 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
   }
 }
 
+// Tiles over steps [s0, s1) of K, in chunks of F::kChunk values of k; k = K ends the sum.
 template <typename F, int MR, typename T = typename F::T>
-void tiles_over_k(const T* x, int64_t K, const T* panel, const float* bias, T* y, int64_t N,
-                  int64_t n0, NextPanelShare next) {
-  for (int64_t k0 = 0; k0 < K; k0 += F::kChunk) {
-    const int64_t k1 = K - k0 > F::kChunk ? k0 + F::kChunk : K;
-    tile<F, MR>(x, K, panel, k0, k1, bias, y, N, n0, k0 == 0, k1 == K, next);
+void tiles_over_k(const T* x, int64_t K, const T* panel, int64_t s0, int64_t s1,
+                  const float* bias, T* y, int64_t N, int64_t n0, NextPanelShare next,
+                  float* partial) {
+  const int64_t end = std::min(K, s1 * F::kStep);
+  for (int64_t k0 = s0 * F::kStep, k1; k0 < end; k0 = k1) {
+    k1 = end - k0 > F::kChunk ? k0 + F::kChunk : end;
+    tile<F, MR>(x, K, panel, k0, k1, bias, y, N, n0, k0 == 0, k1 == K, next, partial);
   }
 }
 
-// Every row of x against the panel of output features n0 .. n0 + kPanelWidth; with more
-// than one tile of rows, the tiles prefetch next_panel (null: none) in equal shares.
+// Every row of x against the panel of output features n0 .. n0 + kPanelWidth. A panel
+// larger than kPanelBlockBytes is taken in blocks of steps of K that fit in L2, all the
+// rows over one block before the next (else every tile of rows would read the whole
+// panel from L3); the rows' sums carry over from block to block in y (float32, as
+// between chunks) or in float32 scratch (bfloat16), in the order of k either way. With
+// more than one tile of rows, the tiles prefetch in equal shares what comes next: the
+// panel's next block, or next_panel (null: none).
 template <typename F, typename T = typename F::T>
 void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t n0,
                 const std::type_identity_t<T>* next_panel) {
@@ -164,28 +190,44 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
   T* y = static_cast<T*>(p.y);
   const int64_t tiles = (p.M + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t steps = (p.K + F::kStep - 1) / F::kStep;
-  auto share = [&](int64_t tile_index) {
-    if (tiles < 2 || !next_panel) return NextPanelShare{nullptr, 1};
-    const char* rows = reinterpret_cast<const char*>(next_panel);
-    return NextPanelShare{rows + tile_index * steps / tiles * kRowBytes, tiles};
-  };
-  int64_t m = 0;
-  for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) {
-    tiles_over_k<F, kRowsPerTile>(x + m * p.K, p.K, panel, p.bias, y + m * p.N, p.N, n0,
-                                  share(m / kRowsPerTile));
+  const int64_t block_steps =
+      steps * kRowBytes <= kPanelBlockBytes ? steps : kPanelBlockBytes / kRowBytes / 256 * 256;
+  float* partials = nullptr;
+  if constexpr (F::kRoundedOnce) {
+    thread_local std::vector<float> scratch;
+    if (block_steps < steps) {
+      scratch.resize(tiles * kRowsPerTile * pagedllm::kPanelWidth);
+      partials = scratch.data();
+    }
   }
-  const T* xm = x + m * p.K;
-  T* ym = y + m * p.N;
-  const NextPanelShare next = share(m / kRowsPerTile);
-  switch (p.M - m) {
-    case 7: tiles_over_k<F, 7>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    case 6: tiles_over_k<F, 6>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    case 5: tiles_over_k<F, 5>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    case 4: tiles_over_k<F, 4>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    case 3: tiles_over_k<F, 3>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    case 2: tiles_over_k<F, 2>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    case 1: tiles_over_k<F, 1>(xm, p.K, panel, p.bias, ym, p.N, n0, next); break;
-    default: break;
+  const char* panel_bytes = reinterpret_cast<const char*>(panel);
+  for (int64_t s0 = 0; s0 < steps; s0 += block_steps) {
+    const int64_t s1 = std::min(steps, s0 + block_steps);
+    // What comes after this block, and how many steps of it the tiles share out.
+    const char* ahead = s1 < steps ? panel_bytes + s1 * kRowBytes
+                                   : reinterpret_cast<const char*>(next_panel);
+    const int64_t ahead_steps = s1 < steps ? std::min(block_steps, steps - s1) : s1 - s0;
+    auto share = [&](int64_t tile_index) {
+      if (tiles < 2 || !ahead) return NextPanelShare{nullptr, 1, 0};
+      return NextPanelShare{ahead + tile_index * ahead_steps / tiles * kRowBytes, tiles, s0};
+    };
+    auto rows = [&]<int MR>(int64_t m) {
+      float* partial = partials ? partials + m * pagedllm::kPanelWidth : nullptr;
+      tiles_over_k<F, MR>(x + m * p.K, p.K, panel, s0, s1, p.bias, y + m * p.N, p.N, n0,
+                          share(m / kRowsPerTile), partial);
+    };
+    int64_t m = 0;
+    for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) rows.template operator()<kRowsPerTile>(m);
+    switch (p.M - m) {
+      case 7: rows.template operator()<7>(m); break;
+      case 6: rows.template operator()<6>(m); break;
+      case 5: rows.template operator()<5>(m); break;
+      case 4: rows.template operator()<4>(m); break;
+      case 3: rows.template operator()<3>(m); break;
+      case 2: rows.template operator()<2>(m); break;
+      case 1: rows.template operator()<1>(m); break;
+      default: break;
+    }
   }
 }
 
