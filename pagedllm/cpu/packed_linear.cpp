@@ -11,7 +11,9 @@
 // a prefill step's thousand, where it is bound by arithmetic. In between (9 to ~64 rows)
 // a panel's first tile waits on memory and its later tiles on the multiply-adds; each
 // tile therefore prefetches its share of the next panel into L2, so the next panel's
-// reads overlap this panel's arithmetic (measured 1.04-1.3x faster at 16-64 rows).
+// reads overlap this panel's arithmetic (measured 1.04-1.3x faster at 16-64 rows). A
+// panel too large for L2 (long K) is taken in blocks of K, all rows over each block in
+// turn, and the tiles prefetch the next block instead.
 //
 // Every output is summed over k in the same order whatever M is and whichever tile its
 // row falls in, so a row's result never depends on the other rows of the batch. Float32
