@@ -11,9 +11,10 @@ dispatcher, where the profiler cannot see them, so the Python share here is that
 layer-by-layer path. The profiler adds some overhead of its own, so the shares, not the
 absolute times, are the result.
 
-``--workload shared-prefix`` profiles instead the 32 requests of ``benchmarks/vllm_cpu.py
---workload shared-prefix`` (one 1,024-token prefix, prefix caching on) from their first
-step to their last.
+``--workload shared-prefix`` profiles instead the requests of ``benchmarks/vllm_cpu.py
+--workload shared-prefix`` (32 unless ``--num-requests``; one 1,024-token prefix, prefix
+caching on) from their first step to their last; the lengths and step counts of the
+mixed workload do not apply to it.
 
 Records: ``machine``; ``phases`` (ms per step in each part of the step, from the
 engine's clocks); ``operators`` (ms per step and share by kind, the top operators of
@@ -65,23 +66,32 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=length_range, default=(32, 512))
-    parser.add_argument("--output-len", type=length_range, default=(16, 256))
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--num-requests", type=int, help="64 mixed, 32 shared-prefix")
     parser.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
+    mixed_only = {"--prompt-len": (length_range, (32, 512)),
+                  "--output-len": (length_range, (16, 256)),
+                  "--warmup-steps": (int, 10), "--steps": (int, 40)}  # fmt: skip
+    for flag, (kind, default) in mixed_only.items():
+        parser.add_argument(flag, type=kind, help=f"mixed workload only (default {default})")
     args = parser.parse_args()
-    emit(machine_record())
     shared = args.workload == "shared-prefix"
+    for flag, (_, default) in mixed_only.items():
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif shared:
+            parser.error(f"{flag} applies to the mixed workload only")
+    emit(machine_record())
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           log_stats_interval=0, enable_prefix_caching=shared,
                           enforce_eager=True)
     engine = LLMEngine(config)
     if shared:
-        requests = shared_prefix_workload(32)
+        requests = shared_prefix_workload(args.num_requests or 32)
     else:
-        requests = synthetic_workload(args.num_requests, 0, args.prompt_len, args.output_len)
+        requests = synthetic_workload(
+            args.num_requests or 64, 0, args.prompt_len, args.output_len
+        )
     for index, request in enumerate(requests):
         params = SamplingParams(
             temperature=0.0,

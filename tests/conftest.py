@@ -63,7 +63,6 @@ def kernel_choice_without_timing(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_choice, "time_kernels", packed_first)
         patch.setattr(attention_choice, "time_prefill", paged_first)
-        patch.setattr(kernel_choice, "cache_dir", lambda: folder)
         patch.setattr(user_cache, "cache_dir", lambda: folder)
         patch.setattr(kernel_choice, "contended", lambda cores: False)
         yield

@@ -20,7 +20,7 @@ from transformers_oracle import (
     write_random_checkpoint,
 )
 
-from pagedllm import EngineConfig
+from pagedllm import EngineConfig, user_cache
 from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.cpu import kernel_choice
 from pagedllm.cpu.extension import avx512_kernels_available
@@ -31,7 +31,7 @@ from pagedllm.models.loader import load_model
 
 # Read at collection, before conftest swaps in its fake timer and session cache folder
 # (it also turns the contention check off: the tests below see every timing trusted).
-REAL_TIMER, REAL_CACHE_DIR = kernel_choice.time_kernels, kernel_choice.cache_dir
+REAL_TIMER, REAL_CACHE_DIR = kernel_choice.time_kernels, user_cache.cache_dir
 REAL_CONTENDED = kernel_choice.contended
 needs_avx512 = pytest.mark.skipif(
     not avx512_kernels_available(), reason="the packed kernel needs AVX-512"
@@ -59,7 +59,7 @@ def fake_timer(monkeypatch, tmp_path):
     ) -> FakeTimer:
         timer = FakeTimer(onednn_shapes, dense_shapes)
         monkeypatch.setattr(kernel_choice, "time_kernels", timer)
-        monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path / "pagedllm")
+        monkeypatch.setattr(user_cache, "cache_dir", lambda: tmp_path / "pagedllm")
         return timer
 
     return install
@@ -132,7 +132,7 @@ def test_dense_can_win_and_a_tied_weight_never_takes_onednns_layout(fake_timer):
 
 def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(kernel_choice, "cache_dir", REAL_CACHE_DIR)
+    monkeypatch.setattr(user_cache, "cache_dir", REAL_CACHE_DIR)
     timed = []
 
     def counted(weight, kernels):
@@ -188,7 +188,7 @@ def test_contention_counts_the_cores_torch_threads_need(monkeypatch):
 def test_a_cache_that_cannot_be_written_only_warns(monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: blocker / "pagedllm")
+    monkeypatch.setattr(user_cache, "cache_dir", lambda: blocker / "pagedllm")
     table = TimingTable()
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
         table.timings("float32 8x8", ("onednn",), lambda: REAL_TIMER(torch.randn(8, 8), ["onednn"]))

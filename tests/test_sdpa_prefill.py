@@ -13,7 +13,7 @@ import torch
 from paged_cases import build_case
 from transformers_oracle import engine_greedy, reference_greedy, write_random_checkpoint
 
-from pagedllm import EngineConfig
+from pagedllm import EngineConfig, user_cache
 from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import reference_paged_attention
@@ -130,7 +130,7 @@ def test_crossover_is_the_least_bucket_sdpa_wins_from_with_a_margin():
 
 
 def test_auto_times_each_layout_once_and_caches_the_choice(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path / "pagedllm")
+    monkeypatch.setattr(user_cache, "cache_dir", lambda: tmp_path / "pagedllm")
     timed = []
 
     def fake(layout):
@@ -195,7 +195,7 @@ def test_attention_kernel_config_and_flag(monkeypatch):
 
 
 def test_timings_under_contention_keep_every_row_paged_uncached(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path / "pagedllm")
+    monkeypatch.setattr(user_cache, "cache_dir", lambda: tmp_path / "pagedllm")
     monkeypatch.setattr(kernel_choice, "contended", lambda cores: True)
     monkeypatch.setattr(attention_choice, "time_prefill", lambda layout: rows_timings(16))
     case = build_case([40], [40], BLOCK, HQ, HKV, D, torch.float32, seed=8)

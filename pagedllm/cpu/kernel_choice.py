@@ -56,10 +56,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedllm import user_cache
 from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
 from pagedllm.cpu.onednn import onednn_linear, reorder
-from pagedllm.user_cache import cache_dir
 
 LINEAR_KERNELS = ("auto", "packed", "onednn", "dense")
 """``linear_kernel`` values: measure, or force one form for every float weight."""
@@ -120,7 +120,7 @@ def machine_key(buckets: Sequence[int] = tuple(BUCKETS)) -> dict[str, object]:
 def cache_path(key: dict[str, object], kind: str = "linear-kernels") -> Path:
     """The JSON file caching the ``kind`` timings of ``key``."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_dir() / f"{kind}-{digest}.json"
+    return user_cache.cache_dir() / f"{kind}-{digest}.json"
 
 
 def timed_rows(rows: int, out_features: int, in_features: int) -> int:

@@ -51,7 +51,6 @@ struct Float32Panels {
   static constexpr bool kRoundedOnce = false;  // y holds the sums between chunks
   static Vec weights(const float* row, int v) { return _mm512_loadu_ps(row + 16 * v); }
   static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
-  static Vec broadcast_last(const float* x) { return _mm512_set1_ps(*x); }
   static __m512 fma(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
   static __m512 load(const float* y, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, y); }
   static void store(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
@@ -144,7 +143,9 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
     ahead += kRowBytes;
     boundary += next.every;
   }
-  if (k1 % F::kStep) multiply(last_step, [](const T* p) { return F::broadcast_last(p); });
+  if constexpr (F::kStep > 1) {
+    if (k1 % F::kStep) multiply(last_step, [](const T* p) { return F::broadcast_last(p); });
+  }
   if (partial && !last) {
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < kVectors; ++v)
@@ -192,8 +193,10 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
   T* y = static_cast<T*>(p.y);
   const int64_t tiles = (p.M + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t steps = (p.K + F::kStep - 1) / F::kStep;
-  const int64_t block_steps =
-      steps * kRowBytes <= kPanelBlockBytes ? steps : kPanelBlockBytes / kRowBytes / 256 * 256;
+  // Blocks of whole float32 chunks, so that no chunk of the sums moves.
+  constexpr int64_t kBlockSteps =
+      kPanelBlockBytes / kRowBytes / Float32Panels::kChunk * Float32Panels::kChunk;
+  const int64_t block_steps = steps * kRowBytes <= kPanelBlockBytes ? steps : kBlockSteps;
   float* partials = nullptr;
   if constexpr (F::kRoundedOnce) {
     thread_local std::vector<float> scratch;
