@@ -65,11 +65,12 @@ constexpr bool kPairDot =
     false;
 #endif
 
-// Running state of one query row: float32 accumulator, max score and softmax sum; and
-// the current chunk's keys transposed, for tiles that score against them.
+// Running state of one query row: float32 accumulator, max score and softmax sum (16
+// partial sums, one per lane, added up only when the row is stored); and the current
+// chunk's keys transposed, for tiles that score against them.
 struct Scratch {
-  std::vector<vfloat> query, acc, keys_t;
-  std::vector<float> row_max, row_sum;
+  std::vector<vfloat> query, acc, keys_t, row_sum;
+  std::vector<float> row_max;
   std::vector<int64_t> pos;  // each row's position in its sequence
   void resize(int64_t rows, int64_t vectors) {
     pos.resize(rows);
@@ -248,7 +249,7 @@ void load_rows(const T* q, const Tile& tile, int64_t kv_head, int64_t row, const
     }
     w.pos[row + r] = tile.first_pos + r / group;
     w.row_max[row + r] = kMinScore;
-    w.row_sum[row + r] = 0.f;
+    w.row_sum[row + r] = vfloat{};
   }
 }
 
@@ -260,7 +261,7 @@ void store_rows(T* out, const Tile& tile, int64_t kv_head, int64_t row, const Sh
   const int64_t nv = NV ? NV : s.head_dim / kLanes;
   for (int64_t r = 0; r < tile.num_tokens * group; ++r) {
     T* dst = out + query_offset(tile, kv_head, r, s);
-    const float inv = 1.f / w.row_sum[row + r];
+    const float inv = 1.f / hsum(w.row_sum[row + r]);
     for (int64_t j = 0; j < nv; ++j) {
       const vfloat o = w.acc[(row + r) * nv + j] * inv;
       for (int i = 0; i < kLanes; ++i) store(dst + j * kLanes + i, o[i]);
@@ -395,9 +396,10 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
       bool whole = n == kChunk;
       for (int i = 0; i < RB; ++i) whole = whole && seen_from[i] == 0 && seen[i] == kChunk;
       vfloat score[RB][kChunkVectors], visible[RB][kChunkVectors];
-      alignas(64) float old_max[kLanes] = {}, new_max[kLanes] = {};
+      static_assert(RB <= 4, "max_of_rows reduces four rows");
+      vfloat chunk_max[4];
+      for (int i = 0; i < 4; ++i) chunk_max[i] = broadcast(kMinScore);
       for (int i = 0; i < RB; ++i) {
-        vfloat chunk_max = vfloat{} + kMinScore;
         for (int c = 0; c < kChunkVectors; ++c) {
           vfloat x = raw[c][i];
           if constexpr (Rows::kScaled) x *= load(&k_scales[c * kLanes]);
@@ -415,14 +417,18 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
             x = visible[i][c] > 0.f ? x : vfloat{} + kMinScore;
           }
           score[i][c] = x;
-          chunk_max = chunk_max > x ? chunk_max : x;
+          chunk_max[i] = chunk_max[i] > x ? chunk_max[i] : x;
         }
-        float& row_max = w.row_max[row_begin + r0 + i];
-        old_max[i] = row_max;
-        new_max[i] = row_max = std::max(row_max, hmax(chunk_max));
       }
+      // The rows' maxima before and after this chunk, row i in lane i.
+      float* row_max = &w.row_max[row_begin + r0];
+      vfloat old_max = broadcast(kMinScore);
+      std::memcpy(&old_max, row_max, RB * sizeof(float));
+      const vfloat chunk_maxima = max_of_rows(chunk_max);
+      const vfloat new_max = old_max > chunk_maxima ? old_max : chunk_maxima;
+      std::memcpy(row_max, &new_max, RB * sizeof(float));
       // exp(old max - new max) per row: exactly 1 where the maximum did not move.
-      const vfloat correction = vexp(load(old_max) - load(new_max));
+      const vfloat correction = vexp(old_max - new_max);
       for (int i = 0; i < RB; ++i) {
         vfloat sum = vfloat{};
         for (int c = 0; c < kChunkVectors; ++c) {
@@ -431,8 +437,8 @@ void attend_rows(const typename Rows::Elem* k_cache, const typename Rows::Elem* 
           sum += p;
           std::memcpy(&probs[i][c * kLanes], &p, sizeof p);
         }
-        float& row_sum = w.row_sum[row_begin + r0 + i];
-        row_sum = row_sum * correction[i] + hsum(sum);
+        vfloat& row_sum = w.row_sum[row_begin + r0 + i];
+        row_sum = row_sum * correction[i] + sum;
       }
       vfloat acc[RB][kNV];
       for (int i = 0; i < RB; ++i)
