@@ -38,6 +38,25 @@ def test_rms_norm(dtype, dim):
         torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
 
 
+def test_bfloat16_rounding_keeps_subnormals_and_quiets_nan():
+    """The products weight x normed land on bfloat16 subnormals, ties, infinity and NaN:
+    every number rounds to torch's bits and every NaN stays NaN, whichever conversion the
+    kernel takes."""
+    dim = 64
+    x = torch.ones(4, dim, dtype=torch.bfloat16)
+    weight = torch.full((dim,), 3e-39).to(torch.bfloat16)  # subnormal products
+    weight[1::4] = torch.tensor([1.0 + 2**-8, 3e38, -3e38, 1e-45]).repeat(dim // 16)[: dim // 4]
+    weight[::16] = float("nan")
+    x[1] = 1.5  # every product of row 1 away from the subnormals: the native conversion
+    x[2, :16] = float("nan")
+    reference = transformers_rms_norm(x, weight, 1e-5)
+    ours = rms_norm(x, weight, 1e-5)
+    nan = reference.isnan()
+    assert torch.equal(ours.isnan(), nan) and nan[2].all()
+    assert torch.equal(ours.view(torch.int16)[~nan], reference.view(torch.int16)[~nan])
+    assert (reference[0].abs() < torch.finfo(torch.bfloat16).tiny).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1536, 9])
 def test_silu_and_mul(dtype, width):
