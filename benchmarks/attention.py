@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu import paged_attention
+from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.cpu.attention_choice import CONTEXT, ROW_BUCKETS, TOTAL_ROWS, crossover, time_prefill
 from pagedllm.cpu.extension import ops
 
@@ -75,11 +77,18 @@ class PagedBatch:
     ):
         blocks_per_seq = -(-seq_len // block_size)
         num_blocks = num_seqs * blocks_per_seq
+        # In huge pages, as the engine's pool: else scattered small blocks would time
+        # TLB misses the engine never pays.
+        shape = (2, num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM)
         if token_major:  # [blocks, block_size, heads, dim], seen through a permuted view
-            storage = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+            shape = (2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        numel = math.prod(shape)
+        region = huge_page_region(numel * dtype.itemsize)[: numel * dtype.itemsize]
+        storage = region.view(dtype).view(shape)
+        storage.copy_(torch.randn(shape))
+        if token_major:
             self.k_cache, self.v_cache = storage.permute(0, 1, 3, 2, 4).unbind(0)
         else:
-            storage = torch.randn(2, num_blocks, NUM_KV_HEADS, block_size, HEAD_DIM).to(dtype)
             self.k_cache, self.v_cache = storage.unbind(0)
         self.kv_bytes = storage.numel() * storage.element_size()
         perm = torch.randperm(num_blocks, dtype=torch.int32)
