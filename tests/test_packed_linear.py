@@ -73,6 +73,31 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_every_panel_is_computed_once_whatever_the_thread_count(dtype):
+    """Threads claim panels in pairs from both ends of a run: with 1 to 5 threads (odd
+    teams leave one thread alone on its run) every output feature is written, with the
+    same bits as on one thread. Before each call, memory of the output's size is filled
+    with NaN and freed, so that a panel no thread took would most likely show as NaN
+    rather than as the previous call's result."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 576, generator=generator).to(dtype)
+    w = PackedWeight.pack(torch.randn(49 * PANEL_WIDTH - 5, 576, generator=generator).to(dtype))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in range(1, 6):
+            torch.set_num_threads(threads)
+            torch.full((9, w.out_features), float("nan"), dtype=dtype)  # freed at once
+            y = linear(x, w)
+            assert not y.isnan().any()
+            results.append(y)
+    finally:
+        torch.set_num_threads(before)
+    for y in results[1:]:
+        assert torch.equal(y, results[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_long_row_is_summed_whole_across_blocks_of_k(dtype):
     """K = 6,001: a panel too large for L2 is taken in blocks of K, and each output's sum
     carries over from block to block. Small integers keep every partial sum exact, so

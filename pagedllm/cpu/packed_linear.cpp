@@ -23,8 +23,10 @@
 // nearest even), like torch's bfloat16 matmul.
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -236,6 +238,12 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
   }
 }
 
+// The panels are shared out between threads in pairs: each pair owns a run of panels
+// in proportion to its threads; one thread of a pair takes panels from the run's front,
+// the other from its back, each claiming one at a time, until they meet. A thread slowed
+// down (by the machine, or by its own cold cache) thus leaves its partner more of the
+// run instead of a wait at the end, while each thread still walks its panels in order
+// and prefetches the one it takes next. Which thread computes a panel changes no bit.
 template <typename F>
 void run(const pagedllm::PackedLinearProblem& p) {
   const int64_t count = pagedllm::num_panels(p.N);
@@ -243,10 +251,21 @@ void run(const pagedllm::PackedLinearProblem& p) {
   const int threads = bytes < kMinParallelBytes ? 1 : p.num_threads;
   const auto* panels = static_cast<const typename F::T*>(p.panels);
   const int64_t panel_size = (p.K + F::kStep - 1) / F::kStep * pagedllm::kPanelWidth * F::kStep;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t panel = 0; panel < count; ++panel) {
-    const auto* next = panel + 1 < count ? panels + (panel + 1) * panel_size : nullptr;
-    panel_rows<F>(p, panels + panel * panel_size, panel * pagedllm::kPanelWidth, next);
+  std::vector<std::atomic<int64_t>> claimed((threads + 1) / 2);  // panels taken, per pair
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t pair = t / 2, from_back = t % 2;
+    const int64_t lo = count * (2 * pair) / team;
+    const int64_t hi = count * std::min(2 * pair + 2, team) / team;
+    const int64_t step = from_back ? -1 : 1;
+    int64_t panel = from_back ? hi - 1 : lo;
+    while (claimed[pair].fetch_add(1, std::memory_order_relaxed) < hi - lo) {
+      const int64_t ahead = panel + step;
+      const auto* next = ahead >= lo && ahead < hi ? panels + ahead * panel_size : nullptr;
+      panel_rows<F>(p, panels + panel * panel_size, panel * pagedllm::kPanelWidth, next);
+      panel = ahead;
+    }
   }
 }
 
