@@ -123,3 +123,30 @@ def test_bfloat16_result_is_the_exact_one_rounded_once(head_dim, query_lens):
     exact = sdpa_expected(case, torch.float64)
     assert (out == exact.to(torch.bfloat16)).double().mean() >= 0.995
     assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_decode_batch_under_all_heads_at_once_has_the_bits_of_each_row_alone(
+    dtype, head_dim
+):
+    """24 decode sequences are enough work items for the kernel to take each one under
+    every kv head at once, the heads taking turns chunk by chunk; one sequence alone is
+    attended one head at a time. The rows must agree to the bit, and with the reference."""
+    rng = random.Random(5)
+    seq_lens = [rng.randint(1, 600) for _ in range(24)]
+    case = build_case(seq_lens, [1] * 24, 16, 9, 3, head_dim, dtype, seed=head_dim)
+    out = kernel_output(case)
+    md = case.metadata
+    for i in range(len(seq_lens)):
+        alone = torch.empty_like(case.q[i : i + 1])
+        paged_attention(
+            alone, case.q[i : i + 1], case.k_cache, case.v_cache, md.block_tables[i : i + 1],
+            md.seq_lens[i : i + 1], md.query_start_loc[:2], case.scale,
+        )  # fmt: skip
+        assert torch.equal(alone[0], out[i])
+    expected = reference_paged_attention(
+        case.q, case.k_cache, case.v_cache, case.metadata, case.scale
+    )
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
