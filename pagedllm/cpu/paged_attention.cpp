@@ -470,8 +470,7 @@ template <typename T, typename Rows, int NV>
 void attend_rows_dispatch(const typename Rows::Elem* k_cache,
                           const typename Rows::Elem* v_cache, const int32_t* table,
                           int64_t kv_head, int64_t row_begin, int64_t rows, int64_t begin,
-                          int64_t end, const Shapes& s, Scratch& w, int64_t prefetch_end = -1) {
-  if (prefetch_end < 0) prefetch_end = end;
+                          int64_t end, int64_t prefetch_end, const Shapes& s, Scratch& w) {
 #define PAGEDLLM_ATTEND(RB)                                                                \
   return attend_rows<T, Rows, NV, RB>(k_cache, v_cache, table, kv_head, row_begin, rows, \
                                       begin, end, prefetch_end, s, w)
@@ -514,12 +513,13 @@ void attend_item(const WorkItem& item, const Tile* tiles, int64_t kv_head, const
   const auto table = [&](const Tile* t) { return s.block_tables + t->seq * s.max_blocks; };
   if (item.shared_end > 0)
     attend_rows_dispatch<T, Rows, NV>(kp, vp, table(first), kv_head, 0, rows, 0,
-                                      item.shared_end, s, w);
+                                      item.shared_end, item.shared_end, s, w);
   row = 0;
   for (const Tile* t = first; t != last; ++t) {
     const int64_t tile_rows = t->num_tokens * group;
+    const int64_t end = t->first_pos + t->num_tokens;
     attend_rows_dispatch<T, Rows, NV>(kp, vp, table(t), kv_head, row, tile_rows,
-                                      item.shared_end, t->first_pos + t->num_tokens, s, w);
+                                      item.shared_end, end, end, s, w);
     store_rows<T, NV>(static_cast<T*>(s.out), *t, kv_head, row, s, w);
     row += tile_rows;
   }
@@ -545,9 +545,15 @@ void attend_item_heads(const WorkItem& item, const Tile* tiles, const Shapes& s,
   for (int64_t c = 0; c < end; c += kChunk)
     for (int64_t h = 0; h < s.num_kv_heads; ++h)
       attend_rows_dispatch<T, Rows, NV>(kp, vp, table, h, h * rows, rows, c,
-                                        std::min(end, c + kChunk), s, w, end);
+                                        std::min(end, c + kChunk), end, s, w);
   for (int64_t h = 0; h < s.num_kv_heads; ++h)
     store_rows<T, NV>(static_cast<T*>(s.out), tile, h, h * rows, s, w);
+}
+
+// Whether a tile has too few query rows to score against transposed keys (decode): such
+// tiles share work items over a common prefix, or take all kv heads at once.
+bool few_rows(const Shapes& s, const Tile& t) {
+  return t.num_tokens * (s.num_q_heads / s.num_kv_heads) < kTransposedMinRows;
 }
 
 // Leading positions, a multiple of kChunk, that sequence b's block table shares with
@@ -569,8 +575,7 @@ int64_t shared_positions(const Shapes& s, const Tile& a, const Tile& b) {
 std::vector<WorkItem> plan_items(const Shapes& s, std::vector<Tile>& tiles) {
   const int64_t group = s.num_q_heads / s.num_kv_heads;
   const auto small = [&](const Tile& t) {
-    return !s.sliding_window && t.num_tokens * group < kTransposedMinRows &&
-           t.first_pos >= kChunk;
+    return !s.sliding_window && few_rows(s, t) && t.first_pos >= kChunk;
   };
   const auto first_block = [&](const Tile& t) { return s.block_tables[t.seq * s.max_blocks]; };
   // Tiles to group first, by first block; the rest after them, as they were.
@@ -610,6 +615,14 @@ std::vector<WorkItem> plan_items(const Shapes& s, std::vector<Tile>& tiles) {
   return items;
 }
 
+// One work unit: the item under kv head `kv_head`, or under all of them when it is -1.
+template <typename T, typename Rows, int NV>
+void attend_unit(const WorkItem& item, const Tile* tiles, int64_t kv_head, const Shapes& s,
+                 Scratch& w) {
+  if (kv_head < 0) return attend_item_heads<T, Rows, NV>(item, tiles, s, w);
+  attend_item<T, Rows, NV>(item, tiles, kv_head, s, w);
+}
+
 template <typename T, typename Rows>
 void run(const Shapes& s) {
   std::vector<Tile> tiles;
@@ -630,9 +643,8 @@ void run(const Shapes& s) {
   // once (attend_item_heads) where there are enough of those to keep every thread busy;
   // the costliest first, as dynamic scheduling then balances the ends of the queue.
   const auto heads_together = [&](const WorkItem& item) {
-    const Tile& tile = tiles[item.first_tile];
     return item.num_tiles == 1 && item.shared_end == 0 && !s.sliding_window &&
-           tile.num_tokens * (s.num_q_heads / s.num_kv_heads) < kTransposedMinRows;
+           few_rows(s, tiles[item.first_tile]);
   };
   const int64_t together = std::count_if(items.begin(), items.end(), heads_together);
   const bool enough = s.num_kv_heads > 1 && together >= kUnitsPerThread * s.num_threads;
@@ -660,14 +672,11 @@ void run(const Shapes& s) {
     const auto [item_index, kv_head] = units[index];
     const WorkItem& item = items[item_index];
     if (s.head_dim == 64) {
-      if (kv_head < 0) attend_item_heads<T, Rows, 4>(item, tiles.data(), s, scratch);
-      else attend_item<T, Rows, 4>(item, tiles.data(), kv_head, s, scratch);
+      attend_unit<T, Rows, 4>(item, tiles.data(), kv_head, s, scratch);
     } else if (s.head_dim == 128) {
-      if (kv_head < 0) attend_item_heads<T, Rows, 8>(item, tiles.data(), s, scratch);
-      else attend_item<T, Rows, 8>(item, tiles.data(), kv_head, s, scratch);
+      attend_unit<T, Rows, 8>(item, tiles.data(), kv_head, s, scratch);
     } else {
-      if (kv_head < 0) attend_item_heads<T, Rows, 0>(item, tiles.data(), s, scratch);
-      else attend_item<T, Rows, 0>(item, tiles.data(), kv_head, s, scratch);
+      attend_unit<T, Rows, 0>(item, tiles.data(), kv_head, s, scratch);
     }
   }
 }
