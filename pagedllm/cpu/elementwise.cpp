@@ -12,10 +12,10 @@
 
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 
 #include "bfloat16.h"
 #include "kernels.h"
+#include "vector_math.h"
 
 namespace {
 
@@ -47,21 +47,6 @@ struct BFloat16 {
 inline __mmask16 lanes_left(int64_t left) {
   return left >= kLanes ? static_cast<__mmask16>(0xffff)
                         : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// exp(x) for every float32 x: range reduction by ln 2, a degree-7 polynomial (relative
-// error ~1e-8 on [-ln2/2, ln2/2]) and scalef, which saturates to 0 and inf.
-inline __m512 vexp(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
 }
 
 template <typename S, typename T = typename S::T>
@@ -103,7 +88,7 @@ void silu_and_mul_rows(const pagedllm::SiluMulProblem& p) {
       const __mmask16 m = lanes_left(width - i);
       const __m512 g = S::load(gate + i, m);
       const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
-      const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), vexp(minus_g));
+      const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), pagedllm::vec::vexp(minus_g));
       const __m512 silu = S::round(_mm512_div_ps(g, denominator));
       S::store(yr + i, _mm512_mul_ps(silu, S::load(up + i, m)), m);
     }

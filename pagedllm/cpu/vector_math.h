@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 namespace pagedllm::vec {
 
@@ -195,25 +196,36 @@ inline void transpose16(vfloat* r) {
   }
 }
 
-// exp(x) for x <= 0, relative error ~1e-7; inputs below -87 are clamped.
+// exp(x) for every float32 x: x = n ln 2 + r with n = round(x / ln 2) and |r| <= ln 2 / 2,
+// a degree-7 polynomial in r (relative error ~1e-8 there), times 2^n. With AVX-512, n is
+// rounded with roundscale and applied with scalef, which saturates to 0 and inf (four
+// instructions fewer than converting n to an integer and shifting it into the
+// exponent); elsewhere x is clamped to [-87, 88] first so that 2^n stays a normal float.
 inline vfloat vexp(vfloat x) {
-  x = x < -87.f ? vfloat{} - 87.f : x;
-  vfloat t = x * 1.44269504088896341f - 0.5f;
-  vint n = __builtin_convertvector(t, vint);  // truncation toward 0 = round(x / ln2)
-  vfloat nf = __builtin_convertvector(n, vfloat);
-  vfloat r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+#ifdef __AVX512F__
+  const __m512 v = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  vfloat v = x < -87.f ? vfloat{} - 87.f : x;
+  v = v > 88.f ? vfloat{} + 88.f : v;
+  const vfloat half = v < 0.f ? vfloat{} - 0.5f : vfloat{} + 0.5f;  // truncation rounds
+  const vfloat n = __builtin_convertvector(
+      __builtin_convertvector(v * 1.44269504088896341f + half, vint), vfloat);
+#endif
+  vfloat r = v - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
   vfloat p = vfloat{} + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  vint bits = (n + 127) << 23;
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = p * r + c;
+#ifdef __AVX512F__
+  return _mm512_scalef_ps(p, n);
+#else
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
   vfloat scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+#endif
 }
 
 }  // namespace pagedllm::vec
