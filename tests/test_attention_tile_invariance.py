@@ -1,7 +1,7 @@
 """A query row's attention output does not depend on the tile it is computed in, to the bit.
 
 The CPU kernel scores a decode row (few query rows per tile) by dot products and a
-prefill tile (16 tokens x 2-4 query heads per kv head: 24 rows or more) against a
+prefill tile (up to 32 tokens x 2-4 query heads per kv head: 24 rows or more) against a
 transposed copy of each chunk's keys; both add the same products in the same order. And
 decode rows of sequences that share leading blocks are attended together over them, then
 each alone over the rest. Here every row is also attended alone, as the one query of a
