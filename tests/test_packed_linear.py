@@ -73,21 +73,25 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_panel_is_computed_once_whatever_the_thread_count(dtype):
-    """Threads claim panels in pairs from both ends of a run: with 1 to 5 threads (odd
-    teams leave one thread alone on its run) every output feature is written, with the
-    same bits as on one thread. Before each call, memory of the output's size is filled
-    with NaN and freed, so that a panel no thread took would most likely show as NaN
-    rather than as the previous call's result."""
+@pytest.mark.parametrize(("rows", "panels"), [(9, 49), (200, 3)])
+def test_every_panel_is_computed_once_whatever_the_thread_count(dtype, rows, panels):
+    """Threads claim tasks in pairs from both ends of a run: with 1 to 5 threads (odd
+    teams leave one thread alone on its run) every output is written, with the same bits
+    as on one thread. A task is a panel, or with few panels and many rows (200 rows, 3
+    panels) a block of whole tiles of rows of a panel, the last block shorter. Before
+    each call, memory of the output's size is filled with NaN and freed, so that a task
+    no thread took would most likely show as NaN rather than as the previous call's
+    result."""
     generator = torch.Generator().manual_seed(2)
-    x = torch.randn(9, 576, generator=generator).to(dtype)
-    w = PackedWeight.pack(torch.randn(49 * PANEL_WIDTH - 5, 576, generator=generator).to(dtype))
+    x = torch.randn(rows, 576, generator=generator).to(dtype)
+    w = torch.randn(panels * PANEL_WIDTH - 5, 576, generator=generator).to(dtype)
+    w = PackedWeight.pack(w)
     before = torch.get_num_threads()
     try:
         results = []
         for threads in range(1, 6):
             torch.set_num_threads(threads)
-            torch.full((9, w.out_features), float("nan"), dtype=dtype)  # freed at once
+            torch.full((rows, w.out_features), float("nan"), dtype=dtype)  # freed at once
             y = linear(x, w)
             assert not y.isnan().any()
             results.append(y)

@@ -238,33 +238,62 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
   }
 }
 
-// The panels are shared out between threads in pairs: each pair owns a run of panels
-// in proportion to its threads; one thread of a pair takes panels from the run's front,
-// the other from its back, each claiming one at a time, until they meet. A thread slowed
-// down (by the machine, or by its own cold cache) thus leaves its partner more of the
-// run instead of a wait at the end, while each thread still walks its panels in order
-// and prefetches the one it takes next. Which thread computes a panel changes no bit.
+// How many blocks of rows each panel's work is cut into: one, unless the panels are too
+// few to share out evenly (a thread's last panel of a prefill step can leave the other
+// waiting for most of a panel's time), then enough for kTasksPerThread tasks per thread,
+// each of at least kMinBlockRows rows.
+constexpr int64_t kTasksPerThread = 8;
+constexpr int64_t kMinBlockRows = 64;
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t row_blocks(int64_t M, int64_t panels, int threads) {
+  if (threads < 2) return 1;
+  const int64_t wanted = ceil_div(kTasksPerThread * threads, panels);
+  return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, M / kMinBlockRows));
+}
+
+// The work is cut into tasks, (panel, block of rows), panel after panel, and shared out
+// between threads in pairs: each pair owns a run of tasks in proportion to its threads;
+// one thread of a pair takes tasks from the run's front, the other from its back, each
+// claiming one at a time, until they meet. A thread slowed down (by the machine, or by
+// its own cold cache) thus leaves its partner more of the run instead of a wait at the
+// end, while each thread still walks its panels in order and prefetches the one it
+// takes next. Which thread computes a task, and which rows share a block, changes no bit.
 template <typename F>
 void run(const pagedllm::PackedLinearProblem& p) {
+  using T = typename F::T;
   const int64_t count = pagedllm::num_panels(p.N);
-  const int64_t bytes = count * p.K * pagedllm::kPanelWidth * sizeof(typename F::T);
+  const int64_t bytes = count * p.K * pagedllm::kPanelWidth * sizeof(T);
   const int threads = bytes < kMinParallelBytes ? 1 : p.num_threads;
-  const auto* panels = static_cast<const typename F::T*>(p.panels);
+  const auto* panels = static_cast<const T*>(p.panels);
   const int64_t panel_size = (p.K + F::kStep - 1) / F::kStep * pagedllm::kPanelWidth * F::kStep;
-  std::vector<std::atomic<int64_t>> claimed((threads + 1) / 2);  // panels taken, per pair
+  // Blocks of whole tiles of rows; as many as it then takes to cover M.
+  const int64_t wanted = row_blocks(p.M, count, threads);
+  const int64_t block_rows = ceil_div(ceil_div(p.M, wanted), kRowsPerTile) * kRowsPerTile;
+  const int64_t blocks = block_rows ? ceil_div(p.M, block_rows) : 1;
+  const int64_t tasks = count * blocks;
+  std::vector<std::atomic<int64_t>> claimed((threads + 1) / 2);  // tasks taken, per pair
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t pair = t / 2, from_back = t % 2;
-    const int64_t lo = count * (2 * pair) / team;
-    const int64_t hi = count * std::min(2 * pair + 2, team) / team;
+    const int64_t lo = tasks * (2 * pair) / team;
+    const int64_t hi = tasks * std::min(2 * pair + 2, team) / team;
     const int64_t step = from_back ? -1 : 1;
-    int64_t panel = from_back ? hi - 1 : lo;
+    int64_t task = from_back ? hi - 1 : lo;
     while (claimed[pair].fetch_add(1, std::memory_order_relaxed) < hi - lo) {
-      const int64_t ahead = panel + step;
-      const auto* next = ahead >= lo && ahead < hi ? panels + ahead * panel_size : nullptr;
-      panel_rows<F>(p, panels + panel * panel_size, panel * pagedllm::kPanelWidth, next);
-      panel = ahead;
+      const int64_t panel = task / blocks, first_row = task % blocks * block_rows;
+      const int64_t ahead = task + step;
+      // The next task's panel, to prefetch, when it is another one.
+      const T* next = ahead >= lo && ahead < hi && ahead / blocks != panel
+                          ? panels + ahead / blocks * panel_size
+                          : nullptr;
+      pagedllm::PackedLinearProblem rows = p;
+      rows.x = static_cast<const T*>(p.x) + first_row * p.K;
+      rows.y = static_cast<T*>(p.y) + first_row * p.N;
+      rows.M = std::min(block_rows, p.M - first_row);
+      panel_rows<F>(rows, panels + panel * panel_size, panel * pagedllm::kPanelWidth, next);
+      task = ahead;
     }
   }
 }
