@@ -203,7 +203,8 @@ inline void transpose16(vfloat* r) {
 // exponent); elsewhere x is clamped to [-87, 88] first so that 2^n stays a normal float.
 inline vfloat vexp(vfloat x) {
 #ifdef __AVX512F__
-  const __m512 v = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
+  const __m512 v =
+      _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
