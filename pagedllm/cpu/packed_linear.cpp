@@ -38,6 +38,8 @@
 
 namespace {
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 #ifdef __AVX512F__
 
 constexpr int kRowsPerTile = 8;  // rows of x per tile
@@ -133,7 +135,7 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
   int64_t boundary = last_step;  // the next step that starts a segment
   const char* ahead = nullptr;
   if (next.rows) {
-    const int64_t share = (step - next.origin + next.every - 1) / next.every;
+    const int64_t share = ceil_div(step - next.origin, next.every);
     boundary = next.origin + share * next.every;
     ahead = next.rows + share * kRowBytes;
   }
@@ -193,8 +195,8 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
                 const std::type_identity_t<T>* next_panel) {
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int64_t tiles = (p.M + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t steps = (p.K + F::kStep - 1) / F::kStep;
+  const int64_t tiles = ceil_div(p.M, kRowsPerTile);
+  const int64_t steps = ceil_div(p.K, F::kStep);
   // Blocks of whole float32 chunks, so that no chunk of the sums moves.
   constexpr int64_t kBlockSteps =
       kPanelBlockBytes / kRowBytes / Float32Panels::kChunk * Float32Panels::kChunk;
@@ -244,8 +246,6 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
 // each of at least kMinBlockRows rows.
 constexpr int64_t kTasksPerThread = 8;
 constexpr int64_t kMinBlockRows = 64;
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 int64_t row_blocks(int64_t M, int64_t panels, int threads) {
   if (threads < 2) return 1;
   const int64_t wanted = ceil_div(kTasksPerThread * threads, panels);
@@ -266,7 +266,7 @@ void run(const pagedllm::PackedLinearProblem& p) {
   const int64_t bytes = count * p.K * pagedllm::kPanelWidth * sizeof(T);
   const int threads = bytes < kMinParallelBytes ? 1 : p.num_threads;
   const auto* panels = static_cast<const T*>(p.panels);
-  const int64_t panel_size = (p.K + F::kStep - 1) / F::kStep * pagedllm::kPanelWidth * F::kStep;
+  const int64_t panel_size = ceil_div(p.K, F::kStep) * pagedllm::kPanelWidth * F::kStep;
   // Blocks of whole tiles of rows; as many as it then takes to cover M.
   const int64_t wanted = row_blocks(p.M, count, threads);
   const int64_t block_rows = ceil_div(ceil_div(p.M, wanted), kRowsPerTile) * kRowsPerTile;
@@ -302,7 +302,7 @@ void run(const pagedllm::PackedLinearProblem& p) {
 
 template <typename T>
 void pack(const T* weight, int64_t N, int64_t K, int64_t step, T* panels, int num_threads) {
-  const int64_t steps = (K + step - 1) / step;
+  const int64_t steps = ceil_div(K, step);
   const int64_t count = pagedllm::num_panels(N);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t p = 0; p < count; ++p) {
@@ -332,7 +332,7 @@ bool avx512_kernels_available() {
 #endif
 }
 
-int64_t num_panels(int64_t N) { return (N + kPanelWidth - 1) / kPanelWidth; }
+int64_t num_panels(int64_t N) { return ceil_div(N, kPanelWidth); }
 
 void pack_weight(const void* weight, int64_t N, int64_t K, bool bfloat16, void* panels,
                  int num_threads) {
