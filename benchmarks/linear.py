@@ -13,8 +13,10 @@ then a ``shape_choice`` record with the kernel ``linear_kernel="auto"`` picks fr
 over every matrix product of a step — 30 layers of q/k/v (576 -> 960), o (576 -> 576),
 gate/up (576 -> 3,072) and down (1,536 -> 576), each layer with its own weights so they
 come from memory as in the engine, then the LM head (576 -> 49,152) — with the weight
-bytes and the FLOPs per second that implies, and the speedup over ``dense`` in the
-same run.
+bytes and the FLOPs per second that implies, the speedup over ``dense`` in the same
+run, and the share of the multiply-add peak that rate is (``peak`` record: the
+instruction ``packed_linear`` multiplies the dtype with, as ``benchmarks/peak.py`` times
+it; oneDNN on AMX tiles can go past it).
 ``rows`` is the batch: one per sequence in a decode step, up to
 ``max_num_batched_tokens`` in a prefill step.
 
@@ -32,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from peak import dtype_peak
 
 from pagedllm.cpu.kernel_choice import (
     contended,
@@ -117,6 +120,10 @@ def main() -> None:
         shapes.append((HIDDEN, VOCAB))
         weights = [torch.randn(out, k, dtype=dtype) for k, out in shapes]
         in_features = [k for k, _ in shapes]
+        peak = dtype_peak(dtype, torch.get_num_threads())
+        if peak:
+            record = {"record": "peak", "dtype": dtype_name, "instruction": peak[0]}
+            print(json.dumps({**record, "gflop_per_s": round(peak[1], 1)}), flush=True)
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
         kernels: dict[str, tuple[list, Linear]] = {
             "onednn": ([OneDNNWeight.reorder(w) for w in weights], linear),
@@ -140,6 +147,8 @@ def main() -> None:
                     "weight_gb_per_s": round(weight_bytes / seconds / 1e9, 2),
                     "gflop_per_s": round(flop / seconds / 1e9, 1),
                 }
+                if peak:
+                    record["share_of_peak"] = round(flop / seconds / 1e9 / peak[1], 3)
                 print(json.dumps(record), flush=True)
 
 
