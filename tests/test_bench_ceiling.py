@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm.bench import ceiling
-from pagedllm.bench.ceiling import matmul_flops_per_token, workload_matmul_flops
+from pagedllm.bench.ceiling import (
+    cached_prompt_tokens,
+    matmul_flops_per_token,
+    workload_attention_flops,
+    workload_matmul_flops,
+)
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.cpu.onednn import reorderable
 
@@ -41,15 +47,56 @@ def test_workload_counts_each_output_tokens_head_row_and_feeds_back_all_but_the_
     assert workload_matmul_flops(CONFIG, requests) == expected
 
 
+def test_a_cached_prompt_prefix_is_its_longest_start_shared_with_an_earlier_prompt():
+    requests = [
+        BenchRequest([1, 2, 3, 4], 2),
+        BenchRequest([1, 2, 3, 9], 2),  # three tokens of the first
+        BenchRequest([1, 2, 3, 4], 2),  # all of it, but the last token is computed again
+        BenchRequest([1, 7], 2),
+        BenchRequest([8], 2),
+    ]
+    assert cached_prompt_tokens(requests) == [0, 3, 3, 1, 0]
+
+
+def seen_pairs_by_hand(requests, cached):
+    """(query position, position seen) pairs, one position at a time."""
+    pairs = 0
+    for request, first in zip(requests, cached, strict=True):
+        for p in range(first, len(request.prompt_token_ids) + request.output_len - 1):
+            pairs += p + 1
+    return pairs
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_attention_counts_every_computed_position_against_all_it_sees(prefix_caching):
+    requests = [BenchRequest([1, 2, 3], 4), BenchRequest([5], 1), BenchRequest([1, 2, 6], 3)]
+    cached = [0, 0, 2] if prefix_caching else [0, 0, 0]
+    per_pair = CONFIG["num_hidden_layers"] * CONFIG["num_attention_heads"] * 4 * CONFIG["head_dim"]
+    expected = seen_pairs_by_hand(requests, cached) * per_pair
+    assert workload_attention_flops(CONFIG, requests, prefix_caching) == expected
+    per_token, head_row = matmul_flops_per_token(CONFIG)
+    through_layers = (3 + 4 - 1) + (1 + 1 - 1) + (3 + 3 - 1) - sum(cached)
+    expected_matmul = through_layers * per_token + 8 * head_row
+    assert workload_matmul_flops(CONFIG, requests, prefix_caching) == expected_matmul
+
+
+def test_attention_count_refuses_a_sliding_window():
+    with pytest.raises(ValueError, match="sliding window"):
+        workload_attention_flops({**CONFIG, "sliding_window": 4}, [BenchRequest([1], 1)])
+
+
 def test_ceiling_rests_on_the_faster_gemm(monkeypatch):
     rates = {"dense": 1e11, "packed": 4e11}
     monkeypatch.setattr(ceiling, "gemm_rates", lambda dtype: rates)
     requests = [BenchRequest([1, 2, 3], 4), BenchRequest([5], 1)]
     record = ceiling.ceiling_record(CONFIG, requests, "float32")
     flops = workload_matmul_flops(CONFIG, requests)
+    attention = workload_attention_flops(CONFIG, requests)
     assert record["gemm_gflop_per_s"] == 400.0
     assert record["gflop_per_s_by_gemm"] == {"dense": 100.0, "packed": 400.0}
     assert record["max_output_tokens_per_s"] == 5 / (flops / 4e11)
+    assert record["max_output_tokens_per_s_with_attention"] == 5 / ((flops + attention) / 4e11)
+    assert record["attention_tflop"] == attention / 1e12 > 0
 
 
 def test_gemm_rates_time_every_gemm_the_build_has():

@@ -1,7 +1,13 @@
 """The most output tokens/s any engine could reach on a workload on this machine, counting
 only the matrix products of a Llama-shaped decoder at the best GEMM rate measured on the machine
 (attention, norms, sampling and the host cost nothing): a bound on what a throughput
-target can ask of a compute-bound CPU."""
+target can ask of a compute-bound CPU. A second, tighter figure adds attention's two
+products (scores and probabilities times values) at the same rate; attention runs below
+the GEMM rate on every CPU measured, so that one too is a bound in practice.
+
+With prefix caching, a prompt's tokens that an earlier request's prompt already began
+with cost nothing but the last (whose logits give the first output token), as in both
+engines compared."""
 
 from __future__ import annotations
 
@@ -24,14 +30,65 @@ def matmul_flops_per_token(config: dict) -> tuple[int, int]:
     return layers * (attention + mlp), 2 * hidden * config["vocab_size"]
 
 
-def workload_matmul_flops(config: dict, requests: Sequence[BenchRequest]) -> float:
-    """FLOPs of the matrix products of a workload run to the end: every prompt token and
-    every output token but the last goes through the layers; each output token costs one
+def cached_prompt_tokens(requests: Sequence[BenchRequest]) -> list[int]:
+    """Per request, the leading prompt tokens an earlier request's prompt already began
+    with, all but the prompt's last token."""
+    cached = []
+    for i, request in enumerate(requests):
+        prompt = request.prompt_token_ids
+        shared = 0
+        for earlier in requests[:i]:
+            common = 0
+            for a, b in zip(prompt, earlier.prompt_token_ids, strict=False):
+                if a != b:
+                    break
+                common += 1
+            shared = max(shared, common)
+        cached.append(min(shared, len(prompt) - 1))
+    return cached
+
+
+def computed_positions(
+    requests: Sequence[BenchRequest], prefix_caching: bool
+) -> list[tuple[int, int]]:
+    """Per request, the positions [first, end) whose tokens go through the layers: the
+    prompt's (less what the cache holds) and every output token's but the last."""
+    cached = cached_prompt_tokens(requests) if prefix_caching else [0] * len(requests)
+    return [
+        (first, len(r.prompt_token_ids) + r.output_len - 1)
+        for first, r in zip(cached, requests, strict=True)
+    ]
+
+
+def workload_matmul_flops(
+    config: dict, requests: Sequence[BenchRequest], prefix_caching: bool = False
+) -> float:
+    """FLOPs of the matrix products of a workload run to the end: every computed position
+    (:func:`computed_positions`) goes through the layers; each output token costs one
     LM-head row."""
     per_token, head_row = matmul_flops_per_token(config)
     outputs = sum(r.output_len for r in requests)
-    through_layers = sum(len(r.prompt_token_ids) for r in requests) + outputs - len(requests)
+    positions = computed_positions(requests, prefix_caching)
+    through_layers = sum(end - first for first, end in positions)
     return float(through_layers * per_token + outputs * head_row)
+
+
+def workload_attention_flops(
+    config: dict, requests: Sequence[BenchRequest], prefix_caching: bool = False
+) -> float:
+    """FLOPs of attention's two products over a workload: each computed position p sees
+    positions 0..p, and each (query head, position seen) costs 2 x head_dim for the score
+    and 2 x head_dim for the value. Refuses a sliding window, whose count this is not."""
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        raise ValueError("the attention count assumes no sliding window")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_pair = config["num_hidden_layers"] * heads * 4 * head_dim
+    seen = sum(  # sum of p + 1 over p in [first, end)
+        (end * (end + 1) - first * (first + 1)) // 2
+        for first, end in computed_positions(requests, prefix_caching)
+    )
+    return float(seen * per_pair)
 
 
 def gemm_rates(dtype: torch.dtype) -> dict[str, float]:
@@ -58,17 +115,23 @@ def gemm_rates(dtype: torch.dtype) -> dict[str, float]:
     return {name: 2 * 512 * 2048 * 2048 / s for name, s in seconds.items()}
 
 
-def ceiling_record(config: dict, requests: Sequence[BenchRequest], dtype: str) -> dict:
-    """The bound in output tokens/s for ``dtype``, with what it rests on."""
-    flops = workload_matmul_flops(config, requests)
+def ceiling_record(
+    config: dict, requests: Sequence[BenchRequest], dtype: str, prefix_caching: bool = False
+) -> dict:
+    """The bounds in output tokens/s for ``dtype``, with what they rest on."""
+    flops = workload_matmul_flops(config, requests, prefix_caching)
+    attention = workload_attention_flops(config, requests, prefix_caching)
     rates = gemm_rates(getattr(torch, dtype))
     rate = max(rates.values())
     outputs = sum(r.output_len for r in requests)
     return {
         "measure": "ceiling",
         "dtype": dtype,
+        "prefix_caching": prefix_caching,
         "matmul_tflop": flops / 1e12,
+        "attention_tflop": attention / 1e12,
         "gemm_gflop_per_s": rate / 1e9,
         "gflop_per_s_by_gemm": {name: r / 1e9 for name, r in rates.items()},
         "max_output_tokens_per_s": outputs / (flops / rate),
+        "max_output_tokens_per_s_with_attention": outputs / ((flops + attention) / rate),
     }
