@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -56,6 +58,21 @@ def test_a_cached_prompt_prefix_is_its_longest_start_shared_with_an_earlier_prom
         BenchRequest([8], 2),
     ]
     assert cached_prompt_tokens(requests) == [0, 3, 3, 1, 0]
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), max_size=8))
+def test_cached_prefixes_equal_a_comparison_with_every_earlier_prompt(prompts):
+    requests = [BenchRequest(p, 1) for p in prompts]
+    expected = []
+    for i, prompt in enumerate(prompts):
+        shared = 0
+        for earlier in prompts[:i]:
+            n = 0
+            while n < min(len(prompt), len(earlier)) and prompt[n] == earlier[n]:
+                n += 1
+            shared = max(shared, n)
+        expected.append(min(shared, len(prompt) - 1))
+    assert cached_prompt_tokens(requests) == expected
 
 
 def seen_pairs_by_hand(requests, cached):

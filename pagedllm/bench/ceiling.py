@@ -11,6 +11,7 @@ engines compared."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
@@ -30,21 +31,28 @@ def matmul_flops_per_token(config: dict) -> tuple[int, int]:
     return layers * (attention + mlp), 2 * hidden * config["vocab_size"]
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def cached_prompt_tokens(requests: Sequence[BenchRequest]) -> list[int]:
     """Per request, the leading prompt tokens an earlier request's prompt already began
-    with, all but the prompt's last token."""
+    with, all but the prompt's last token. The longest start a prompt shares with any of
+    a set of prompts is the one it shares with a neighbour in their sorted order, so each
+    prompt is compared with two."""
+    earlier: list[tuple[int, ...]] = []  # sorted
     cached = []
-    for i, request in enumerate(requests):
-        prompt = request.prompt_token_ids
-        shared = 0
-        for earlier in requests[:i]:
-            common = 0
-            for a, b in zip(prompt, earlier.prompt_token_ids, strict=False):
-                if a != b:
-                    break
-                common += 1
-            shared = max(shared, common)
+    for request in requests:
+        prompt = tuple(request.prompt_token_ids)
+        at = bisect.bisect_left(earlier, prompt)
+        shared = max(
+            (common_prefix_length(prompt, q) for q in earlier[max(0, at - 1) : at + 1]), default=0
+        )
         cached.append(min(shared, len(prompt) - 1))
+        earlier.insert(at, prompt)
     return cached
 
 
