@@ -6,8 +6,8 @@ products (scores and probabilities times values) at the same rate; attention run
 the GEMM rate on every CPU measured, so that one too is a bound in practice.
 
 With prefix caching, a prompt's tokens that an earlier request's prompt already began
-with cost nothing but the last (whose logits give the first output token), as in both
-engines compared."""
+with cost nothing but the last (whose logits give the first output token); engines that
+cache whole blocks of tokens compute at least that much, so the bounds hold for them."""
 
 from __future__ import annotations
 
