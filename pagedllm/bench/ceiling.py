@@ -19,14 +19,18 @@ import torch
 from pagedllm.bench.workload import BenchRequest
 
 
+def head_dim(config: dict) -> int:
+    """A Hugging Face ``config.json``'s size of one attention head."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def matmul_flops_per_token(config: dict) -> tuple[int, int]:
     """FLOPs (2 per multiply-add) of one token through every decoder layer's projections,
     and of one row of the LM head, from a Hugging Face ``config.json``'s fields."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or hidden // heads
-    attention = 2 * hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    attention = 2 * hidden * head_dim(config) * (2 * heads + 2 * kv_heads)  # q and o, k and v
     mlp = 2 * 3 * hidden * config["intermediate_size"]
     return layers * (attention + mlp), 2 * hidden * config["vocab_size"]
 
@@ -89,9 +93,7 @@ def workload_attention_flops(
     and 2 x head_dim for the value. Refuses a sliding window, whose count this is not."""
     if config.get("sliding_window") and config.get("use_sliding_window", True):
         raise ValueError("the attention count assumes no sliding window")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_pair = config["num_hidden_layers"] * heads * 4 * head_dim
+    per_pair = config["num_hidden_layers"] * config["num_attention_heads"] * 4 * head_dim(config)
     seen = sum(  # sum of p + 1 over p in [first, end)
         (end * (end + 1) - first * (first + 1)) // 2
         for first, end in computed_positions(requests, prefix_caching)
