@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from peak import dtype_peak
 
+from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import (
     contended,
     cpu_clock,
@@ -106,6 +107,8 @@ def main() -> None:
     parser.add_argument("--records", default="shapes,steps")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if not avx512_kernels_available():
+        parser.error("packed_linear needs the C++ kernels, built for a CPU with AVX-512")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(json.dumps({"record": "setup", "threads": torch.get_num_threads()}), flush=True)

@@ -76,6 +76,14 @@ def exclusive_build(directory: Path) -> Iterator[None]:
         yield
 
 
+def build_failure_reason(error: BaseException) -> str:
+    """One line saying why a build failed: the compiler's first error when the message
+    holds the build's output (torch's does), else the message's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    compiler_errors = [line for line in lines if ": error:" in line or ": fatal error:" in line]
+    return (compiler_errors or lines or [repr(error)])[0]
+
+
 def load_library(
     prefix: str, sources: Sequence[str], cflags: Sequence[str], ldflags: Sequence[str] = ()
 ) -> None:

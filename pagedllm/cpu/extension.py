@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.cpu.build import load_library
+from pagedllm.cpu.build import build_failure_reason, load_library
 
 SOURCES = [
     str(Path(__file__).with_name(name))
@@ -80,7 +80,7 @@ def ops() -> Any | None:
     try:
         load_library("pagedllm_cpu", SOURCES, [*FLAGS, headers_flag()], ["-fopenmp"])
     except Exception as error:  # no compiler, no OpenMP, a failed build: run without
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        reason = build_failure_reason(error)
         logger.warning(
             "The C++ CPU kernels could not be built (%s); running torch's operators "
             "instead, several times slower. Install a C++ compiler with OpenMP (g++) to "

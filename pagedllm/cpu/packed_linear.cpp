@@ -192,7 +192,7 @@ void tiles_over_k(const T* x, int64_t K, const T* panel, int64_t s0, int64_t s1,
 // panel's next block, or next_panel (null: none).
 template <typename F, typename T = typename F::T>
 void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t n0,
-                const std::type_identity_t<T>* next_panel) {
+                const typename F::T* next_panel) {
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   const int64_t tiles = ceil_div(p.M, kRowsPerTile);

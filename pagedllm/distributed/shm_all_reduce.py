@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedllm.cpu.build import load_library
+from pagedllm.cpu.build import build_failure_reason, load_library
 
 logger = logging.getLogger("pagedllm")
 
@@ -46,7 +46,8 @@ def library() -> Any | None:
     try:
         load_library("pagedllm_shm", [str(SOURCE)], ["-O3", "-march=native"])
     except Exception as error:  # no compiler: gloo does the all-reduces
-        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", error)
+        reason = build_failure_reason(error)
+        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", reason)
         return None
     return torch.ops.pagedllm_shm
 
