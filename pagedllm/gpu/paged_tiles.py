@@ -14,6 +14,9 @@ import triton.language as tl
 from pagedllm.gpu.kv_codes import FLOAT, decode_codes, load_row_scales
 
 LOG2_E = 1.4426950408889634
+"""log2(e): the host's factor from natural-log to log2 score units."""
+KERNEL_LOG2_E = tl.constexpr(LOG2_E)
+"""The same factor inside kernels (which read module globals only as constexpr)."""
 
 
 @triton.jit
@@ -113,7 +116,7 @@ def tile_scores(
     if KV_FORMAT != FLOAT:
         scores = scores * load_scales(k_cache_ptr, offsets, valid, HEAD_DIM, KV_FORMAT)[None, :]
     if SOFTCAP:
-        scores = soft_cap(scores * (scale_log2 / LOG2_E), softcap) * LOG2_E
+        scores = soft_cap(scores * (scale_log2 / KERNEL_LOG2_E), softcap) * KERNEL_LOG2_E
     else:
         scores = scores * scale_log2
     return scores
