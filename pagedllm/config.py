@@ -81,6 +81,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (a CUDA device named without an index is
+    the current one)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The torch dtype for a user's ``dtype`` option on ``device``. ``auto``: bfloat16 on
     CUDA and on a CPU that multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``),

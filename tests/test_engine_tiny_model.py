@@ -133,3 +133,13 @@ def test_high_priority_request_may_use_the_reserve(tiny_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats().num_blocks_used == 0
+
+
+def test_refuses_a_model_loaded_on_another_device(tiny_model):
+    """A model already loaded elsewhere (here: shapes only, on the meta device) is refused
+    by name rather than failing at the first step on mixed devices."""
+    from pagedllm.models.loader import load_model
+
+    elsewhere = load_model(str(tiny_model.source), device="meta")
+    with pytest.raises(ValueError, match="loaded on meta but the engine's device is cpu"):
+        tiny_engine(elsewhere, num_blocks=16, device="cpu")

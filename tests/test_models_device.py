@@ -21,6 +21,7 @@ from test_models_logits import TINY_SHAPE, write_checkpoint
 from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.dense_backend import dense_metadata
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import same_device
 from pagedllm.models import fused, linear, load_model, rope
 from pagedllm.models.rope import RotaryTable
 
@@ -184,3 +185,14 @@ def test_cuda_dummy_preset_loads_in_place_with_finite_logits(preset, dtype):
     assert spread.min() > 0.1 and spread.max() < 10.0
     del model, logits
     torch.cuda.empty_cache()
+
+
+def test_same_device_reads_an_unindexed_cuda_device_as_the_current_one():
+    assert same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not same_device(torch.device("cpu"), torch.device("meta"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda"))
+    assert same_device(torch.device("cuda:1"), torch.device("cuda:1"))
+    if torch.cuda.is_available():
+        current = torch.cuda.current_device()
+        assert same_device(torch.device("cuda"), torch.device(f"cuda:{current}"))
+        assert not same_device(torch.device("cuda"), torch.device(f"cuda:{current + 1}"))

@@ -35,8 +35,9 @@ def write_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
 
 
 def tiny_engine(loaded, num_blocks: int, block_size: int = 4, swap_blocks: int = 0, **overrides):
-    """An engine over ``loaded`` whose KV pool holds exactly ``num_blocks`` blocks (and a
-    second tier of ``swap_blocks``); other keywords are :class:`EngineConfig` fields."""
+    """An engine over ``loaded``, on the model's device, whose KV pool holds exactly
+    ``num_blocks`` blocks (and a second tier of ``swap_blocks``); other keywords are
+    :class:`EngineConfig` fields."""
     from pagedllm import EngineConfig, LLMEngine
     from pagedllm.kv.kv_cache import bytes_per_block
 
@@ -45,6 +46,7 @@ def tiny_engine(loaded, num_blocks: int, block_size: int = 4, swap_blocks: int =
         mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, torch.float32
     )
     settings = dict(
+        device=str(loaded.model.device),
         dtype="float32",
         block_size=block_size,
         kv_cache_memory=num_blocks * block_bytes,

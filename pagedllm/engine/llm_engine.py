@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, same_device
 from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.distributed.executor import TensorParallelExecutor
 from pagedllm.distributed.worker import StepWork, WorkerSetup, shared_settings
@@ -97,6 +97,11 @@ class LLMEngine:
             raise ValueError(
                 f"the model was loaded in {self.loaded.model.dtype} but the engine's dtype is "
                 f"{config.dtype}; pass the model's dtype to EngineConfig"
+            )
+        if not same_device(self.loaded.model.device, self.device):
+            raise ValueError(
+                f"the model was loaded on {self.loaded.model.device} but the engine's device "
+                f"is {self.device}; pass the model's device to EngineConfig"
             )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
