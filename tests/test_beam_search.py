@@ -82,6 +82,7 @@ def loaded():
 
 def make_engine(loaded, block_size: int = 16) -> LLMEngine:
     config = EngineConfig(
+        device=str(loaded.model.device),
         dtype="float32",
         block_size=block_size,
         kv_cache_memory="32MiB",

@@ -30,6 +30,7 @@ def make_engine(loaded, kv_cache_dtype: str, preemption_mode: str = "recompute")
         mc.num_layers, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim, torch.float32, kv_cache_dtype
     )
     config = EngineConfig(
+        device=str(loaded.model.device),
         dtype="float32",
         block_size=BLOCK_SIZE,
         kv_cache_dtype=kv_cache_dtype,
