@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.throughput import flops_per_output_token, run_engine
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.bench.workload import synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -53,29 +54,6 @@ larger logits and errors, reported as measured."""
 
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
-
-
-def write_tiny_llama(folder: Path, seed: int, **overrides: object) -> Path:
-    """A random 2-layer Llama saved by transformers; ``initializer_range`` is large so
-    that greedy choices are rarely near ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings = dict(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        eos_token_id=1,
-        bos_token_id=0,
-    )
-    settings.update(overrides)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**settings)).save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def train_tiny_llama(folder: Path, device: str, steps: int = 300) -> Path:
@@ -167,7 +145,7 @@ def section_a(args: argparse.Namespace) -> None:
             if settings is None:
                 folder = train_tiny_llama(Path(tmp), "cuda")
             else:
-                folder = write_tiny_llama(Path(tmp), **settings)
+                folder = write_tiny_llama(Path(tmp), max_position_embeddings=1024, **settings)
             prompts = tiny_prompts(16 if args.quick else 32, 512, seed=2)
             greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
             cuda_fp32 = generate(tiny_engine(folder, "cuda", "float32"), prompts, greedy)

@@ -27,9 +27,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
-from gpu_check import write_tiny_llama
 
 from pagedllm.bench.machine import machine_record
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.config import EngineConfig
 from pagedllm.engine.frozen_gc import frozen_startup_objects
 from pagedllm.engine.llm_engine import LLMEngine

@@ -96,8 +96,7 @@ def transformers_default_model():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A 2-layer random Llama (see tiny_checkpoints.py), loaded once per session."""
-    from tiny_checkpoints import write_tiny_llama
-
+    from pagedllm.bench.tiny_llama import write_tiny_llama
     from pagedllm.models.loader import load_model
 
     return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))))

@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 
-from tiny_checkpoints import run_token_ids, tiny_engine, write_tiny_llama
+from tiny_checkpoints import run_token_ids, tiny_engine
 
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.models.loader import load_model
 

@@ -36,7 +36,7 @@ def engine_on(loaded, **overrides) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from tiny_checkpoints import write_tiny_llama
+    from pagedllm.bench.tiny_llama import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-cuda"))
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoints import write_tiny_llama
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from shared_models import default_model
-from tiny_checkpoints import run_outputs, tiny_engine, write_tiny_llama
+from tiny_checkpoints import run_outputs, tiny_engine
 
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.cpu.extension import avx512_kernels_available, quant_x16_supports
 from pagedllm.cpu.onednn import reorderable
 from pagedllm.engine.sampling_params import SamplingParams

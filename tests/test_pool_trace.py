@@ -65,8 +65,7 @@ def test_empty_trace_cannot_be_drawn(tmp_path):
 
 
 def test_engine_run_records_every_step(tmp_path):
-    from tiny_checkpoints import write_tiny_llama
-
+    from pagedllm.bench.tiny_llama import write_tiny_llama
     from pagedllm.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.sampling_params import SamplingParams

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoints import run_outputs, tiny_engine, write_tiny_llama
+from tiny_checkpoints import run_outputs, tiny_engine
 
 from pagedllm import SamplingParams
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.models.loader import load_model
 
 # Both sides run float32; the paged kernel and the packed products sum in other orders

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_chat_model import write_tiny_chat_llama
-from tiny_checkpoints import run_outputs, write_tiny_llama
+from tiny_checkpoints import run_outputs
 
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
+from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.distributed.errors import WorkerFailedError
 from pagedllm.distributed.partition import PartitionError, TensorPartition, even_ranges
 from pagedllm.distributed.shm_all_reduce import process_alive
