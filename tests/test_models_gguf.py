@@ -30,11 +30,8 @@ def interleave_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", skip=(), extra=None):
-    """Write ``hf_model``'s weights and config as a llama.cpp-style GGUF file,
-    plus the float32 tensors in ``extra`` (name -> array)."""
-    config = hf_model.config
-    writer = gguf.GGUFWriter(path, arch)
+def add_decoder_shape(writer: gguf.GGUFWriter, config) -> None:
+    """The decoder's shape keys of a llama.cpp-style GGUF from a transformers config."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -44,6 +41,14 @@ def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", sk
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+
+
+def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", skip=(), extra=None):
+    """Write ``hf_model``'s weights and config as a llama.cpp-style GGUF file,
+    plus the float32 tensors in ``extra`` (name -> array)."""
+    config = hf_model.config
+    writer = gguf.GGUFWriter(path, arch)
+    add_decoder_shape(writer, config)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, tensor in hf_model.state_dict().items():
         stored = gguf_name(name)

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_models_gguf import TOKENS, interleave_rope_rows, logits_of, write_gguf
+from test_models_gguf import (
+    TOKENS,
+    add_decoder_shape,
+    interleave_rope_rows,
+    logits_of,
+    write_gguf,
+)
 from transformers_oracle import (
     LOGITS_TOLERANCE,
     assert_exact,
@@ -51,15 +57,7 @@ def write_moe_gguf(path, folder, config, arch: str):
     weights = load_file(folder / "model.safetensors")
     mixtral = arch == "llama"
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    add_decoder_shape(writer, config)
     writer.add_expert_count(config.num_local_experts if mixtral else config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if not mixtral:
