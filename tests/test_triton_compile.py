@@ -82,8 +82,10 @@ def describe(value: object) -> object:
         return {"type": "*" + TORCH_POINTER_TYPES[value.dtype]}
     if isinstance(value, tl.dtype):
         return {"tl_dtype": value.name}
-    if isinstance(value, bool) or value is None or isinstance(value, str):
+    if value is None or isinstance(value, str):
         return value
+    if isinstance(value, bool):
+        return {"type": "i1", "value": value}
     if isinstance(value, int):
         return {"type": "i32" if -(2**31) <= value < 2**31 else "i64", "value": value}
     if isinstance(value, float):
