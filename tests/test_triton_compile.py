@@ -1,5 +1,5 @@
-"""Every Triton kernel launch the attention backend makes compiles for a Hopper GPU
-(sm_90, the H100 / H200), on a machine without one.
+"""Every Triton kernel launch the attention backend makes compiles for an Ampere GPU
+(sm_80, the A100) and a Hopper GPU (sm_90, the H100 / H200), on a machine without one.
 
 Triton's interpreter, which runs the kernels in the other tests when there is no GPU,
 accepts code its compiler refuses (a plain Python global in a kernel, for one), so those
@@ -55,6 +55,7 @@ def value(described):
     return described
 
 failures = []
+arch = int(sys.argv[1])
 launches = json.load(sys.stdin)
 for launch in launches:
     kernel = getattr(sys.modules[launch["module"]], launch["kernel"])
@@ -68,7 +69,7 @@ for launch in launches:
             signature[param.name] = described["type"]
     try:
         triton.compile(ASTSource(kernel, signature, constexprs),
-                       target=GPUTarget("cuda", 90, 32), options=launch["options"])
+                       target=GPUTarget("cuda", arch, 32), options=launch["options"])
     except Exception as error:
         failures.append(f"{launch['kernel']} {constexprs}: {str(error)[-600:]}")
 print(json.dumps({"compiled": len(launches) - len(failures), "failures": failures}))
@@ -143,12 +144,13 @@ def launches_of_every_format(monkeypatch) -> list[dict]:
     return list(unique.values())
 
 
-def test_every_launch_compiles_for_hopper(monkeypatch):
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_launch_compiles(monkeypatch, arch):
     launches = launches_of_every_format(monkeypatch)
     assert {launch["kernel"] for launch in launches} == {n for ns in KERNELS.values() for n in ns}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-c", COMPILE], input=json.dumps(launches), env=env,
+        [sys.executable, "-c", COMPILE, str(arch)], input=json.dumps(launches), env=env,
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
