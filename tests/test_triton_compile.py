@@ -23,6 +23,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 
 from pagedllm.gpu import triton_decode, triton_kv_write, triton_prefill  # noqa: E402
 from pagedllm.kv.kv_cache import KVCache  # noqa: E402
@@ -34,10 +35,6 @@ KERNELS = {
     triton_prefill: ("_prefill_kernel",),
     triton_kv_write: ("_kv_write_kernel",),
 }
-TORCH_POINTER_TYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
-}  # fmt: skip
 
 COMPILE = r"""
 import json, sys
@@ -77,21 +74,15 @@ print(json.dumps({"compiled": len(launches) - len(failures), "failures": failure
 
 
 def describe(value: object) -> object:
-    """A launch argument as the compiling process reads it: a pointer or scalar's type,
-    or a constexpr's value."""
-    if isinstance(value, torch.Tensor):
-        return {"type": "*" + TORCH_POINTER_TYPES[value.dtype]}
+    """A launch argument as the compiling process reads it: a pointer or scalar's type
+    (Triton's own name for it) with a scalar's value, or a constexpr's value."""
     if isinstance(value, tl.dtype):
         return {"tl_dtype": value.name}
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, bool):
-        return {"type": "i1", "value": value}
-    if isinstance(value, int):
-        return {"type": "i32" if -(2**31) <= value < 2**31 else "i64", "value": value}
-    if isinstance(value, float):
-        return {"type": "fp32", "value": value}
-    raise TypeError(f"no launch description for {type(value).__name__}")
+    if isinstance(value, torch.Tensor):
+        return {"type": mangle_type(value)}
+    return {"type": mangle_type(value), "value": value}
 
 
 class LaunchRecorder:
