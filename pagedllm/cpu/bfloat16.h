@@ -45,6 +45,17 @@ inline void store(uint16_t* p, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, narrow(v));
 }
 
+// Stores the float32 sums v (lanes under mask) of product p at `at`, a place in its
+// output p.y: rounded there, or unrounded at the same element of p.y_float when set.
+template <typename Product>
+inline void store_sums(const Product& p, uint16_t* at, __m512 v, __mmask16 mask) {
+  if (p.y_float) {
+    _mm512_mask_storeu_ps(p.y_float + (at - p.y), mask, v);
+  } else {
+    store(at, v, mask);
+  }
+}
+
 }  // namespace pagedllm::bf16
 
 #endif  // __AVX512F__

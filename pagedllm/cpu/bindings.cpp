@@ -73,6 +73,16 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N, const ch
   return bias->to(at::kFloat).contiguous();
 }
 
+// y [M, N] of a product of x [M, K]: x's dtype, or float32 with float_output.
+at::Tensor bfloat16_product_output(const at::Tensor& x, int64_t N, bool float_output) {
+  return at::empty({x.size(0), N}, float_output ? x.options().dtype(at::kFloat) : x.options());
+}
+
+// The float32 output of a bfloat16 product (QuantProduct::y_float); null for bfloat16.
+float* float_pointer(const at::Tensor& y) {
+  return y.scalar_type() == at::kFloat ? y.data_ptr<float>() : nullptr;
+}
+
 bool quant_x16_supports(int64_t type) {
   return pagedllm::quant_linear_bf16_available() && pagedllm::quant_x16_supports(type);
 }
@@ -186,8 +196,9 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   return panels;
 }
 
+// With float_output, a bfloat16 product's y is float32: its sums unrounded.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
+                         const std::optional<at::Tensor>& bias, bool float_output) {
   const bool bf16 = is_bfloat16(x, "packed_linear");
   const int64_t step = panel_step(bf16);
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 4 && panels.scalar_type() == x.scalar_type() &&
@@ -201,22 +212,26 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias is [out_features]");
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor y = bfloat16_product_output(x, out_features, float_output);
   pagedllm::packed_linear({x.data_ptr(), panels.data_ptr(),
                            bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
                            y.data_ptr(), x.size(0), out_features, x.size(1), bf16,
-                           at::get_num_threads()});
+                           at::get_num_threads(), bf16 && float_output});
   return y;
 }
 
+// The output has the weight's dtype; x has it too, or is float32 under a bfloat16 weight
+// (a bfloat16 model's float32 residual stream).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const bool bf16 = is_bfloat16(x, "rms_norm");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
-              weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-              "rms_norm: x is [rows, dim] and weight [dim] of x's dtype");
-  at::Tensor out = at::empty_like(x);
+  const bool bf16 = is_bfloat16(weight, "rms_norm");
+  const bool x_float32 = bf16 && !is_bfloat16(x, "rms_norm");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm: x is [rows, dim] and weight [dim]");
+  TORCH_CHECK(x_float32 || weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x has the weight's dtype, or is float32 under a bfloat16 weight");
+  at::Tensor out = at::empty_like(x, weight.options());
   pagedllm::rms_norm({x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.size(0), x.size(1),
-                      static_cast<float>(eps), bf16, at::get_num_threads()});
+                      static_cast<float>(eps), bf16, at::get_num_threads(), x_float32});
   return out;
 }
 
@@ -274,11 +289,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
   return {q, k, v};
 }
 
-// x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype. bfloat16 x
-// is multiplied in bfloat16 pairs where the CPU has them, else widened to float32; either
-// way the float32 result is rounded once.
+// x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype, or float32
+// with float_output. bfloat16 x is multiplied in bfloat16 pairs where the CPU has them,
+// else widened to float32; either way the float32 result is rounded once, if at all.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool float_output) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x is float32 or bfloat16 [M, K]");
   const int64_t K = x.size(1), N = weight.size(0);
@@ -287,18 +302,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
   const float* bias_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kBFloat16 && pagedllm::quant_linear_bf16_available()) {
     const at::Tensor xc = x.contiguous();
-    at::Tensor y = at::empty({x.size(0), N}, xc.options());
+    at::Tensor y = bfloat16_product_output(xc, N, float_output);
     pagedllm::quant_linear_bf16({reinterpret_cast<const uint16_t*>(xc.data_ptr()),
                                  weight.data_ptr<uint8_t>(), bias_ptr,
                                  reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K,
-                                 type, at::get_num_threads()});
+                                 type, at::get_num_threads(), float_pointer(y)});
     return y;
   }
   at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x32.options());
   pagedllm::quant_linear({x32.data_ptr<float>(), weight.data_ptr<uint8_t>(), bias_ptr,
                           y.data_ptr<float>(), x.size(0), N, K, type, at::get_num_threads()});
-  return y.to(x.scalar_type());
+  return float_output ? y : y.to(x.scalar_type());
 }
 
 namespace {
@@ -307,7 +322,7 @@ namespace {
 // the interleaved kernels and returns y [M, N] from `kernel`.
 at::Tensor interleaved_product(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                                int64_t out_features, const std::optional<at::Tensor>& bias,
-                               bool supported, const char* name,
+                               bool float_output, bool supported, const char* name,
                                void (*kernel)(const pagedllm::QuantLinearBf16Problem&)) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x is bfloat16 [M, K]");
   TORCH_CHECK(supported, name, ": no interleaved kernel for ggml type ", type, " on this CPU");
@@ -320,11 +335,11 @@ at::Tensor interleaved_product(const at::Tensor& x, const at::Tensor& weight, in
               "] for N = ", N, ", K = ", K);
   const at::Tensor bias_f32 = float_bias(bias, N, name);
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), N}, xc.options());
+  at::Tensor y = bfloat16_product_output(xc, N, float_output);
   kernel({reinterpret_cast<const uint16_t*>(xc.data_ptr()), weight.data_ptr<uint8_t>(),
           bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
           reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K, type,
-          at::get_num_threads()});
+          at::get_num_threads(), float_pointer(y)});
   return y;
 }
 
@@ -334,15 +349,18 @@ at::Tensor interleaved_product(const at::Tensor& x, const at::Tensor& weight, in
 // rows interleaved by groups of 16 (quant_x16.cpp): uint8 [ceil(N / 16), K / block values
 // * block bytes * 16].
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                            int64_t out_features, const std::optional<at::Tensor>& bias) {
-  return interleaved_product(x, weight, type, out_features, bias, ::quant_x16_supports(type),
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            bool float_output) {
+  return interleaved_product(x, weight, type, out_features, bias, float_output,
+                             ::quant_x16_supports(type),
                              "quant_linear_x16", &pagedllm::quant_linear_x16);
 }
 
 // The same product with x quantized to int8 per block of 32 (quant_x16_int8.cpp).
 at::Tensor quant_linear_x16_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                                 int64_t out_features, const std::optional<at::Tensor>& bias) {
-  return interleaved_product(x, weight, type, out_features, bias,
+                                 int64_t out_features, const std::optional<at::Tensor>& bias,
+                                 bool float_output) {
+  return interleaved_product(x, weight, type, out_features, bias, float_output,
                              pagedllm::quant_x16_int8_supports(type), "quant_linear_x16_int8",
                              &pagedllm::quant_linear_x16_int8);
 }
@@ -374,17 +392,19 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, "
+        "bool float_output=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
         "int num_kv_heads) -> (Tensor, Tensor, Tensor)");
-  m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias) -> Tensor");
-  m.def("quant_linear_x16(Tensor x, Tensor weight, int type, int out_features, Tensor? bias) "
-        "-> Tensor");
+  m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias, "
+        "bool float_output=False) -> Tensor");
+  m.def("quant_linear_x16(Tensor x, Tensor weight, int type, int out_features, Tensor? bias, "
+        "bool float_output=False) -> Tensor");
   m.def("quant_linear_x16_int8(Tensor x, Tensor weight, int type, int out_features, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, bool float_output=False) -> Tensor");
   m.def("quant_x16_supports(int type) -> bool", &quant_x16_supports);
   m.def("quant_x16_int8_supports(int type) -> bool", &quant_x16_int8_supports);
   m.def("dequantize_rows(Tensor weight, int type, int K, Tensor rows) -> Tensor");

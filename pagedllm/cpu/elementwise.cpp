@@ -49,26 +49,29 @@ inline __mmask16 lanes_left(int64_t left) {
                         : static_cast<__mmask16>((1u << left) - 1);
 }
 
-template <typename S, typename T = typename S::T>
+// X reads x (and rounds the normed rows where it is transformers' bfloat16 module), S
+// the weight and the output.
+template <typename S, typename X = S, typename T = typename S::T>
 void rms_norm_rows(const pagedllm::RmsNormProblem& p) {
-  const T* x = static_cast<const T*>(p.x);
+  using XT = typename X::T;
+  const XT* x = static_cast<const XT*>(p.x);
   const T* weight = static_cast<const T*>(p.weight);
   T* out = static_cast<T*>(p.out);
   const int64_t dim = p.dim;
 #pragma omp parallel for schedule(static) num_threads(threads_for(p.rows * dim, p.num_threads))
   for (int64_t row = 0; row < p.rows; ++row) {
-    const T* xr = x + row * dim;
+    const XT* xr = x + row * dim;
     T* yr = out + row * dim;
     __m512 squares = _mm512_setzero_ps();
     for (int64_t i = 0; i < dim; i += kLanes) {
-      const __m512 v = S::load(xr + i, lanes_left(dim - i));
+      const __m512 v = X::load(xr + i, lanes_left(dim - i));
       squares = _mm512_fmadd_ps(v, v, squares);
     }
     const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
     const __m512 inv_rms = _mm512_set1_ps(1.f / __builtin_sqrtf(mean + p.eps));
     for (int64_t i = 0; i < dim; i += kLanes) {
       const __mmask16 m = lanes_left(dim - i);
-      const __m512 normed = S::round(_mm512_mul_ps(S::load(xr + i, m), inv_rms));
+      const __m512 normed = X::round(_mm512_mul_ps(X::load(xr + i, m), inv_rms));
       S::store(yr + i, _mm512_mul_ps(S::load(weight + i, m), normed), m);
     }
   }
@@ -152,7 +155,13 @@ namespace pagedllm {
 
 #ifdef __AVX512F__
 void rms_norm(const RmsNormProblem& p) {
-  p.bfloat16 ? rms_norm_rows<BFloat16>(p) : rms_norm_rows<Float32>(p);
+  if (!p.bfloat16) {
+    rms_norm_rows<Float32>(p);
+  } else if (p.x_float32) {
+    rms_norm_rows<BFloat16, Float32>(p);
+  } else {
+    rms_norm_rows<BFloat16>(p);
+  }
 }
 void silu_and_mul(const SiluMulProblem& p) {
   p.bfloat16 ? silu_and_mul_rows<BFloat16>(p) : silu_and_mul_rows<Float32>(p);

@@ -183,17 +183,25 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    float_output: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` ``[M, out_features]`` for contiguous ``x`` ``[M, K]`` and
-    ``panels = pack_weight(weight)`` of ``x``'s dtype. Each output sums over k in one fixed
-    order, so a row's result does not depend on the other rows of ``x`` or on ``M``."""
-    return ops().packed_linear(x, panels, out_features, bias)
+    ``panels = pack_weight(weight)`` of ``x``'s dtype, in that dtype, or float32 with
+    ``float_output`` (a bfloat16 product's float32 sums, unrounded). Each output sums over
+    k in one fixed order, so a row's result does not depend on the other rows of ``x`` or
+    on ``M``."""
+    return ops().packed_linear(x, panels, out_features, bias, float_output)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` for contiguous ``x`` ``[rows, dim]``,
-    one pass per row; float32, or bfloat16 rounded where transformers' RMSNorm rounds."""
+    one pass per row; float32, or bfloat16 rounded where transformers' RMSNorm rounds, or
+    float32 ``x`` under a bfloat16 ``weight``: normed unrounded, the result rounded once
+    to bfloat16."""
     return ops().rms_norm(x, weight, eps)
 
 
@@ -229,14 +237,19 @@ def rotary(
 
 
 def quant_linear(
-    x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ggml_type: int,
+    bias: torch.Tensor | None = None,
+    float_output: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` in ``x``'s dtype (float32 or bfloat16, ``[M, K]``) for ``W``
     ``[N, K]`` kept as ``weight``: uint8 ``[N, K / block values * block bytes]``, each row
     the GGUF blocks of ggml type ``ggml_type`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
     Q6_K), never expanded. Sums are float32; bfloat16 ``x`` is multiplied in bfloat16 pairs
-    where the CPU has them (else widened), and the result rounded once."""
-    return ops().quant_linear(x, weight, ggml_type, bias)
+    where the CPU has them (else widened), and the result rounded once, or returned
+    unrounded in float32 with ``float_output``."""
+    return ops().quant_linear(x, weight, ggml_type, bias, float_output)
 
 
 def quant_linear_x16(
@@ -246,6 +259,7 @@ def quant_linear_x16(
     out_features: int,
     bias: torch.Tensor | None = None,
     int8_activations: bool = False,
+    float_output: bool = False,
 ) -> torch.Tensor:
     """:func:`quant_linear` for bfloat16 ``x`` and a weight of ``out_features`` rows whose
     blocks are interleaved by groups of 16 rows (layout in ``quant_x16.cpp``; see
@@ -255,7 +269,7 @@ def quant_linear_x16(
     up to float32 rounding, to the product of the quantized ``x`` with the dequantized
     weight (``quant_x16_int8.cpp``)."""
     product = ops().quant_linear_x16_int8 if int8_activations else ops().quant_linear_x16
-    return product(x, weight, ggml_type, out_features, bias)
+    return product(x, weight, ggml_type, out_features, bias, float_output)
 
 
 @functools.cache

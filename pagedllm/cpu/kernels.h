@@ -64,8 +64,9 @@ void pack_weight(const void* weight, int64_t N, int64_t K, bool bfloat16, void* 
                  int num_threads);
 
 // y [M, N] = x [M, K] weight^T (+ bias [N]) with the weight packed; x, panels and y share
-// one dtype (float32, or bfloat16 when `bfloat16`), bias is float32; all contiguous. A
-// row's result does not depend on M or on the other rows.
+// one dtype (float32, or bfloat16 when `bfloat16`), bias is float32; all contiguous. With
+// `float_output` (and `bfloat16`) y is float32: the sums unrounded. A row's result does
+// not depend on M or on the other rows.
 struct PackedLinearProblem {
   const void* x;
   const void* panels;
@@ -74,6 +75,7 @@ struct PackedLinearProblem {
   int64_t M, N, K;
   bool bfloat16;
   int num_threads;
+  bool float_output = false;
 };
 void packed_linear(const PackedLinearProblem& problem);
 // The float32 problem's columns of one panel (panel_index: which kPanelWidth features of
@@ -86,6 +88,8 @@ void packed_panel_float32(const PackedLinearProblem& problem, const float* panel
 // are float32 (quant_linear.cpp) or bfloat16 bits (quant_linear_bf16.cpp: codes
 // multiplied in bfloat16 pairs, float32 sums rounded once; only where the CPU has AVX-512
 // bfloat16 pair products, quant_linear_bf16_available()); bias is float32; all contiguous.
+// With y_float (bfloat16 products only), y is float32 there, the sums unrounded, and `y`
+// only names positions in it: y + i stands for element i.
 template <typename T>
 struct QuantProduct {
   const T* x;
@@ -94,6 +98,7 @@ struct QuantProduct {
   T* y;
   int64_t M, N, K, type;
   int num_threads;
+  float* y_float = nullptr;
 };
 using QuantLinearProblem = QuantProduct<float>;
 using QuantLinearBf16Problem = QuantProduct<uint16_t>;
@@ -121,7 +126,9 @@ int64_t quant_block_bytes(int64_t type);
 // float32, or bfloat16 when `bfloat16`; arithmetic is float32, rounded to bfloat16 where
 // transformers' modules round.
 
-// out [rows, dim] = x / sqrt(mean(x^2) + eps) * weight [dim].
+// out [rows, dim] = x / sqrt(mean(x^2) + eps) * weight [dim]. With `x_float32` (and
+// `bfloat16`), x alone is float32: a bfloat16 model's float32 residual stream, normed
+// without rounding and rounded once to bfloat16 at the output.
 struct RmsNormProblem {
   const void* x;
   const void* weight;
@@ -130,6 +137,7 @@ struct RmsNormProblem {
   float eps;
   bool bfloat16;
   int num_threads;
+  bool x_float32 = false;
 };
 void rms_norm(const RmsNormProblem& problem);
 

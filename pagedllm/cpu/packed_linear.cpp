@@ -20,7 +20,8 @@
 // sums run in chunks of 256 values of k added into y, as blocked GEMMs do, which keeps
 // the rounding error of long rows (K = 1,536) near torch's. bfloat16 products are exact
 // in float32 and summed in float32 over all of K, then rounded once to bfloat16 (to
-// nearest even), like torch's bfloat16 matmul.
+// nearest even), like torch's bfloat16 matmul, or stored unrounded as float32 when the
+// problem asks for it (an LM head's logits).
 
 #include <immintrin.h>
 #include <omp.h>
@@ -49,6 +50,7 @@ constexpr int64_t kPanelBlockBytes = 1 << 19;     // larger panels are taken in 
 
 struct Float32Panels {
   using T = float;
+  using Y = float;  // y's type
   using Vec = __m512;
   static constexpr int64_t kStep = 1;
   static constexpr int64_t kChunk = 256;  // k values summed in registers at a time
@@ -62,6 +64,7 @@ struct Float32Panels {
 
 struct BFloat16Panels {
   using T = uint16_t;
+  using Y = uint16_t;
   using Vec = __m512i;  // 16 pairs of bfloat16
   static constexpr int64_t kStep = 2;
   static constexpr int64_t kChunk = std::numeric_limits<int64_t>::max();
@@ -86,8 +89,13 @@ struct BFloat16Panels {
                            _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
 #endif
   }
-  static __m512 load(const uint16_t*, __mmask16) { return _mm512_setzero_ps(); }  // never
   static void store(uint16_t* y, __m512 v, __mmask16 mask) { pagedllm::bf16::store(y, v, mask); }
+};
+
+// bfloat16 products whose float32 sums are stored as they are.
+struct BFloat16PanelsFloatOutput : BFloat16Panels {
+  using Y = float;
+  static void store(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
 };
 
 // The part of the next panel rows one tile prefetches: one panel row (kRowBytes, three
@@ -106,9 +114,9 @@ constexpr int64_t kRowBytes = pagedllm::kPanelWidth * 4;  // bytes per panel row
 // kPanelWidth float32 sums of bfloat16 products, whose y is rounded once), the sums
 // carry over between calls instead: a call that is not the first starts from them and
 // one that is not the last leaves them there, so they run on in the same order.
-template <typename F, int MR, typename T = typename F::T>
+template <typename F, int MR, typename T = typename F::T, typename Y = typename F::Y>
 void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const float* bias,
-          T* y, int64_t N, int64_t n0, bool first, bool last, NextPanelShare next,
+          Y* y, int64_t N, int64_t n0, bool first, bool last, NextPanelShare next,
           float* partial) {
   constexpr int64_t kRow = pagedllm::kPanelWidth * F::kStep;  // values per panel row
   static_assert(kRow * sizeof(T) == kRowBytes);
@@ -164,17 +172,21 @@ void tile(const T* x, int64_t K, const T* panel, int64_t k0, int64_t k1, const f
     const __m512 b = last && bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * v)
                                   : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      T* out = y + m * N + n0 + 16 * v;
-      const __m512 sum = first ? acc[m][v] : _mm512_add_ps(F::load(out, mask), acc[m][v]);
+      Y* out = y + m * N + n0 + 16 * v;
+      // Float32 chunks after the first add to the sums in y; a bfloat16 sum is whole here.
+      __m512 sum = acc[m][v];
+      if constexpr (!F::kRoundedOnce) {
+        if (!first) sum = _mm512_add_ps(F::load(out, mask), sum);
+      }
       F::store(out, _mm512_add_ps(sum, b), mask);
     }
   }
 }
 
 // Tiles over steps [s0, s1) of K, in chunks of F::kChunk values of k; k = K ends the sum.
-template <typename F, int MR, typename T = typename F::T>
+template <typename F, int MR, typename T = typename F::T, typename Y = typename F::Y>
 void tiles_over_k(const T* x, int64_t K, const T* panel, int64_t s0, int64_t s1,
-                  const float* bias, T* y, int64_t N, int64_t n0, NextPanelShare next,
+                  const float* bias, Y* y, int64_t N, int64_t n0, NextPanelShare next,
                   float* partial) {
   const int64_t end = std::min(K, s1 * F::kStep);
   for (int64_t k0 = s0 * F::kStep, k1; k0 < end; k0 = k1) {
@@ -194,7 +206,7 @@ template <typename F, typename T = typename F::T>
 void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t n0,
                 const typename F::T* next_panel) {
   const T* x = static_cast<const T*>(p.x);
-  T* y = static_cast<T*>(p.y);
+  auto* y = static_cast<typename F::Y*>(p.y);
   const int64_t tiles = ceil_div(p.M, kRowsPerTile);
   const int64_t steps = ceil_div(p.K, F::kStep);
   // Blocks of whole float32 chunks, so that no chunk of the sums moves.
@@ -290,7 +302,7 @@ void run(const pagedllm::PackedLinearProblem& p) {
                           : nullptr;
       pagedllm::PackedLinearProblem rows = p;
       rows.x = static_cast<const T*>(p.x) + first_row * p.K;
-      rows.y = static_cast<T*>(p.y) + first_row * p.N;
+      rows.y = static_cast<typename F::Y*>(p.y) + first_row * p.N;
       rows.M = std::min(block_rows, p.M - first_row);
       panel_rows<F>(rows, panels + panel * panel_size, panel * pagedllm::kPanelWidth, next);
       task = ahead;
@@ -355,7 +367,9 @@ void packed_panel_float32(const PackedLinearProblem& problem, const float* panel
 
 void packed_linear(const PackedLinearProblem& problem) {
 #ifdef __AVX512F__
-  if (problem.bfloat16) {
+  if (problem.bfloat16 && problem.float_output) {
+    run<BFloat16PanelsFloatOutput>(problem);
+  } else if (problem.bfloat16) {
     run<BFloat16Panels>(problem);
   } else {
     run<Float32Panels>(problem);

@@ -192,7 +192,7 @@ void dot_rows(const QuantLinearBf16Problem& p, const CodeTable& table, const uin
     for (int o = 0; o < kOutputs; ++o) {
       const float bias = p.bias ? p.bias[n + o] : 0.0f;
       const float sum = _mm512_reduce_add_ps(acc[m][o]) + bias;
-      bf16::store(y + m * p.N + n + o, _mm512_set1_ps(sum), 1);
+      bf16::store_sums(p, y + m * p.N + n + o, _mm512_set1_ps(sum), 1);
     }
   }
 }

@@ -85,7 +85,7 @@ void tile(const QuantLinearBf16Problem& p, const Panel& panel, const uint16_t* x
     const __m512 bias =
         p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m)
-      bf16::store(y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
+      bf16::store_sums(p, y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
   }
 }
 

@@ -134,7 +134,8 @@ void dot_group(const QuantLinearBf16Problem& p, const CodeTable& table, const fl
                                         : static_cast<__mmask16>((1u << left) - 1);
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
   uint16_t* y = p.y + m0 * p.N + n0;
-  for (int m = 0; m < MR; ++m) bf16::store(y + m * p.N, _mm512_add_ps(acc[m], bias), mask);
+  for (int m = 0; m < MR; ++m)
+    bf16::store_sums(p, y + m * p.N, _mm512_add_ps(acc[m], bias), mask);
 }
 
 // Groups g0 .. g1 for every row, kDotRows rows at a time: a group's bytes are read from

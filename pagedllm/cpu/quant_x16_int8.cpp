@@ -215,14 +215,15 @@ inline __m512 add_block(__m512 acc, __m512i part, __m512 scale, __m512 offset, f
   return acc;
 }
 
-// y[m, n0 .. n0 + 16) = acc + bias, rounded to bfloat16; features past N are left alone.
+// y[m, n0 .. n0 + 16) = acc + bias, rounded to bfloat16 (unless the problem asks for
+// float32); features past N are left alone.
 inline void store_row(const QuantLinearBf16Problem& p, __m512 acc, int64_t m, int64_t n0) {
   const int64_t left = p.N - n0;
   if (left <= 0) return;
   const __mmask16 mask =
       left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-  bf16::store(p.y + m * p.N + n0, _mm512_add_ps(acc, bias), mask);
+  bf16::store_sums(p, p.y + m * p.N + n0, _mm512_add_ps(acc, bias), mask);
 }
 
 inline __m512i x_quad(const QuantizedRows& xq, int64_t K, int64_t m, int64_t k) {

@@ -18,7 +18,7 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
               const at::Tensor& v, const at::Tensor& slot_mapping);
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
-                         const std::optional<at::Tensor>& bias);
+                         const std::optional<at::Tensor>& bias, bool float_output = false);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
@@ -28,11 +28,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
                                                       const at::Tensor& sin,
                                                       int64_t num_q_heads, int64_t num_kv_heads);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                        const std::optional<at::Tensor>& bias);
+                        const std::optional<at::Tensor>& bias, bool float_output = false);
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                            int64_t out_features, const std::optional<at::Tensor>& bias);
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            bool float_output = false);
 at::Tensor quant_linear_x16_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                                 int64_t out_features, const std::optional<at::Tensor>& bias);
+                                 int64_t out_features, const std::optional<at::Tensor>& bias,
+                                 bool float_output = false);
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t type, int64_t K,
                            const at::Tensor& rows);
 

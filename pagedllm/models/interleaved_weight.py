@@ -66,11 +66,14 @@ class InterleavedWeight:
         every = torch.arange(len(indices))
         return dequantize_rows(blocks, int(self.ggml_type), self.in_features, every)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T + bias`` in bfloat16 for bfloat16 ``x`` ``[rows, in]``."""
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, float_output: bool = False
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` in bfloat16 for bfloat16 ``x`` ``[rows, in]``; with
+        ``float_output``, the float32 sums unrounded."""
         return quant_linear_x16(
             x.contiguous(), self.blocks, int(self.ggml_type), self.out_features, bias,
-            self.int8_activations,
+            self.int8_activations, float_output,
         )  # fmt: skip
 
 

@@ -112,13 +112,19 @@ def weight_storage(weight: Weight) -> torch.Tensor:
     return weight.blocks if isinstance(weight, BlockWeight) else weight
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, float_output: bool = False
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]`` and a weight ``[out, in]`` (plain
-    or packed by :func:`prepare_weight`, or quantized)."""
+    or packed by :func:`prepare_weight`, or quantized), in ``x``'s dtype. With
+    ``float_output``, in float32: a packed or quantized weight's float32 sums unrounded,
+    the others' results (torch's, rounded to ``x``'s dtype) widened."""
     if isinstance(weight, BlockWeight):
-        return weight.linear(x, bias)
+        return weight.linear(x, bias, float_output)
     if isinstance(weight, PackedWeight):
-        return packed_linear(x.contiguous(), weight.panels, weight.out_features, bias)
+        return packed_linear(x.contiguous(), weight.panels, weight.out_features, bias, float_output)
     if isinstance(weight, OneDNNWeight):
-        return onednn_linear(x, weight.reordered, bias)
-    return F.linear(x, weight, bias)
+        y = onednn_linear(x, weight.reordered, bias)
+    else:
+        y = F.linear(x, weight, bias)
+    return y.float() if float_output else y

@@ -85,9 +85,12 @@ class QuantizedWeight:
         """The weight whose row ``i`` is row ``order[i]`` of this one."""
         return QuantizedWeight(self.blocks[order].contiguous(), self.ggml_type, self.in_features)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T + bias`` in ``x``'s dtype (float32 or bfloat16 ``[rows, in]``)."""
-        return quant_linear(x.contiguous(), self.blocks, int(self.ggml_type), bias)
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, float_output: bool = False
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` in ``x``'s dtype (float32 or bfloat16 ``[rows, in]``),
+        or float32 with ``float_output`` (the sums unrounded)."""
+        return quant_linear(x.contiguous(), self.blocks, int(self.ggml_type), bias, float_output)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
