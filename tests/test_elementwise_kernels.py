@@ -38,6 +38,23 @@ def test_rms_norm(dtype, dim):
         torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dim", [576, 7])
+def test_rms_norm_of_a_float32_residual_stream_rounds_once(dim):
+    """float32 x under a bfloat16 weight: normed in float32, the product rounded once."""
+    generator = torch.Generator().manual_seed(dim)
+    x = 3 * torch.randn(33, dim, generator=generator)
+    weight = torch.randn(dim, generator=generator).bfloat16()
+    ours = rms_norm(x, weight, 1e-5)
+    exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+             * weight.double())  # fmt: skip
+    assert ours.dtype == torch.bfloat16
+    # within one bfloat16 rounding of the exact value, and mostly the exact value rounded
+    assert ((ours.double() - exact).abs() <= 2.0**-8 * exact.abs() * (1 + 1e-5)).all()
+    assert (ours == exact.float().bfloat16()).float().mean() > 0.99
+    # unlike the bfloat16 kernel, which rounds the normed value before the weight
+    assert not torch.equal(ours, rms_norm(x.bfloat16(), weight, 1e-5))
+
+
 def test_bfloat16_rounding_keeps_subnormals_and_quiets_nan():
     """The products weight x normed land on bfloat16 subnormals, ties, infinity and NaN:
     every number rounds to torch's bits and every NaN stays NaN, whichever conversion the

@@ -13,7 +13,14 @@ from pagedllm.cpu.extension import silu_and_mul as silu_and_mul_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x**2, -1) + eps) * weight`` for ``x`` ``[rows, dim]``."""
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` for ``x`` ``[rows, dim]``, of the
+    weight's dtype. ``x`` has that dtype too, or is float32 under a narrower weight (a
+    float32 residual stream): then it is normed unrounded and the result rounded once."""
+    if x.dtype == torch.float32 and weight.dtype != torch.float32:
+        bfloat16 = weight.dtype == torch.bfloat16
+        if bfloat16 and fits_avx512_kernels(x) and fits_avx512_kernels(weight):
+            return rms_norm_kernel(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight.float(), eps).to(weight.dtype)
     if fits_avx512_kernels(x, weight):
         return rms_norm_kernel(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)

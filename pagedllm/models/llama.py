@@ -106,7 +106,9 @@ class DecoderLayer(nn.Module):
     (``None`` for weightless norms) with their biases as ``<name>_bias`` (``None`` but for
     LayerNorms), ``q_norm`` / ``k_norm`` or ``None``, all holding ``offset + weight``.
     ``attention``: this layer's scale, sliding window and soft-cap; ``local_rope``: whether
-    it rotates with the local rope. ``choice`` picks each matrix's kernel.
+    it rotates with the local rope. ``choice`` picks each matrix's kernel. ``dtype``: the
+    model's, that of every norm's output and every matrix's input; the residual stream
+    passed to :meth:`forward` may be float32 instead (:class:`LlamaDecoder`).
     """
 
     def __init__(
@@ -116,11 +118,13 @@ class DecoderLayer(nn.Module):
         get: WeightSource,
         get_norm: WeightSource,
         choice: KernelChoice,
+        dtype: torch.dtype,
         parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
+        self.dtype = dtype
         self.parallel = parallel
         spec = config.spec
         windows = config.sliding_windows
@@ -185,7 +189,7 @@ class DecoderLayer(nn.Module):
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         weight, bias = getattr(self, name), getattr(self, name + "_bias", None)
-        return normalize(x, weight, bias, c.spec.norm, c.rms_norm_eps)
+        return normalize(x, weight, bias, c.spec.norm, c.rms_norm_eps, self.dtype)
 
     def _row_parallel(
         self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None
@@ -246,7 +250,10 @@ class DecoderLayer(nn.Module):
         alone are computed (attention still writes every token's K/V)."""
         c = self.config
         layout = c.norm_layout
-        normed = hidden if layout == "post" else self._norm("input_layernorm", hidden)
+        if layout == "post":
+            normed = hidden.to(self.dtype)
+        else:
+            normed = self._norm("input_layernorm", hidden)
         qkv = linear(normed, self.qkv_weight, self.qkv_bias)
         if c.clip_qkv is not None:
             qkv.clamp_(-c.clip_qkv, c.clip_qkv)
@@ -270,7 +277,7 @@ class DecoderLayer(nn.Module):
         elif layout == "sandwich":
             normed = self._norm("pre_feedforward_layernorm", hidden)
         elif layout == "post":
-            normed = hidden
+            normed = hidden.to(self.dtype)
         if self.moe is not None:
             out = self.moe(normed)
         else:
@@ -320,6 +327,11 @@ class LlamaDecoder(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        # On the CPU the residual stream is float32 whatever the dtype (the layers still
+        # multiply in bfloat16): with float32 logits, a bfloat16 model's logits stray from
+        # float32's half as far (docs/models.md). On a GPU it keeps the model's dtype, as
+        # transformers and vLLM do.
+        self.residual_dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.parallel = parallel
         self.layer_config = config
         self.vocab_rows = range(config.vocab_size)
@@ -344,7 +356,7 @@ class LlamaDecoder(nn.Module):
         choice = KernelChoice(linear_kernel, activations=dtype)
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
-            DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, choice, parallel)
+            DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, choice, dtype, parallel)
             for i in range(config.num_layers)
         )
         weighted = spec.norm != "layer_plain"
@@ -432,7 +444,7 @@ class LlamaDecoder(nn.Module):
         ``positions`` ``[T]`` holds each token's 0-based index within its sequence. With
         ``layer_stack`` (built over ``attn``), the layers run as its one C++ call.
         """
-        hidden = self.embed(input_ids, positions)
+        hidden = self.embed(input_ids, positions).to(self.residual_dtype)
         if layer_stack is not None:
             hidden = layer_stack.forward(hidden, positions, metadata, output_rows)
         else:
@@ -442,7 +454,9 @@ class LlamaDecoder(nn.Module):
                 rotary = self.local_rotary if layer.local_rope else self.rotary
                 hidden = layer(hidden, positions, rotary, attn, metadata, rows)
         c = self.config
-        return normalize(hidden, self.final_norm, self.final_norm_bias, c.spec.norm, c.rms_norm_eps)
+        return normalize(
+            hidden, self.final_norm, self.final_norm_bias, c.spec.norm, c.rms_norm_eps, self.dtype
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -451,12 +465,14 @@ class LlamaDecoder(nn.Module):
         parallelism every rank calls it with the same ``N``; rank 0 gets the gathered
         logits, the others ``None``."""
         c = self.config
-        logits = linear(hidden, self.lm_head)
+        # Unrounded where the CPU kernels sum in float32 anyway: bfloat16 logits of ~20
+        # are 0.125 apart, which turns near ties into exact ones.
+        logits = linear(hidden, self.lm_head, float_output=True)
         if self.parallel is not None and len(hidden):
             logits = self.parallel.gather_columns(logits)
             if logits is None:
                 return None
-        logits = logits[:, : c.vocab_size].float()
+        logits = logits[:, : c.vocab_size]
         if c.logits_divisor != 1.0:
             logits = logits / c.logits_divisor
         if c.final_logit_softcap:

@@ -16,15 +16,21 @@ def normalize(
     bias: torch.Tensor | None,
     kind: str,
     eps: float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Norm ``kind`` (``"rms"``, ``"layer"`` or ``"layer_plain"``) of every row of ``x``
     ``[rows, dim]`` over its last dimension; ``weight`` / ``bias`` ``[dim]`` where the
-    kind has them."""
+    kind has them, of ``dtype``, the result's (default ``x``'s). ``x`` may be float32
+    under a narrower ``dtype`` (a float32 residual stream): it is then normed unrounded
+    and the result rounded once."""
+    dtype = dtype or x.dtype
     if kind == "rms":
         return rms_norm(x, weight, eps)
     if kind == "layer":
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    return F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype)
+        if x.dtype != dtype:
+            weight, bias = weight.float(), None if bias is None else bias.float()
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).to(dtype)
+    return F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(dtype)
 
 
 def layer_norm_per_head(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
