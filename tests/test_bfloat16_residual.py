@@ -8,21 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from shared_models import default_model as load_default_model
+from test_models_logits import our_logits
 from test_models_smollm2 import chat_ids
-
-from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
 
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
              "Write a haiku about the sea.", "Who wrote Hamlet?"]  # fmt: skip
-
-
-def prompt_logits(model, prompts: list[list[int]]) -> torch.Tensor:
-    """Logits at every position of ``prompts``, run as one batch."""
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    metadata = dense_metadata([len(p) for p in prompts])
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, DenseAttentionBackend(), metadata))
 
 
 def mean_kl(logits: torch.Tensor, reference: torch.Tensor) -> float:
@@ -36,11 +26,11 @@ def test_float32_residual_and_logits_bring_bfloat16_closer_to_float32(
     default_model, monkeypatch
 ):
     prompts = [chat_ids(default_model.tokenizer, q) for q in QUESTIONS]
-    reference = prompt_logits(default_model.model, prompts)
+    reference = our_logits(default_model.model, prompts)
     model = load_default_model(torch.bfloat16).model
     assert model.residual_dtype == torch.float32
-    ours = prompt_logits(model, prompts)
+    ours = our_logits(model, prompts)
     assert ours.dtype == torch.float32 and not torch.equal(ours, ours.bfloat16().float())
     monkeypatch.setattr(model, "residual_dtype", torch.bfloat16)
-    rounded = prompt_logits(model, prompts).bfloat16().float()
+    rounded = our_logits(model, prompts).bfloat16().float()
     assert mean_kl(ours, reference) < 0.5 * mean_kl(rounded, reference)

@@ -9,9 +9,8 @@ import logging
 import pytest
 import torch
 from shared_models import default_model as load_shared
-from test_bfloat16_residual import prompt_logits
 from test_models_gguf import QType, write_gguf
-from test_models_logits import write_checkpoint
+from test_models_logits import our_logits, write_checkpoint
 from test_models_smollm2 import CHAT_PROMPTS, chat_ids, greedy_cached
 
 from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
@@ -152,7 +151,7 @@ def test_bfloat16_model_runs_interleaved_blocks_at_the_file_size(default_model):
 def path_gaps(model, prompt: list[int], tokens: list[int], banned: int) -> list[float]:
     """How far below the model's best logit each of ``tokens`` is, fed after ``prompt``
     (``banned`` never counted as best)."""
-    logits = prompt_logits(model, [prompt + tokens])[len(prompt) - 1 : -1].clone()
+    logits = our_logits(model, [prompt + tokens])[len(prompt) - 1 : -1].clone()
     logits[:, banned] = -torch.inf
     chosen = logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
     return (logits.max(-1).values - chosen).tolist()

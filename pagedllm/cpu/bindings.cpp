@@ -74,7 +74,7 @@ at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t N, const ch
 }
 
 // y [M, N] of a product of x [M, K]: x's dtype, or float32 with float_output.
-at::Tensor bfloat16_product_output(const at::Tensor& x, int64_t N, bool float_output) {
+at::Tensor product_output(const at::Tensor& x, int64_t N, bool float_output) {
   return at::empty({x.size(0), N}, float_output ? x.options().dtype(at::kFloat) : x.options());
 }
 
@@ -212,7 +212,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t 
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias is [out_features]");
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor y = bfloat16_product_output(x, out_features, float_output);
+  at::Tensor y = product_output(x, out_features, float_output);
   pagedllm::packed_linear({x.data_ptr(), panels.data_ptr(),
                            bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
                            y.data_ptr(), x.size(0), out_features, x.size(1), bf16,
@@ -302,7 +302,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
   const float* bias_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kBFloat16 && pagedllm::quant_linear_bf16_available()) {
     const at::Tensor xc = x.contiguous();
-    at::Tensor y = bfloat16_product_output(xc, N, float_output);
+    at::Tensor y = product_output(xc, N, float_output);
     pagedllm::quant_linear_bf16({reinterpret_cast<const uint16_t*>(xc.data_ptr()),
                                  weight.data_ptr<uint8_t>(), bias_ptr,
                                  reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K,
@@ -335,7 +335,7 @@ at::Tensor interleaved_product(const at::Tensor& x, const at::Tensor& weight, in
               "] for N = ", N, ", K = ", K);
   const at::Tensor bias_f32 = float_bias(bias, N, name);
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = bfloat16_product_output(xc, N, float_output);
+  at::Tensor y = product_output(xc, N, float_output);
   kernel({reinterpret_cast<const uint16_t*>(xc.data_ptr()), weight.data_ptr<uint8_t>(),
           bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
           reinterpret_cast<uint16_t*>(y.data_ptr()), x.size(0), N, K, type,
