@@ -150,7 +150,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, model_name, tokenizer,
             ref[position, token].item(), abs=1e-4
         )
         top = logprobs.top_logprobs[position + 1]  # keyed by text: two bytes may share one
-        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(
             ref[position].max().item(), abs=1e-4
         )
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(ids))]
@@ -240,6 +240,35 @@ def test_best_of_returns_the_samples_of_highest_cumulative_logprob(client, model
     best = complete(client, model_name, n=2, best_of=4, **fields)
     assert [c.text for c in best.choices] == [every.choices[i].text for i in ranked[:2]]
     assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+
+
+def shown_with_its_token(logprobs, position: int) -> bool:
+    """Whether the token at ``position`` is among its ``top_logprobs`` with its logprob."""
+    top, token = logprobs.top_logprobs[position], logprobs.tokens[position]
+    return top.get(token) == logprobs.token_logprobs[position]
+
+
+def test_top_logprobs_include_the_sampled_token(client, model_name):
+    """Up to ``logprobs + 1`` entries per position, as OpenAI and vLLM: the sampled (or
+    echoed prompt) token is shown even when it is not among the ``logprobs`` most likely."""
+    fields = dict(max_tokens=16, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    sampled = complete(client, model_name, logprobs=1, **fields).choices[0].logprobs
+    outside = [
+        i for i, top in enumerate(sampled.top_logprobs)
+        if sampled.token_logprobs[i] < max(top.values())
+    ]  # fmt: skip
+    assert outside, "no sampled token outside the top 1: pick another seed"
+    for position in outside:
+        assert len(sampled.top_logprobs[position]) == 2
+        assert shown_with_its_token(sampled, position)
+    assert all(len(top) <= 2 for top in sampled.top_logprobs)
+    alone = complete(client, model_name, logprobs=0, **fields).choices[0].logprobs
+    assert alone.tokens == sampled.tokens  # same seed, same samples
+    for position, token in enumerate(alone.tokens):
+        assert alone.top_logprobs[position] == {token: alone.token_logprobs[position]}
+    echoed = complete(client, model_name, logprobs=1, echo=True, max_tokens=1).choices[0]
+    prompt_positions = range(1, len(echoed.logprobs.tokens) - 1)
+    assert all(shown_with_its_token(echoed.logprobs, i) for i in prompt_positions)
 
 
 def test_streaming_with_continuous_usage_stats(client, model_name):

@@ -60,11 +60,12 @@ def completion_logprobs(
     unscored_first: int | None = None,
 ) -> dict[str, object]:
     """The legacy completions shape: parallel lists, ``text_offset`` in characters
-    from ``text_offset`` (where these tokens start in the choice's text), at most
-    ``num_top`` alternatives per token (keyed by text: of alternatives with the same
-    text, such as two partial UTF-8 bytes, the most likely). ``unscored_first``: a
-    token before ``entries`` that has no logprob (an echoed prompt's first), listed with
-    nulls."""
+    from ``text_offset`` (where these tokens start in the choice's text), and per token
+    its ``num_top`` most likely alternatives plus the token itself when it is not among
+    them: at most ``num_top + 1`` entries, most likely first, as OpenAI and vLLM give
+    them (``num_top`` 0: the token alone). Keyed by text: of entries with the same text,
+    such as two partial UTF-8 bytes, the most likely. ``unscored_first``: a token before
+    ``entries`` that has no logprob (an echoed prompt's first), listed with nulls."""
     tokens, offsets, token_logprobs, top_logprobs = [], [], [], []
     if unscored_first is not None:
         tokens.append(texts.text(unscored_first))
@@ -78,16 +79,23 @@ def completion_logprobs(
         tokens.append(token)
         text_offset += len(token)
         token_logprobs.append(entry.logprob)
-        top: dict[str, float] = {}
-        for tid, lp in entry.top[:num_top]:  # most likely first: it keeps a shared text
-            top.setdefault(texts.text(tid), lp)
-        top_logprobs.append(top)
+        top_logprobs.append(_top_with_token(entry, texts, num_top))
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def _top_with_token(entry: TokenLogprobs, texts: TokenTexts, num_top: int) -> dict[str, float]:
+    """``{text: logprob}`` of the ``num_top`` most likely tokens and the entry's own
+    token, most likely first (a token outside the top is no more likely than any in it,
+    so it comes last); the first of entries sharing a text keeps it."""
+    top: dict[str, float] = {}
+    for tid, lp in [*entry.top[:num_top], (entry.token_id, entry.logprob)]:
+        top.setdefault(texts.text(tid), lp)
+    return top
 
 
 def prompt_logprobs_json(
