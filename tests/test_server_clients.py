@@ -289,6 +289,9 @@ def test_streaming_with_continuous_usage_stats(client, model_name):
     assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
     assert chunks[-1].usage == whole.usage
     assert chunks[0].choices[0].delta.role == "assistant"
+    opening = chunks[0].usage  # before any token, as in vLLM
+    assert opening.completion_tokens == 0 and opening.total_tokens == whole.usage.prompt_tokens
+    assert chunks[1].usage.completion_tokens >= 1
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     plain = client.chat.completions.create(

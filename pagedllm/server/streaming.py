@@ -77,6 +77,13 @@ async def choice_updates(
                 finished.add(index)
 
 
+def opening_usage(latest: dict[str, RequestOutput]) -> dict[str, int]:
+    """The continuous usage of an opening chunk: the prompts' tokens and no completion
+    tokens (it precedes every token, as in vLLM), though the first output is known."""
+    prompt = usage(list(latest.values()))["prompt_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+
+
 async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> AsyncIterator[str]:
     head = {
         "id": admitted.response_id,
@@ -98,7 +105,7 @@ async def events(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
         opening = []
     async for update in choice_updates(ctx, admitted, fmt, latest):
         for choice in opening:
-            yield sse({**head, "choices": [choice], **tail()})
+            yield sse({**head, "choices": [choice], "usage": opening_usage(latest)})
         opening = []
         shown = fmt.choice(update)
         if shown is not None:
