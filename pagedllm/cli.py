@@ -94,12 +94,20 @@ def _write_stdout(text: str) -> None:
 
 def cmd_export_tokenizer(args: argparse.Namespace) -> int:
     from pagedllm.models.default import default_model_path
+    from pagedllm.models.errors import ModelLoadError
+    from pagedllm.models.hf_config import write_hf_config
+    from pagedllm.models.loader_gguf import gguf_config, open_gguf
     from pagedllm.tokenizer import Tokenizer
 
     path = default_model_path() if args.model in (None, "default") else Path(args.model)
     if path.suffix != ".gguf":
         raise ValueError(f"--model must be a .gguf file (a folder has its tokenizer), got {path}")
-    Tokenizer.from_gguf(path).save(Path(args.folder))
+    folder = Path(args.folder)
+    Tokenizer.from_gguf(path).save(folder)
+    try:
+        write_hf_config(folder, gguf_config(open_gguf(path), path))
+    except ModelLoadError as err:  # the tokenizer is still of use without it
+        print(f"no config.json: {err}", file=sys.stderr)
     print(f"wrote the tokenizer of {path.name} to {args.folder}")
     return 0
 
@@ -137,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser(
         "export-tokenizer",
-        help="write a model's tokenizer as a Hugging Face tokenizer folder",
+        help="write a model's tokenizer as a Hugging Face tokenizer folder (with a "
+        "config.json describing the model)",
     )
     export.add_argument("folder", help="the folder to write (created if missing)")
     export.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
