@@ -17,6 +17,7 @@ stop token is allowed, so a constrained request cannot also use ``ignore_eos`` o
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,16 @@ def _choice_regex(choices: Sequence[str]) -> str:
     return "(" + "|".join(escaped) + ")"
 
 
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ", re.MULTILINE)
+"""The time and source location xgrammar puts before its messages."""
+
+
+def _xgrammar_reason(error: Exception) -> str:
+    """xgrammar's message without its time stamp and source file (nothing a client
+    can use, and nothing of the server's to show)."""
+    return _XGRAMMAR_LOG_PREFIX.sub("", str(error)).strip()
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, each distinct one once.
 
@@ -105,7 +116,8 @@ class GrammarCompiler:
                 compiled = self._compile(params)
             except Exception as error:  # xgrammar's own error types, all about this input
                 raise InvalidRequestError(
-                    f"the {key[0]} constraint does not compile: {error}", "structured_outputs"
+                    f"the {key[0]} constraint does not compile: {_xgrammar_reason(error)}",
+                    "structured_outputs",
                 ) from None
             self._cache[key] = compiled
         return GrammarMatchers(compiled, self.vocab_size)

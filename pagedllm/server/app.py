@@ -20,6 +20,7 @@ from pagedllm.server.completions import create_completion
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.middleware import BodyLimit, Gate
+from pagedllm.server.reply_size import DEFAULT_MAX_LOGPROB_ENTRIES
 from pagedllm.server.responses import TokenTexts
 from pagedllm.server.serving import ServingContext, model_not_found
 from pagedllm.server.tokenize import detokenize, tokenize, tokenizer_info
@@ -39,6 +40,9 @@ def served_model_name(model: str | None) -> str:
 class ServerSettings:
     """HTTP-side limits. ``max_body_bytes``: largest request body accepted;
     ``max_pending_requests``: engine requests admitted and unfinished before 503;
+    ``read_timeout_s``: seconds a request body may take to arrive whole (408 after);
+    ``max_logprob_entries``: the most logprob entries one request may ask for (400
+    beyond; :mod:`pagedllm.server.reply_size`);
     ``api_key_scope``: ``"v1"`` (the key guards ``/v1/`` only) or ``"all"`` (every
     path but ``/health``)."""
 
@@ -47,6 +51,8 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     max_pending_requests: int = 1024
     api_key_scope: str = "v1"
+    read_timeout_s: float = 30.0
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
 
 
 @dataclass
@@ -74,7 +80,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name)
     lifecycle = Lifecycle()
     async_engine = AsyncEngine(
-        engine, metrics, settings.max_pending_requests, lifecycle.engine_loop_died
+        engine,
+        metrics,
+        settings.max_pending_requests,
+        lifecycle.engine_loop_died,
+        settings.max_logprob_entries,
     )
     ctx = ServingContext(
         async_engine,
@@ -150,7 +160,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s
+    )
     app.add_middleware(
         Gate,
         api_key=settings.api_key,

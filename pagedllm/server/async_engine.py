@@ -40,6 +40,11 @@ from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.reply_size import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    check_logprob_entries,
+    logprob_entries,
+)
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -76,6 +81,8 @@ class RequestGroup:
     request_ids: list[str]
     items: asyncio.Queue | None = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
+    logprob_entries: int = 0
+    """The worst-case logprob entries of the requests added so far (loop thread)."""
 
 
 @dataclass
@@ -114,13 +121,17 @@ class AsyncEngine:
         metrics: ServerMetrics,
         max_pending_requests: int,
         on_loop_death: Callable[[], None] | None = None,
+        max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
     ) -> None:
         """``max_pending_requests``: engine requests admitted and not yet finished
         (queued, waiting or running) beyond which new HTTP requests get 503.
-        ``on_loop_death``: called once on the event loop if the loop thread dies."""
+        ``on_loop_death``: called once on the event loop if the loop thread dies.
+        ``max_logprob_entries``: the most logprob entries one HTTP request may ask
+        for (:mod:`pagedllm.server.reply_size`), beyond which it gets 400."""
         self.engine = engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
+        self.max_logprob_entries = max_logprob_entries
         self._on_loop_death = on_loop_death
         self.loop_died = False  # set once, by the loop thread
         self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
@@ -129,6 +140,7 @@ class AsyncEngine:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = False  # event loop only
+        self._stopping: asyncio.Future | None = None  # event loop only
 
     # ---- lifecycle (event loop) -------------------------------------------------------
 
@@ -139,14 +151,32 @@ class AsyncEngine:
         self._accepting = True
 
     async def stop(self) -> None:
-        """Refuse new requests, abort what still runs, end the loop thread, wait for it."""
+        """Refuse new requests, abort what still runs (its clients get a 503, streams
+        an error event), end the loop thread and wait for it; safe to call again or
+        concurrently."""
+        await asyncio.shield(self._begin_stop())
+
+    def _begin_stop(self) -> asyncio.Future:
         self._accepting = False
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop_thread())
+        return self._stopping
+
+    async def _stop_thread(self) -> None:
         if self._thread is None:
             return
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self.engine.shutdown()
+
+    def stop_after(self, delay_s: float) -> None:
+        """Call :meth:`stop` ``delay_s`` seconds from now; safe from any thread (a
+        signal handler included). The grace period of a graceful shutdown."""
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(loop.call_later, delay_s, self._begin_stop)
 
     @property
     def is_running(self) -> bool:
@@ -217,36 +247,41 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """The group's snapshots until every request finishes.
 
-        Leaving early (a break, cancellation on client disconnect, ``is_disconnected``
-        turning true while waiting) aborts the unfinished requests, freeing their
-        blocks at the engine's next command check.
+        Every ``DISCONNECT_POLL_S`` seconds, whether or not outputs arrive meanwhile,
+        it checks that the loop thread lives (503 otherwise) and that the client is
+        still there (``is_disconnected``). Leaving early (a break, cancellation,
+        the client gone) aborts the unfinished requests, freeing their blocks at the
+        engine's next command check.
         """
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while group.unfinished:
-                try:
-                    request_id, item = await asyncio.wait_for(group.items.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                item = await _get_until(group.items, next_check)
+                if time.monotonic() >= next_check:
                     if not self._thread_alive:
-                        raise self.unavailable() from None
+                        raise self.unavailable()
                     if is_disconnected is not None and await is_disconnected():
                         return
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                if item is None:
                     continue
-                if isinstance(item, APIError):
-                    raise item
-                if item.finished:
+                request_id, output = item
+                if isinstance(output, APIError):
+                    raise output
+                if output.finished:
                     group.unfinished.discard(request_id)
-                yield item
+                yield output
         finally:
             self.abort(group)
 
     async def _next_item(self, group: RequestGroup) -> tuple[str, object]:
         """The group's next item; a 503 if the loop thread dies while we wait."""
         while True:
-            try:
-                return await asyncio.wait_for(group.items.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if not self._thread_alive:
-                    raise self.unavailable() from None
+            item = await _get_until(group.items, time.monotonic() + DISCONNECT_POLL_S)
+            if item is not None:
+                return item
+            if not self._thread_alive:
+                raise self.unavailable()
 
     def abort(self, group: RequestGroup) -> None:
         """Abort the group's unfinished requests and release it; idempotent."""
@@ -283,7 +318,11 @@ class AsyncEngine:
                     logger.exception("engine step failed; failing the requests in flight")
                     self.metrics.step_failed()
                     self._abort_all(
-                        APIError(500, "The engine failed while running this request")
+                        APIError(
+                            500,
+                            "The engine failed while running this request",
+                            code="internal_error",
+                        )
                     )
                     self._check_clean()
                     continue
@@ -350,12 +389,18 @@ class AsyncEngine:
         try:
             prompt = command.prompt
             if isinstance(prompt, ChatPrompt):
+                text = None
                 ids = self.engine.tokenizer.apply_chat_template(
                     prompt.messages, tools=prompt.tools
                 )
-                prompt = {"prompt_token_ids": ids}
+            else:
+                text, ids = self.engine.tokenize_prompt(prompt)
+            self._charge_logprobs(command, len(ids))
             self.engine.add_request(
-                command.request_id, prompt, command.params, arrival_time=command.arrival_time
+                command.request_id,
+                {"prompt": text, "prompt_token_ids": ids},
+                command.params,
+                arrival_time=command.arrival_time,
             )
         except (ValueError, TemplateError) as error:
             param = error.param if isinstance(error, InvalidRequestError) else None
@@ -365,12 +410,22 @@ class AsyncEngine:
         except Exception:
             logger.exception("adding request %s failed", command.request_id)
             self.engine.abort_request(command.request_id)
-            failed = APIError(500, "The engine failed while admitting this request")
+            failed = APIError(
+                500, "The engine failed while admitting this request", code="internal_error"
+            )
             self._send([(command.group, command.request_id, failed)])
             return
         self._groups[command.request_id] = command.group
         self.metrics.request_added(command.request_id)
         self._send([(command.group, command.request_id, _ACCEPTED)])
+
+    def _charge_logprobs(self, command: _Add, prompt_len: int) -> None:
+        """Add the request's worst-case logprob entries to its group's; raises
+        InvalidRequestError past ``max_logprob_entries``."""
+        params = command.params
+        entries = logprob_entries(params, prompt_len, self.engine.max_model_len)
+        command.group.logprob_entries += entries
+        check_logprob_entries(params, command.group.logprob_entries, self.max_logprob_entries)
 
     def _abort(self, request_id: str) -> None:
         if self._groups.pop(request_id, None) is None:
@@ -395,7 +450,11 @@ class AsyncEngine:
             if output.error is not None:
                 del self._groups[output.request_id]
                 self.metrics.request_failed(output.request_id)
-                failure = APIError(500, f"The engine failed on this request: {output.error}")
+                failure = APIError(
+                    500,
+                    f"The engine failed on this request: {output.error}",
+                    code="internal_error",
+                )
                 deliveries.append((group, output.request_id, failure))
                 continue
             self.metrics.request_progressed(output, now)
@@ -409,6 +468,16 @@ class AsyncEngine:
         loop = self._event_loop
         if deliveries and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_deliver, deliveries)
+
+
+async def _get_until(items: asyncio.Queue, deadline: float) -> tuple[str, object] | None:
+    """The queue's next item, or None if none comes before ``deadline`` (monotonic s)."""
+    if not items.empty():
+        return items.get_nowait()
+    try:
+        return await asyncio.wait_for(items.get(), max(deadline - time.monotonic(), 0.0))
+    except asyncio.TimeoutError:
+        return None
 
 
 def _deliver(deliveries: list[tuple[RequestGroup, str, object]]) -> None:

@@ -9,15 +9,19 @@ chat template when it renders tools, else through the fallback rendering of
 from __future__ import annotations
 
 from fastapi import Request, Response
+from starlette.concurrency import run_in_threadpool
 
-from pagedllm.engine.outputs import CompletionOutput
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.async_engine import ChatPrompt
+from pagedllm.server.errors import CLIENT_CLOSED_REQUEST
 from pagedllm.server.protocol import ChatCompletionRequest
 from pagedllm.server.responses import chat_logprobs, prompt_logprobs_json
 from pagedllm.server.serving import (
+    Admitted,
     ServingContext,
     admit,
     final_outputs,
+    invalid_as_400,
     parse_request,
     response_json,
 )
@@ -32,13 +36,25 @@ async def create_chat_completion(raw: Request, ctx: ServingContext) -> Response:
     parsed = await parse_request(raw, ctx, ChatCompletionRequest)
     body = parsed.body
     plan = body.tool_plan  # checked with the sampling parameters
-    prompt = chat_prompt(ctx.tokenizer, body.template_messages(), plan.template_tools())
+    messages = invalid_as_400(body.template_messages)
+    prompt = chat_prompt(ctx.tokenizer, messages, plan.template_tools())
     admitted = await admit(ctx, "chatcmpl", [prompt], parsed)
     if body.stream:
         return event_stream(ctx, admitted, _stream_format(ctx, body, plan))
     outputs = await final_outputs(ctx, admitted, raw)
     if outputs is None:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    # a reply with logprobs can be tens of MB: built off the event loop
+    return await run_in_threadpool(_response, ctx, body, plan, admitted, outputs)
+
+
+def _response(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    admitted: Admitted,
+    outputs: list[RequestOutput],
+) -> Response:
     choices = [_choice(ctx, body, plan, completion) for completion in outputs[0].outputs]
     extra = None
     if body.prompt_logprobs is not None:

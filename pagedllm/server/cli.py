@@ -2,7 +2,9 @@
 
 SIGINT/SIGTERM start a graceful shutdown: the listening socket closes, requests that
 arrive on open connections get 503, requests in flight may finish for
-``--shutdown-timeout`` seconds, then the rest are aborted and the process exits 0.
+``--shutdown-timeout`` seconds, then the rest are aborted (a 503, or for a stream an
+error event and ``[DONE]``) and the process exits 0. Uvicorn's own cut-off, which drops
+connections without a word, comes ``SHUTDOWN_MARGIN_S`` later, as a backstop.
 
 If the engine loop dies, ``/health`` and the generation routes answer 503 at once,
 the same graceful shutdown starts, and the process exits with ``EXIT_ENGINE_DIED`` so
@@ -13,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import sys
 from collections.abc import Iterator
 
 from pagedllm.config import parse_bytes
+from pagedllm.server.reply_size import DEFAULT_MAX_LOGPROB_ENTRIES
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SHUTDOWN_MARGIN_S = 5.0
+"""Seconds between aborting the requests still in flight and uvicorn cancelling what
+has not finished answering (the aborted requests' last bytes go out in between)."""
 EXIT_ENGINE_DIED = 70
 """Exit status after the engine loop died (EX_SOFTWARE: an internal error)."""
 
@@ -52,6 +59,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="admitted, unfinished requests beyond which new ones get 503",
     )
     serve.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=DEFAULT_MAX_LOGPROB_ENTRIES,
+        help="the most logprob entries one request may ask for (positions x (top logprobs + "
+        "1) x samples, prompt and output); beyond it a 400",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's line and headers, and again its "
+        "body, before a 408 closes the connection",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -76,15 +97,24 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.engine.frozen_gc import frozen_startup_objects
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.server.app import ServerSettings, build_app, served_model_name
+    from pagedllm.server.http_protocol import guarded_protocol
 
+    if args.max_logprob_entries < 0:
+        raise ValueError(f"--max-logprob-entries must be >= 0, got {args.max_logprob_entries}")
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    timeouts = {"--read-timeout": args.read_timeout, "--shutdown-timeout": args.shutdown_timeout}
+    for flag, value in timeouts.items():
+        if not value >= 0:
+            raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model),
         api_key=args.api_key,
         max_body_bytes=parse_bytes(args.max_body_size),
         max_pending_requests=args.max_pending_requests,
         api_key_scope=args.api_key_scope,
+        read_timeout_s=args.read_timeout,
+        max_logprob_entries=args.max_logprob_entries,
     )
     engine = LLMEngine(config_from_flags(args))
     tracer = PoolTracer(engine).attach() if args.trace_pool else None
@@ -94,16 +124,20 @@ def run_server(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="info" if args.verbose else "warning",
-        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+        http=guarded_protocol(args.read_timeout),
+        timeout_graceful_shutdown=math.ceil(args.shutdown_timeout + SHUTDOWN_MARGIN_S),
     )
     lifecycle = app.state.lifecycle
 
     class DrainingServer(uvicorn.Server):
-        """Marks the app draining as soon as a signal arrives, and exits 0 after a
-        graceful shutdown (uvicorn would re-raise the signal and die by it)."""
+        """Marks the app draining as soon as a signal arrives and aborts what still
+        runs ``--shutdown-timeout`` seconds later; exits 0 after a graceful shutdown
+        (uvicorn would re-raise the signal and die by it)."""
 
         def handle_exit(self, sig, frame) -> None:
-            lifecycle.draining = True
+            if not lifecycle.draining:
+                lifecycle.draining = True
+                app.state.async_engine.stop_after(args.shutdown_timeout)
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager

@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fastapi import Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.sampler import TokenLogprobs
-from pagedllm.server.errors import APIError
+from pagedllm.server.errors import CLIENT_CLOSED_REQUEST, APIError
 from pagedllm.server.protocol import CompletionRequest
 from pagedllm.server.responses import completion_logprobs, prompt_logprobs_json
 from pagedllm.server.serving import (
+    Admitted,
     ServingContext,
     admit,
     final_outputs,
@@ -35,13 +37,20 @@ async def create_completion(raw: Request, ctx: ServingContext) -> Response:
     try:
         prompts = body.prompts()
     except ValueError as error:
-        raise APIError(400, str(error), param="prompt") from None
+        raise APIError(400, str(error), param="prompt", code="invalid_value") from None
     admitted = await admit(ctx, "cmpl", prompts, parsed)
     if body.stream:
         return event_stream(ctx, admitted, _stream_format(ctx, body))
     outputs = await final_outputs(ctx, admitted, raw)
     if outputs is None:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    # a reply with logprobs can be tens of MB: built off the event loop
+    return await run_in_threadpool(_response, ctx, body, admitted, outputs)
+
+
+def _response(
+    ctx: ServingContext, body: CompletionRequest, admitted: Admitted, outputs: list[RequestOutput]
+) -> Response:
     if body.num_samples != body.n:
         outputs = [best_of(output, body.n) for output in outputs]
     if body.echo_only:

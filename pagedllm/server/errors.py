@@ -3,7 +3,8 @@
 Every failure the server reports goes through :class:`APIError`, so each status code
 has one place that decides its JSON; handlers turn FastAPI's and pydantic's own
 validation errors (422 by default) into 400s of the same shape, Starlette's 404 and
-405 into the same shape, and any exception nothing else caught into a logged 500.
+405 into the same shape, a client that left mid-body into a quiet 499 (nobody reads
+it), and any exception nothing else caught into a logged 500.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -28,6 +30,8 @@ ERROR_TYPES = {
     503: "service_unavailable",
 }
 
+CLIENT_CLOSED_REQUEST = 499
+"""The status logged for a request whose client left before its answer (nginx's)."""
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -88,14 +92,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = str(error.detail)
+        message, code = str(error.detail), None
         if error.status_code == 404:
-            message = f"There is no route {request.url.path}"
+            message, code = f"There is no route {request.url.path}", "route_not_found"
         elif error.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        response = APIError(error.status_code, message).response()
+            code = "method_not_allowed"
+        response = APIError(error.status_code, message, code=code).response()
         response.headers.update(error.headers or {})  # e.g. Allow on a 405
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect) -> Response:
+        logger.info("client left during its request body: %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

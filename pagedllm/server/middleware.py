@@ -1,4 +1,5 @@
-"""ASGI layers in front of the routes: the shutdown and API-key gate, the body limit.
+"""ASGI layers in front of the routes: the shutdown and API-key gate, the body's size
+limit and deadline.
 
 Both are plain ASGI (not ``BaseHTTPMiddleware``) so streaming responses and
 disconnect detection pass through untouched.
@@ -6,9 +7,11 @@ disconnect detection pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.server.errors import APIError
@@ -79,13 +82,34 @@ class BodyTooLarge(APIError):
         )
 
 
+class BodyTooSlow(APIError):
+    """The body did not arrive whole in time; the connection closes after the answer
+    (what is left of the body would otherwise be read as the next request)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"The request body did not arrive whole within {timeout_s} s",
+            code="request_timeout",
+        )
+
+    def response(self) -> JSONResponse:
+        answer = super().response()
+        answer.headers["Connection"] = "close"
+        return answer
+
+
 class BodyLimit:
     """413 for bodies over ``max_bytes``: at once from ``Content-Length``, else while
-    the (chunked) body arrives; the route sees ``BodyTooLarge`` raised by ``receive``."""
+    the (chunked) body arrives; 408 for a body not whole ``read_timeout_s`` seconds
+    after the route first asks for it. The route sees ``BodyTooLarge`` or
+    ``BodyTooSlow`` raised by ``receive``; once the body is whole, ``receive`` (which
+    then waits for a disconnect) passes through untouched."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,14 +120,25 @@ class BodyLimit:
             await BodyTooLarge(self.max_bytes).response()(scope, receive, send)
             return
         received = 0
+        deadline: float | None = None
+        whole = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline, whole
+            if whole:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.read_timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise BodyTooSlow(self.read_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+                whole = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.server.request_body import RefusedJSON, load_json
 from pagedllm.server.structured_fields import StructuredFields
 from pagedllm.server.tools import ToolChoice, ToolDefinition, ToolPlan
 
@@ -202,10 +203,16 @@ class ChatMessage(BaseModel):
 
 
 def _json_or_text(arguments: str) -> object:
+    """The arguments as JSON when they parse, else their text; InvalidRequestError for
+    JSON the server refuses (too deep, a number out of range, a lone surrogate)."""
     try:
-        return json.loads(arguments)
+        return load_json(arguments)
     except json.JSONDecodeError:
         return arguments
+    except RefusedJSON as error:
+        raise InvalidRequestError(
+            f"a tool call's arguments are refused: {error}", param="messages"
+        ) from None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -252,6 +259,7 @@ class ChatCompletionRequest(SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
     def template_messages(self) -> list[dict[str, object]]:
+        """Raises InvalidRequestError for tool-call arguments the server refuses."""
         return [message.as_template_input() for message in self.messages]
 
 

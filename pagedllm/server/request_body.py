@@ -4,7 +4,8 @@ In order: the ``Content-Type`` must be ``application/json`` (415 otherwise, so a
 page cannot post to a local server without a CORS preflight); the bytes must be UTF-8
 and standard JSON (``NaN`` and ``Infinity`` are not); the top level must be an object
 nested at most ``MAX_JSON_DEPTH`` deep; no string may hold a lone UTF-16 surrogate
-(``"\\udc00"`` is valid JSON but not Unicode text, and no tokenizer can encode it).
+(``"\\udc00"`` is valid JSON but not Unicode text, and no tokenizer can encode it);
+integers have at most ``MAX_INTEGER_DIGITS`` digits.
 Then the model validates strictly ("5" is not an integer), as OpenAI's API does.
 Every failure is an ``APIError`` (400 or 415) naming the field where there is one.
 """
@@ -47,42 +48,71 @@ async def read_body(raw: Request, model: type[Body]) -> Body:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise APIError(400, f"The request body is not valid UTF-8 (byte {error.start})") from None
+        raise APIError(
+            400, f"The request body is not valid UTF-8 (byte {error.start})", code="invalid_json"
+        ) from None
     parsed = parse_json(text)
     if not isinstance(parsed, dict):
-        raise APIError(400, "The request body must be a JSON object")
-    check_structure(parsed)
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(parsed, strict=True)
     except ValidationError as error:
         raise validation_error(error) from None
 
 
-def parse_json(text: str) -> object:
-    """Standard JSON only; a 400 for anything else, including nesting too deep to parse."""
+class RefusedJSON(ValueError):
+    """Well-formed JSON this server does not take: ``NaN`` or ``Infinity``, an integer
+    too long, nesting deeper than ``MAX_JSON_DEPTH``, a lone surrogate. ``field``:
+    the top-level field it sits in, where known."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def load_json(text: str) -> object:
+    """``text`` as standard JSON; ``json.JSONDecodeError`` for bad syntax,
+    :class:`RefusedJSON` for what the server does not take."""
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as error:
-        raise APIError(400, f"The request body is not valid JSON: {error}") from None
-    except _NonStandardConstant as error:
-        raise APIError(400, f"The request body is not valid JSON: {error}") from None
+        value = json.loads(text, parse_constant=_refuse_constant, parse_int=_bounded_int)
     except RecursionError:
         raise _too_deep() from None
+    check_structure(value)
+    return value
 
 
-class _NonStandardConstant(Exception):
-    pass
+def parse_json(text: str) -> object:
+    """:func:`load_json` with its failures as 400s naming the field."""
+    try:
+        return load_json(text)
+    except json.JSONDecodeError as error:
+        raise APIError(
+            400, f"The request body is not valid JSON: {error}", code="invalid_json"
+        ) from None
+    except RefusedJSON as error:
+        raise APIError(400, str(error), param=error.field, code="invalid_value") from None
+
+
+MAX_INTEGER_DIGITS = 1000
+"""Most digits an integer may have (Python refuses to read more than 4,300; no field
+needs more than 20)."""
 
 
 def _refuse_constant(name: str) -> float:
-    raise _NonStandardConstant(f"{name} is not a JSON value (numbers must be finite)")
+    raise RefusedJSON(f"{name} is not a JSON value (numbers must be finite)")
 
 
-def check_structure(body: dict[str, object]) -> None:
-    """400 for nesting deeper than ``MAX_JSON_DEPTH`` or a string (key or value) that
-    is not Unicode text; ``param`` is the top-level field it sits in. Iterative, so a
-    hostile body cannot exhaust the stack."""
-    pending: list[tuple[object, int, str | None]] = [(body, 1, None)]
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_INTEGER_DIGITS + 1:  # the sign
+        raise RefusedJSON(f"an integer of {len(text)} digits is longer than this server reads")
+    return int(text)
+
+
+def check_structure(value: object) -> None:
+    """RefusedJSON for nesting deeper than ``MAX_JSON_DEPTH`` or a string (key or
+    value) that is not Unicode text, naming the top-level field it sits in when
+    ``value`` is an object. Iterative, so a hostile body cannot exhaust the stack."""
+    pending: list[tuple[object, int, str | None]] = [(value, 1, None)]
     while pending:
         value, depth, field = pending.pop()
         if isinstance(value, str):
@@ -105,19 +135,12 @@ def _check_text(text: str, field: str | None) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         where = f"'{field}'" if field else "the body"
-        raise APIError(
-            400,
+        raise RefusedJSON(
             f"{where} holds a lone UTF-16 surrogate {text[error.start]!r}, which is not "
             "valid Unicode text",
-            param=field,
-            code="invalid_value",
+            field,
         ) from None
 
 
-def _too_deep(field: str | None = None) -> APIError:
-    return APIError(
-        400,
-        f"The request body is nested more than {MAX_JSON_DEPTH} levels deep",
-        param=field,
-        code="invalid_value",
-    )
+def _too_deep(field: str | None = None) -> RefusedJSON:
+    return RefusedJSON(f"The JSON is nested more than {MAX_JSON_DEPTH} levels deep", field)

@@ -133,7 +133,11 @@ def event_stream(ctx: ServingContext, admitted: Admitted, fmt: StreamFormat) -> 
             yield sse("[DONE]")
         except Exception as error:
             logger.exception("stream %s failed", admitted.response_id)
-            failed = APIError(500, f"The server failed while streaming: {type(error).__name__}")
+            failed = APIError(
+                500,
+                f"The server failed while streaming: {type(error).__name__}",
+                code="internal_error",
+            )
             yield sse(failed.body())
             yield sse("[DONE]")
 

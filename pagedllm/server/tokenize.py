@@ -25,7 +25,7 @@ from pagedllm.server.errors import APIError
 from pagedllm.server.field_policy import check_fields, ignored_fields_headers
 from pagedllm.server.protocol import ChatMessage
 from pagedllm.server.request_body import read_body
-from pagedllm.server.serving import ServingContext, check_model
+from pagedllm.server.serving import ServingContext, check_model, invalid_as_400
 from pagedllm.server.tools import ToolDefinition
 from pagedllm.tokenizer import Tokenizer
 
@@ -68,7 +68,7 @@ async def tokenize(raw: Request, ctx: ServingContext) -> JSONResponse:
     headers = ignored_fields_headers(check_fields(body))
     tokenizer = _tokenizer(ctx)
     if body.messages is not None:
-        messages = [message.as_template_input() for message in body.messages]
+        messages = [invalid_as_400(message.as_template_input) for message in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
         prompt = chat_prompt(tokenizer, messages, tools)
         try:
