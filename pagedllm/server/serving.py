@@ -3,6 +3,7 @@ collecting or streaming its outputs."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
@@ -135,17 +136,36 @@ def response_json(
     choices: list[dict[str, object]],
     outputs: list[RequestOutput],
     extra: dict[str, object] | None = None,
-) -> JSONResponse:
+) -> Response:
     """A whole (non-streamed) response with its usage counts (and ``extra`` fields)."""
-    return JSONResponse(
-        {
-            "id": admitted.response_id,
-            "object": object_name,
-            "created": admitted.created,
-            "model": ctx.model_name,
-            "choices": choices,
-            "usage": usage(outputs),
-            **(extra or {}),
-        },
-        headers=admitted.headers,
-    )
+    envelope = {
+        "id": admitted.response_id,
+        "object": object_name,
+        "created": admitted.created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(outputs),
+        **(extra or {}),
+    }
+    body = encode_in_pieces(envelope)
+    return Response(body, media_type="application/json", headers=admitted.headers)
+
+
+def encode_in_pieces(envelope: dict[str, object]) -> bytes:
+    """``envelope`` as compact JSON, the items of its list fields encoded one by one.
+
+    The C encoder holds the GIL for the whole of one call: a reply of tens of MB
+    encoded at once would stall the event loop (and ``/health``) for a third of a
+    second; a choice at a time, it never waits more than a choice's encoding."""
+    pieces = []
+    for key, value in envelope.items():
+        if isinstance(value, list):
+            encoded = "[" + ",".join(_dumps(item) for item in value) + "]"
+        else:
+            encoded = _dumps(value)
+        pieces.append(f"{_dumps(key)}:{encoded}")
+    return ("{" + ",".join(pieces) + "}").encode()
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
