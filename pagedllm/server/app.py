@@ -21,7 +21,9 @@ from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.middleware import BodyLimit, Gate
 from pagedllm.server.reply_size import DEFAULT_MAX_LOGPROB_ENTRIES
+from pagedllm.server.response_store import DEFAULT_CAPACITY, ResponseStore
 from pagedllm.server.responses import TokenTexts
+from pagedllm.server.responses_api import ResponsesAPI
 from pagedllm.server.serving import ServingContext, model_not_found
 from pagedllm.server.tokenize import detokenize, tokenize, tokenizer_info
 
@@ -44,13 +46,15 @@ class ServerSettings:
     ``max_logprob_entries``: the most logprob entries one request may ask for (400
     beyond; :mod:`pagedllm.server.reply_size`);
     ``api_key_scope``: ``"v1"`` (the key guards ``/v1/`` only) or ``"all"`` (every
-    path but ``/health``)."""
+    path but ``/health``); ``max_stored_responses``: responses kept for the Responses
+    API's ``previous_response_id`` (the least recently used dropped first)."""
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_pending_requests: int = 1024
     api_key_scope: str = "v1"
+    max_stored_responses: int = DEFAULT_CAPACITY
     read_timeout_s: float = 30.0
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
 
@@ -115,6 +119,20 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         return await create_completion(raw, ctx)
+
+    responses_api = ResponsesAPI(ctx, ResponseStore(settings.max_stored_responses))
+
+    @app.post("/v1/responses")
+    async def create_response(raw: Request) -> Response:
+        return await responses_api.create(raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
+        return responses_api.retrieve(response_id, stream)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses_api.delete(response_id)
 
     card = {
         "id": settings.model_name,
