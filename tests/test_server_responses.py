@@ -321,9 +321,11 @@ def test_a_streamed_response_is_stored_and_continued(client, model_name):
     assert later.usage.input_tokens > streamed.usage.input_tokens + streamed.usage.output_tokens
 
 
-def test_retrieve_delete_and_store_false(client, model_name):
+def test_retrieve_delete_and_store_false(client, model_name, http):
     response = respond(client, model_name, input="Hi", **GREEDY)
     assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    replay = http.get(f"/v1/responses/{response.id}", params={"stream": "true"})
+    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
     client.responses.delete(response.id)
     for gone in (response.id, respond(client, model_name, input="Hi", store=False, **GREEDY).id):
         with pytest.raises(openai.NotFoundError):
