@@ -5,20 +5,27 @@ JSON line.
 Traffic: ``--clients`` concurrent clients each send requests back to back until the
 time is up. Every ``--bad-every``-th request of a client is a bad one (a lone
 surrogate, a huge ``n``, deep nesting, a wrong content type, a non-finite float, an
-out-of-vocabulary stop id, an unknown field, broken JSON, an oversized body, a wrong
-route or method), every ``--disconnect-every``-th is a stream the client leaves after
-its first chunk; the rest are good chat and completion requests, streamed or not,
-greedy or sampled, some with ``n = 2``. ``/health`` is polled every second.
+integer of 5,000 digits, an out-of-vocabulary stop id, an unknown field, broken JSON,
+an oversized body, a wrong route or method, a reply past the logprob limit), every
+``--disconnect-every``-th is a stream the client leaves after its first chunk, every
+``--timeout-every``-th a non-streamed request the client gives up on after 0.3 s; the
+rest are good chat and completion requests, streamed or not, greedy or sampled, some
+with ``n = 2``. ``/health`` is polled every second.
 
 Reported: ``served`` (good requests answered 200 in full), ``errors_by_class`` (HTTP
 status of every non-200 answer, or ``transport``), ``unexpected`` (good requests not
-served, bad ones not answered 4xx), latency percentiles of the good non-streamed
-requests in seconds, the server's RSS at start (after a warm-up) and end in MiB, KV
-blocks still held once idle (must be 0), engine restarts (steps that failed every
-request in flight, plus a server that stopped; must be 0) and ``/health`` failures.
+served, bad ones not answered 4xx, the RSS growing past its bound), latency
+percentiles of the good non-streamed requests in seconds, the server's aborts against
+the clients that left (``aborted`` = ``disconnects`` + ``timeouts`` when every orphan
+is stopped), the server's RSS in MiB every ``--rss-every`` seconds from the end of a
+warm-up (``rss_mib``) and its growth from the first sample to the end, KV blocks still
+held once idle (must be 0), engine restarts (steps that failed every request in
+flight, plus a server that stopped; must be 0) and ``/health`` failures. The exit
+status is 1 when anything was unexpected.
 
 Examples:
     python benchmarks/soak.py --minutes 3
+    python benchmarks/soak.py --minutes 10 --max-rss-growth-mib 64
     python benchmarks/soak.py --minutes 1 --model path/to/hf-folder --clients 4
 """
 
@@ -30,6 +37,7 @@ import contextlib
 import json
 import random
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -50,11 +58,13 @@ class Tally:
 
     served: int = 0
     disconnects: int = 0
+    timeouts: int = 0
     bad_sent: int = 0
     errors: Counter = field(default_factory=Counter)
     unexpected: Counter = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     health_failures: int = 0
+    rss_mib: list[float] = field(default_factory=list)
 
 
 def bad_request(rng: random.Random) -> tuple[str, str, dict[str, str], bytes]:
@@ -79,6 +89,9 @@ def bad_request(rng: random.Random) -> tuple[str, str, dict[str, str], bytes]:
         ("GET", "/v1/chat/completions", {}, b""),
         ("POST", "/v1/nowhere", json_type, body()),
         ("POST", "/v1/chat/completions", json_type, body(seed=2**64, top_logprobs=2)),
+        ("POST", "/v1/completions", json_type, b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"),
+        ("POST", "/v1/chat/completions", json_type, body(
+            max_tokens=None, logprobs=True, top_logprobs=20, n=128)),
     ]  # fmt: skip
     return rng.choice(cases)
 
@@ -128,6 +141,13 @@ async def send_and_leave(http: httpx.AsyncClient, rng: random.Random, tally: Tal
     tally.disconnects += 1
 
 
+async def send_and_time_out(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    path, body = good_body(rng)
+    with contextlib.suppress(httpx.TimeoutException):
+        await http.post(path, json={**body, "max_tokens": 200}, timeout=0.3)
+    tally.timeouts += 1
+
+
 async def send_bad(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
     method, path, headers, data = bad_request(rng)
     tally.bad_sent += 1
@@ -152,6 +172,8 @@ async def client(base_url: str, seed: int, deadline: float, args, tally: Tally) 
                     await send_bad(http, rng, tally)
                 elif number % args.disconnect_every == 0:
                     await send_and_leave(http, rng, tally)
+                elif number % args.timeout_every == 0:
+                    await send_and_time_out(http, rng, tally)
                 else:
                     await send_good(http, rng, tally)
             except httpx.TransportError as error:
@@ -170,6 +192,13 @@ async def watch_health(base_url: str, deadline: float, tally: Tally) -> None:
                 healthy = False
             tally.health_failures += not healthy
             await asyncio.sleep(1.0)
+
+
+async def watch_rss(pid: int, every_s: float, deadline: float, tally: Tally) -> None:
+    process = psutil.Process(pid)
+    while time.monotonic() < deadline:
+        tally.rss_mib.append(round(process.memory_info().rss / (1 << 20), 1))
+        await asyncio.sleep(every_s)
 
 
 def metrics(base_url: str) -> dict[str, float]:
@@ -210,30 +239,38 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         serve_args += ["--model", args.model]
     with ServerProcess(serve_args) as server:
         pid = server.process.pid
-        warm = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-        httpx.post(f"{server.base_url}/v1/chat/completions", json=warm, timeout=300)
         process = psutil.Process(pid)
-        rss_start = process.memory_info().rss
         tally = Tally()
         started = time.monotonic()
         deadline = started + args.minutes * 60
+        warm_until = started + args.warmup_minutes * 60
 
         async def all_clients() -> None:
             tasks = [
                 client(server.base_url, args.seed + index, deadline, args, tally)
                 for index in range(args.clients)
             ]
-            await asyncio.gather(watch_health(server.base_url, deadline, tally), *tasks)
+
+            async def rss_after_warmup() -> None:
+                await asyncio.sleep(max(warm_until - time.monotonic(), 0))
+                await watch_rss(pid, args.rss_every, deadline, tally)
+
+            watchers = [watch_health(server.base_url, deadline, tally), rss_after_warmup()]
+            await asyncio.gather(*watchers, *tasks)
 
         asyncio.run(all_clients())
         elapsed = time.monotonic() - started
         alive = server.process.poll() is None
         values = wait_until_idle(server.base_url) if alive else {}
-        rss_end = process.memory_info().rss if alive else None
+        rss_end = round(process.memory_info().rss / (1 << 20), 1) if alive else None
         step_failures = int(values.get("pagedllm:engine_step_failures_total", 0))
         failed_alone = int(values.get("pagedllm:num_requests_failed_total", 0))
         exit_code = server.stop()
-    mib = 1 << 20
+    rss_growth = None
+    if rss_end is not None and tally.rss_mib:
+        rss_growth = round(rss_end - tally.rss_mib[0], 1)
+        if args.max_rss_growth_mib is not None and rss_growth > args.max_rss_growth_mib:
+            tally.unexpected["rss growth over bound"] += 1
     return {
         "benchmark": "soak",
         "model": args.model or "SmolLM2-135M-Instruct",
@@ -242,13 +279,16 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "served": tally.served,
         "bad_sent": tally.bad_sent,
         "disconnects": tally.disconnects,
+        "timeouts": tally.timeouts,
+        "aborted": int(values.get("pagedllm:num_requests_aborted_total", -1)),
         "errors_by_class": dict(sorted(tally.errors.items())),
         "unexpected": dict(tally.unexpected),
         "latency_p50_s": percentile(tally.latencies, 0.5),
         "latency_p99_s": percentile(tally.latencies, 0.99),
         "latency_mean_s": round(statistics.fmean(tally.latencies), 4) if tally.latencies else None,
-        "rss_start_mib": round(rss_start / mib, 1),
-        "rss_end_mib": round(rss_end / mib, 1) if rss_end is not None else None,
+        "rss_mib": tally.rss_mib,
+        "rss_end_mib": rss_end,
+        "rss_growth_mib": rss_growth,
         "kv_blocks_held_at_end": int(values.get("pagedllm:kv_blocks_used", -1)),
         "requests_failed_by_engine": failed_alone,
         "engine_restarts": step_failures + (0 if alive else 1),
@@ -266,14 +306,33 @@ def main() -> None:
     parser.add_argument(
         "--disconnect-every", type=int, default=5, help="every k-th request is left mid-stream"
     )
+    parser.add_argument(
+        "--timeout-every", type=int, default=7, help="every k-th request is given up after 0.3 s"
+    )
+    parser.add_argument(
+        "--warmup-minutes", type=float, default=0.5, help="traffic before the first RSS sample"
+    )
+    parser.add_argument("--rss-every", type=float, default=10.0, help="seconds between samples")
+    parser.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=None,
+        help="RSS growth from the first sample to the end beyond which the run fails",
+    )
     parser.add_argument("--kv-cache-memory", default="128MiB")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.minutes <= 0 or args.clients < 1 or min(args.bad_every, args.disconnect_every) < 2:
-        parser.error("--minutes > 0, --clients >= 1, --bad-every and --disconnect-every >= 2")
+    every = (args.bad_every, args.disconnect_every, args.timeout_every)
+    if args.minutes <= args.warmup_minutes or args.clients < 1 or min(every) < 2:
+        parser.error(
+            "--minutes > --warmup-minutes, --clients >= 1, --bad-every, --disconnect-every "
+            "and --timeout-every >= 2"
+        )
     with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(run(args)), flush=True)
+        result = run(args)
+        print(json.dumps(result), flush=True)
+        sys.exit(1 if result["unexpected"] else 0)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from pagedllm.config import parse_bytes
 from pagedllm.server.reply_size import DEFAULT_MAX_LOGPROB_ENTRIES
+from pagedllm.server.response_store import DEFAULT_CAPACITY
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SHUTDOWN_MARGIN_S = 5.0
@@ -66,6 +67,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "1) x samples, prompt and output); beyond it a 400",
     )
     serve.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_CAPACITY,
+        help="responses kept for the Responses API's previous_response_id and GET (the least "
+        "recently used dropped first)",
+    )
+    serve.add_argument(
         "--read-timeout",
         type=float,
         default=30.0,
@@ -101,6 +109,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.max_logprob_entries < 0:
         raise ValueError(f"--max-logprob-entries must be >= 0, got {args.max_logprob_entries}")
+    if args.max_stored_responses < 1:
+        raise ValueError(f"--max-stored-responses must be >= 1, got {args.max_stored_responses}")
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     timeouts = {"--read-timeout": args.read_timeout, "--shutdown-timeout": args.shutdown_timeout}
@@ -115,6 +125,7 @@ def run_server(args: argparse.Namespace) -> int:
         api_key_scope=args.api_key_scope,
         read_timeout_s=args.read_timeout,
         max_logprob_entries=args.max_logprob_entries,
+        max_stored_responses=args.max_stored_responses,
     )
     engine = LLMEngine(config_from_flags(args))
     tracer = PoolTracer(engine).attach() if args.trace_pool else None
