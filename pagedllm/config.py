@@ -13,6 +13,7 @@ from pagedllm.cpu.attention_choice import ATTENTION_KERNELS, check_attention_ker
 from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
+from pagedllm.engine.structured_output import COMPACT_JSON_BY_DEFAULT
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv.kv_quant import KV_CACHE_DTYPES, resolve_kv_format
 
@@ -257,6 +258,13 @@ class EngineConfig:
         60.0,
         "seconds the engine waits for a tensor-parallel rank inside one step before it "
         "declares the rank dead and fails",
+    )
+    disable_any_whitespace: bool = knob(
+        COMPACT_JSON_BY_DEFAULT,
+        "structured JSON outputs (json schemas, json_object) without free whitespace: one "
+        "space after each ',' and ':' and none elsewhere (vLLM's name; on by default here, "
+        "off in vLLM: --no-disable-any-whitespace allows any JSON whitespace); a request's "
+        "structured_outputs.disable_any_whitespace overrides it",
     )
     seed: int = knob(0, "seed of the global random generator (unseeded requests draw from it)")
     log_stats_interval: float = knob(

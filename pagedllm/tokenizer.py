@@ -7,6 +7,7 @@ templates behave exactly as transformers' do; streaming decode uses the Rust
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm import user_cache
-from pagedllm.engine.structured_output import GrammarCompiler
+from pagedllm.engine.structured_output import COMPACT_JSON_BY_DEFAULT, GrammarCompiler
 
 logger = logging.getLogger("pagedllm")
 
@@ -94,6 +95,9 @@ class Tokenizer:
         if self.eos_token_id is not None:
             stop.add(self.eos_token_id)
         self.stop_token_ids: set[int] = stop
+        self.compact_json = COMPACT_JSON_BY_DEFAULT
+        """Whether structured JSON is compact when a request leaves it open (see
+        :meth:`with_compact_json`)."""
         self._grammar_compilers: dict[int, GrammarCompiler] = {}
 
     @classmethod
@@ -186,12 +190,24 @@ class Tokenizer:
             "chat_template": hf.chat_template,
         }
 
+    def with_compact_json(self, compact_json: bool) -> Tokenizer:
+        """This tokenizer with :attr:`compact_json` set: itself when it already is, else
+        a copy with its own grammar compilers (an engine's setting must not reach another
+        engine sharing the loaded model)."""
+        if compact_json == self.compact_json:
+            return self
+        twin = copy.copy(self)
+        twin.compact_json = compact_json
+        twin._grammar_compilers = {}
+        return twin
+
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
         """The structured-output compiler for a model of ``vocab_size`` logits (made
-        once; it caches what it compiles). Its grammars end with ``stop_token_ids``."""
+        once; it caches what it compiles). Its grammars end with ``stop_token_ids``;
+        its JSON is compact by default when :attr:`compact_json`."""
         compiler = self._grammar_compilers.get(vocab_size)
         if compiler is None:
-            compiler = GrammarCompiler(self._hf, vocab_size, self.stop_token_ids)
+            compiler = GrammarCompiler(self._hf, vocab_size, self.stop_token_ids, self.compact_json)
             self._grammar_compilers[vocab_size] = compiler
         return compiler
 

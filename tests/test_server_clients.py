@@ -7,6 +7,7 @@ detokenize and version."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -373,3 +374,24 @@ def test_structured_outputs_through_the_sdk(client, model_name):
     )  # fmt: skip
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert len(text) == 4 and text.isdigit()
+
+
+def test_disable_any_whitespace_per_request(client, model_name):
+    """vLLM's ``structured_outputs.disable_any_whitespace``: xgrammar's fixed separators
+    (json.dumps' own) and no other whitespace outside strings, for a schema and for any
+    object (unfinished ones too)."""
+    schema = {
+        "type": "object",
+        "properties": {"pet": {"enum": ["cat", "dog"]}, "n": {"enum": [1, 2, 3]}},
+        "required": ["pet", "n"],
+    }
+
+    def texts(constraint: dict) -> list[str]:
+        extra = {"structured_outputs": {**constraint, "disable_any_whitespace": True}}
+        fields = dict(max_tokens=60, temperature=1.0, seed=4, n=3, extra_body=extra)
+        return [choice.text for choice in complete(client, model_name, **fields).choices]
+
+    assert all(t == json.dumps(json.loads(t)) for t in texts({"json": schema}))
+    for text in texts({"json_object": True}):
+        skeleton = re.sub(r'"(?:\\.|[^"\\])*(?:"|$)', '""', text)  # strings emptied
+        assert text.startswith("{") and not re.search(r"[\n\r\t]|(?<![,:]) ", skeleton)

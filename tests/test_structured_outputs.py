@@ -1,6 +1,7 @@
 """Structured outputs: 20 JSON schemas sampled at temperature 1.0 on the default model
 all parse and validate (jsonschema is the oracle); choice, regex and grammar constraints
-hold; bad constraints are refused naming the field."""
+hold; bad constraints are refused naming the field; compact JSON (the engine's
+``disable_any_whitespace`` or a request's ``compact_json``) forbids free whitespace."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from shared_models import default_model
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.engine.structured_output import StructuredOutputsParams, allocate_bitmask
 
 pytestmark = pytest.mark.slow
 
@@ -143,3 +144,98 @@ def test_overhead_benchmark_runs():
     )  # fmt: skip
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["batch"] == 2 and result["constrained_ms_per_step"] > 0
+
+
+COMPACT_BY_DEFAULT = True
+"""The chosen default of ``disable_any_whitespace`` (see docs/structured_outputs.md)."""
+
+
+def allowed_after(engine, params: StructuredOutputsParams, text: str) -> set[int]:
+    """Token ids the engine's grammar for ``params`` allows after the output ``text``."""
+    vocab = engine.model_config.vocab_size
+    matchers = engine.tokenizer.grammar_compiler(vocab)(params)
+    bitmask = allocate_bitmask(1, vocab)
+    matchers.fill_mask(engine.tokenizer.encode(text, add_special_tokens=False), bitmask, 0)
+    words = bitmask[0].tolist()
+    return {t for t in range(vocab) if words[t // 32] >> (t % 32) & 1}
+
+
+@pytest.fixture(scope="module")
+def whitespace_ids(llm):
+    """Ids of the tokens that are whitespace alone (spaces, newlines, tabs)."""
+    engine = llm.llm_engine
+    texts = (engine.tokenizer.decode([t]) for t in range(engine.model_config.vocab_size))
+    return {t for t, text in enumerate(texts) if text and text.isspace()}
+
+
+@pytest.fixture(scope="module")
+def other_engine(llm):
+    """An engine sharing ``llm``'s loaded model, with the other whitespace default."""
+    config = EngineConfig(
+        dtype="float32", kv_cache_memory="16MiB", max_model_len=256, log_stats_interval=0,
+        disable_any_whitespace=not COMPACT_BY_DEFAULT,
+    )  # fmt: skip
+    return LLMEngine(config, llm.llm_engine.loaded)
+
+
+@pytest.mark.parametrize("kind", ["json", "json_object"])
+def test_compact_json_refuses_whitespace_after_a_brace(llm, whitespace_ids, kind):
+    engine = llm.llm_engine
+    constraint = {"json": SCHEMAS[11]} if kind == "json" else {"json_object": True}
+    free = allowed_after(engine, StructuredOutputsParams(**constraint, compact_json=False), "{")
+    compact = allowed_after(engine, StructuredOutputsParams(**constraint, compact_json=True), "{")
+    assert free & whitespace_ids  # any JSON whitespace may open the object
+    assert compact and not compact & whitespace_ids
+    assert compact < free  # the same tokens less the whitespace
+    default = allowed_after(engine, StructuredOutputsParams(**constraint), "{")
+    assert default == (compact if COMPACT_BY_DEFAULT else free)
+
+
+def test_engine_default_is_per_engine_and_requests_override_it(llm, other_engine):
+    assert EngineConfig().disable_any_whitespace is COMPACT_BY_DEFAULT
+    engine = llm.llm_engine
+    assert engine.tokenizer.compact_json is COMPACT_BY_DEFAULT
+    assert other_engine.tokenizer.compact_json is not COMPACT_BY_DEFAULT
+    assert engine.loaded is other_engine.loaded  # one model, two settings
+    params = StructuredOutputsParams(json=SCHEMAS[3])
+    mine, other = allowed_after(engine, params, "{"), allowed_after(other_engine, params, "{")
+    assert mine != other
+    asked = StructuredOutputsParams(json=SCHEMAS[3], compact_json=not COMPACT_BY_DEFAULT)
+    assert allowed_after(engine, asked, "{") == other
+
+
+def test_compact_outputs_have_one_space_after_separators_and_no_other(llm):
+    """Sampled at temperature 1 under compact JSON: outside strings, a space only after
+    ``,`` or ``:`` (xgrammar's fixed separators), never a newline or tab."""
+    schemas = [SCHEMAS[i] for i in (1, 5, 6, 10, 13, 19)]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=160,
+            structured_outputs=StructuredOutputsParams(json=schema, compact_json=True),
+        )
+        for i, schema in enumerate(schemas)
+    ]  # fmt: skip
+    outputs = llm.generate([chat_prompt(llm, s) for s in schemas], params, use_tqdm=False)
+    for schema, output in zip(schemas, outputs, strict=True):
+        text = output.outputs[0].text
+        jsonschema.validate(json.loads(text), schema)
+        skeleton = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)  # strings emptied
+        assert not re.search(r"[\n\r\t]|(?<![,:]) ", skeleton), text
+
+
+def test_whitespace_benchmark_runs():
+    """``benchmarks/structured_whitespace.py`` (8 tokens a request) prints a line per
+    temperature, prompt and whitespace mode after the CPU's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "structured_whitespace.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--seeds", "1", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert "cpu" in lines[0] and len(lines) == 9
+    modes = {(line["whitespace"], line["mean_tokens"] <= 8) for line in lines[1:]}
+    assert modes == {("any", True), ("compact", True)}

@@ -105,6 +105,8 @@ class LLMEngine:
             )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        if self.tokenizer is not None:
+            self.tokenizer = self.tokenizer.with_compact_json(config.disable_any_whitespace)
         logger.info(
             "Loaded %s (%s) in %.2f s; weights %s%s",
             self.loaded.source.name,

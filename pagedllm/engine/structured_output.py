@@ -12,6 +12,13 @@ forbid to ``-inf``, for all constrained rows of a batch at once, from one bitmas
 The grammar ends with the engine's stop tokens: once the structure is complete only a
 stop token is allowed, so a constrained request cannot also use ``ignore_eos`` or
 ``min_tokens`` (refused).
+
+JSON (a schema or any object) is compact by default: xgrammar fixes the separators to
+``", "`` and ``": "`` with no other whitespace between tokens (vLLM's
+``disable_any_whitespace``, which vLLM leaves off). Any JSON whitespace lets a small model
+pad its output with newlines; docs/structured_outputs.md has the measurements. A
+request's ``compact_json`` decides, else the compiler's default (the engine's
+``disable_any_whitespace``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ import torch
 from pagedllm.engine.request_errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+ANY_OBJECT = '{"type": "object"}'
+"""The schema of ``json_object``: any JSON object (any keys and values), as vLLM has it."""
+COMPACT_JSON_BY_DEFAULT = True
+"""The default of ``disable_any_whitespace``: compact JSON (see the module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +45,11 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON
     object; ``regex``: a regular expression; ``choice``: one of these strings;
-    ``grammar``: an EBNF grammar (GBNF, with a ``root`` rule). ``compact_json``: a
-    ``json`` schema's output has no whitespace between tokens (as tool calls are
-    written; by default any JSON whitespace may come, as in vLLM).
+    ``grammar``: an EBNF grammar (GBNF, with a ``root`` rule). ``compact_json``: JSON
+    output (``json`` or ``json_object``) has no whitespace between tokens but one space
+    after each ``,`` and ``:`` (True, as tool calls are written), or any JSON whitespace
+    (False); None leaves it to the engine (``disable_any_whitespace``). Ignored by the
+    other kinds.
     """
 
     json: dict | str | None = None
@@ -44,7 +57,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
-    compact_json: bool = False
+    compact_json: bool | None = None
 
     def __post_init__(self) -> None:
         chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -61,10 +74,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
 
     def key(self) -> tuple[str, str]:
-        """``(kind, text)``, equal for equal constraints (the compile cache's key)."""
+        """``(kind, text)``, equal for equal constraints (``compact_json`` aside)."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
-            return ("compact_json" if self.compact_json else "json", text)
+            return ("json", self.json if isinstance(self.json, str) else json.dumps(self.json))
         if self.json_object:
             return ("json_object", "")
         if self.choice is not None:
@@ -94,26 +106,34 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, each distinct one once.
 
     ``stop_token_ids``: the engine's stop set, the tokens that may end a structure.
+    ``compact_json``: whether JSON is compact when a request leaves it to the engine.
     """
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        compact_json: bool = COMPACT_JSON_BY_DEFAULT,
+    ) -> None:
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
         self._compiler = xgrammar.GrammarCompiler(info)
-        self._cache: dict[tuple[str, str], object] = {}
+        self._cache: dict[tuple[str, str, bool], object] = {}
         self.vocab_size = vocab_size
+        self.compact_json = compact_json
 
     def __call__(self, params: StructuredOutputsParams) -> GrammarMatchers:
         """Matchers for a request with ``params``; InvalidRequestError if it does not
         compile (a bad schema, regex or grammar)."""
-        key = params.key()
+        key = (*params.key(), self._compact(params))
         compiled = self._cache.get(key)
         if compiled is None:
             try:
-                compiled = self._compile(params)
+                compiled = self._compile(params, key[2])
             except Exception as error:  # xgrammar's own error types, all about this input
                 raise InvalidRequestError(
                     f"the {key[0]} constraint does not compile: {_xgrammar_reason(error)}",
@@ -122,13 +142,16 @@ class GrammarCompiler:
             self._cache[key] = compiled
         return GrammarMatchers(compiled, self.vocab_size)
 
-    def _compile(self, params: StructuredOutputsParams):
-        if params.json is not None:
-            return self._compiler.compile_json_schema(
-                params.json, any_whitespace=not params.compact_json
-            )
-        if params.json_object:
-            return self._compiler.compile_builtin_json_grammar()
+    def _compact(self, params: StructuredOutputsParams) -> bool:
+        """Whether ``params`` asks for compact JSON (False for the other kinds)."""
+        if params.json is None and not params.json_object:
+            return False
+        return self.compact_json if params.compact_json is None else params.compact_json
+
+    def _compile(self, params: StructuredOutputsParams, compact: bool):
+        if params.json is not None or params.json_object:
+            schema = params.json if params.json is not None else ANY_OBJECT
+            return self._compiler.compile_json_schema(schema, any_whitespace=not compact)
         if params.choice is not None:
             return self._compiler.compile_regex(_choice_regex(params.choice))
         if params.regex is not None:

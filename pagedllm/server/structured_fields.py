@@ -4,7 +4,9 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM'
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)
 and vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and
 ``guided_grammar`` all become one :class:`StructuredOutputsParams`; a request may use
-only one of them.
+only one of them. ``structured_outputs.disable_any_whitespace`` (vLLM's field) makes
+JSON compact (true) or free in whitespace (false) for this request; absent, the
+engine's ``disable_any_whitespace`` decides.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class StructuredOutputsFields(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
 
 class StructuredFields(BaseModel):
@@ -83,6 +86,7 @@ class StructuredFields(BaseModel):
                 choice=so.choice,
                 grammar=so.grammar,
                 json_object=bool(so.json_object),
+                compact_json=so.disable_any_whitespace,
             )
         guided = {
             "guided_json": ("json", self.guided_json),
