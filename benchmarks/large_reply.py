@@ -2,7 +2,8 @@
 
 Starts ``pagedllm serve`` (default model unless ``--model``), then sends one completions
 request that echoes a long prompt with 20 alternatives per position to as many samples
-as ``--max-logprob-entries`` allows, while ``/health`` is polled every 20 ms. Prints
+as ``--max-logprob-entries`` allows (``--repeat`` times, to tell memory kept for reuse
+from memory lost), while ``/health`` is polled every 20 ms. Prints
 one JSON line per request: its status, reply size in MB, seconds to answer, the
 slowest ``/health`` answer meanwhile, and the server's RSS before and after in MiB.
 A request one sample larger is sent too: it must be refused up front (400).
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default model)")
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--max-logprob-entries", type=int, default=DEFAULT_MAX_LOGPROB_ENTRIES)
+    parser.add_argument("--repeat", type=int, default=3, help="times the largest is sent")
     args = parser.parse_args()
     serve_args = ["--max-logprob-entries", str(args.max_logprob_entries)]
     serve_args += ["--max-model-len", str(args.prompt_tokens + 64), "--log-stats-interval", "0"]
@@ -75,7 +77,7 @@ def main() -> None:
         per_sample = (args.prompt_tokens + 1) * (TOP_LOGPROBS + 1)
         largest = args.max_logprob_entries // per_sample
         body = {"prompt": ids, "echo": True, "logprobs": TOP_LOGPROBS, "max_tokens": 1}
-        for n in (largest, largest + 1):
+        for n in [largest] * args.repeat + [largest + 1]:
             print(json.dumps(measure(server, {**body, "n": n})), flush=True)
 
 

@@ -295,3 +295,13 @@ def test_shutdown_ends_running_streams_with_an_error_event_then_done(model):
         assert whole[0].json()["error"]["code"] == "shutting_down"
         log = server.log()
         assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+def test_only_a_large_reply_gives_its_memory_back_once_sent():
+    from pagedllm.cpu.allocator import release_free_memory
+    from pagedllm.server.serving import LARGE_REPLY_BYTES, json_reply
+
+    assert json_reply(b"{}", {}).background is None
+    large = json_reply(b" " * LARGE_REPLY_BYTES, {"X-Test": "1"})
+    assert large.background.func is release_free_memory
+    assert large.headers["X-Test"] == "1" and large.media_type == "application/json"

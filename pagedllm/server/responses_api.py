@@ -47,6 +47,7 @@ from pagedllm.server.serving import (
     check_model,
     encode_in_pieces,
     final_outputs,
+    json_reply,
 )
 
 Result = TypeVar("Result")
@@ -92,7 +93,7 @@ class ResponsesAPI:
         # a reply with logprobs can be megabytes: built off the event loop
         response, encoded = await run_in_threadpool(_whole, head, output, outputs[0])
         completed(response)
-        return Response(encoded, media_type="application/json", headers=admitted.headers)
+        return json_reply(encoded, admitted.headers)
 
     def retrieve(self, response_id: str, stream: bool = False) -> JSONResponse:
         """A stored response; streaming one again is refused (that is for background

@@ -13,8 +13,10 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
@@ -147,8 +149,19 @@ def response_json(
         "usage": usage(outputs),
         **(extra or {}),
     }
-    body = encode_in_pieces(envelope)
-    return Response(body, media_type="application/json", headers=admitted.headers)
+    return json_reply(encode_in_pieces(envelope), admitted.headers)
+
+
+LARGE_REPLY_BYTES = 4 << 20
+"""From this size up, a reply's building memory (its Python objects, several times its
+size) is given back to the OS once it is sent, rather than kept by the heap."""
+
+
+def json_reply(body: bytes, headers: dict[str, str]) -> Response:
+    """A JSON response of ``body`` (encoded), releasing free heap pages after a large
+    one (:func:`~pagedllm.cpu.allocator.release_free_memory`)."""
+    after = BackgroundTask(release_free_memory) if len(body) >= LARGE_REPLY_BYTES else None
+    return Response(body, media_type="application/json", headers=headers, background=after)
 
 
 def encode_in_pieces(envelope: dict[str, object]) -> bytes:
