@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from tiny_checkpoints import tiny_engine
 
 from pagedllm import LLM, LLMEngine, SamplingParams
+from pagedllm.engine.sequence import SequenceStatus
 
 
 def make_engine(loaded, num_blocks: int, **overrides) -> LLMEngine:
@@ -94,6 +96,21 @@ def test_parallel_sampling_equals_separate_seeded_requests_and_shares_the_prompt
     # four unshared copies would need 4 x 29 blocks; sharing keeps the prompt once
     assert peak_shared <= 26 + 4 * 4
     assert engine.get_stats().num_blocks_used == 0
+
+
+def test_abort_before_the_samples_fork_finishes_every_sample(tiny_model):
+    """Samples 2 and 3 wait, unscheduled, to be forked from the first after its
+    prefill; an abort before then ends all three through the scheduler."""
+    engine = make_engine(tiny_model, 200)
+    engine.add_request(
+        "n3", {"prompt_token_ids": list(range(2, 50))}, SamplingParams(n=3, max_tokens=50)
+    )
+    sequences = [out.seq for out in engine._requests["n3"].sequences]
+    engine.abort_request("n3")
+    assert [seq.status for seq in sequences] == [SequenceStatus.FINISHED_ABORTED] * 3
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="not a sample waiting unscheduled"):
+        engine.scheduler.finish_unscheduled(sequences[0], SequenceStatus.FINISHED_ABORTED)
 
 
 def test_abort_of_parallel_request_frees_all_samples(tiny_model):

@@ -460,7 +460,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             if out in state.unforked:
-                seq.status = SequenceStatus.FINISHED_ABORTED
+                self.scheduler.finish_unscheduled(seq, SequenceStatus.FINISHED_ABORTED)
             else:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             seq.finished_time = now

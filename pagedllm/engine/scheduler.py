@@ -139,6 +139,16 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
 
+    def finish_unscheduled(self, seq: TokenSequence, status: SequenceStatus) -> None:
+        """End ``seq``, which was never handed to the scheduler (a sample still waiting
+        to be forked from its request's first), with a finished ``status``: it holds no
+        queue place and no block."""
+        if seq.status is not SequenceStatus.WAITING or seq in self.waiting:
+            raise ValueError(
+                f"sequence {seq.seq_id} is {seq.status.name}, not a sample waiting unscheduled"
+            )
+        seq.status = status
+
     def fork(self, parent: TokenSequence, child: TokenSequence) -> None:
         """Start ``child`` running as a copy of ``parent``'s computed state, sharing all
         its blocks (the partly filled last block is copied on its first write). The one

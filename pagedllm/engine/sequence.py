@@ -1,15 +1,21 @@
 """A sequence: one stream of tokens the scheduler runs, and its life cycle.
 
-States::
+States, and the scheduler's transitions between them::
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED_{STOPPED, LENGTH, ABORTED}
-       ^                   |  ^
-       +--- PREEMPTED <----+  |   (recompute: blocks freed, K/V computed again)
-                           |  |
-                SWAPPED <--+--+   (swap: blocks parked in the second tier, copied back)
+    WAITING   --schedule----------> RUNNING
+    RUNNING   --preempt, recompute-> PREEMPTED  (blocks freed; waits in the waiting queue)
+    PREEMPTED --schedule----------> RUNNING    (its K/V computed again)
+    RUNNING   --preempt, swap-----> SWAPPED    (blocks parked in the second tier)
+    SWAPPED   --resume------------> RUNNING    (blocks copied back)
+    RUNNING   --finish------------> FINISHED_STOPPED or FINISHED_LENGTH
+    unfinished --abort------------> FINISHED_ABORTED
+    unfinished --prune------------> FINISHED_PRUNED (a beam that fell out of its search)
 
 A preempted sequence waits again at the front of its priority class: its arrival time
 is unchanged, and the waiting queue is ordered by (priority, arrival, sequence id).
+Only the scheduler changes a sequence's state; a sample not yet forked from its
+request's first sequence (still WAITING, in no queue) is ended by
+``Scheduler.finish_unscheduled``.
 """
 
 from __future__ import annotations

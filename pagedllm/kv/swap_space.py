@@ -9,10 +9,12 @@ is reused only by kernels queued after the copy, and a parked block read by a
 swap-in is overwritten only by copies queued after it. Its blocks are bookkept by a
 plain :class:`~pagedllm.kv.block_pool.BlockPool` (no reserve, never cached).
 
-Bookkeeping and data movement are apart: the scheduler parks a preempted sequence's
+One object holds both the bookkeeping (the pool) and the data (the tensor), and
+each has its own caller at its own time: the scheduler parks a preempted sequence's
 blocks (:meth:`park` allocates swap blocks) and unparks them when it comes back
-(:meth:`unpark`), and the plan carries the ``(src, dst)`` pairs that the step's executor hands to
-:meth:`copy_out` and :meth:`copy_in` before the forward pass. A plan never both parks
+(:meth:`unpark`), touching no tensor; the plan carries the ``(src, dst)`` pairs that
+the step's executor hands to :meth:`copy_out` and :meth:`copy_in` before the forward
+pass, touching no bookkeeping. A plan never both parks
 and unparks, so a swap block freed by an unpark is not overwritten before it is read.
 """
 
