@@ -14,11 +14,11 @@ from pagedllm.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.swap_space import SwapSpace
+from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.layer_stack import LayerStack
-from pagedllm.models.llama import LlamaDecoder
 
 
-def make_kv_cache(config: EngineConfig, model: LlamaDecoder, num_blocks: int) -> KVCache:
+def make_kv_cache(config: EngineConfig, model: CausalDecoder, num_blocks: int) -> KVCache:
     """A cache of ``num_blocks`` blocks for ``model``'s layers (its own KV heads)."""
     mc = model.layer_config
     return KVCache(
@@ -40,7 +40,7 @@ class ModelWorker:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaDecoder,
+        model: CausalDecoder,
         num_cache_blocks: int,
         max_model_len: int,
         swap_blocks: int,

@@ -2,8 +2,8 @@
 embedded default model."""
 
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader import LoadedModel, load_model
 
-__all__ = ["LlamaDecoder", "LoadedModel", "ModelConfig", "ModelLoadError", "load_model"]
+__all__ = ["CausalDecoder", "LoadedModel", "ModelConfig", "ModelLoadError", "load_model"]

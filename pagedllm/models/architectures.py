@@ -1,4 +1,4 @@
-"""What each supported architecture changes in the one decoder (:mod:`pagedllm.models.llama`).
+"""What each supported architecture changes in the one decoder (:mod:`pagedllm.models.decoder`).
 
 Every architecture here is a transformer decoder with causal multi-head attention and an
 MLP, each added to a residual stream; they differ in a few parts, named by

@@ -1,6 +1,6 @@
 """Where an architecture's checkpoint stores each tensor the decoder reads.
 
-The decoder (:mod:`pagedllm.models.llama`) asks for tensors by Llama's Hugging Face names
+The decoder (:mod:`pagedllm.models.decoder`) asks for tensors by Llama's Hugging Face names
 (``model.layers.0.self_attn.o_proj.weight``; a fused q/k/v tensor as
 ``self_attn.qkv_proj``, rows q then k then v; GPT-2's position embedding as
 ``model.embed_positions.weight``). GPT-NeoX, GPT-2 and Falcon name their tensors

@@ -22,9 +22,9 @@ from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.checkpoint_names import checkpoint_source, stored_shapes
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.default import default_model_path
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.models.loader_safetensors import read_config_file
 from pagedllm.plan.presets import PRESETS
@@ -193,12 +193,12 @@ def load_dummy_model(
     seed: int = DEFAULT_SEED,
     linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
-) -> tuple[ModelConfig, LlamaDecoder, Path]:
+) -> tuple[ModelConfig, CausalDecoder, Path]:
     """The decoder of the shape ``model`` names (see :func:`dummy_config`) with seeded
     random weights (``parallel``: this rank's slice of them), its config, and its source
     (the preset name or the config's path); ``linear_kernel`` as
-    :class:`~pagedllm.models.llama.LlamaDecoder` takes it."""
+    :class:`~pagedllm.models.decoder.CausalDecoder` takes it."""
     config, source = dummy_config(model)
     get = checkpoint_source(config, dummy_weight_source(config, dtype, device, seed))
-    decoder = LlamaDecoder(config, get, dtype, device, linear_kernel, parallel)
+    decoder = CausalDecoder(config, get, dtype, device, linear_kernel, parallel)
     return config, decoder, source

@@ -5,7 +5,7 @@ take microseconds; calling them one by one from Python cost about as much as the
 kernels themselves. For the common pre-norm architecture (RMSNorm, q/k/v with RoPE over
 the whole head and no q/k norm, gated SiLU MLP, plain residual adds: Llama, Mistral,
 Qwen2, SmolLM2, ...) the stack runs every layer in C++ with the same kernels in the same
-order, so its results are bit for bit those of :class:`~pagedllm.models.llama.DecoderLayer`.
+order, so its results are bit for bit those of :class:`~pagedllm.models.decoder.DecoderLayer`.
 Any other architecture, cache format or CPU runs layer by layer; so does
 ``enforce_eager=True``.
 """
@@ -30,7 +30,7 @@ DENSE, PACKED, BLOCKS, INTERLEAVED, INTERLEAVED_INT8, ONEDNN = range(6)
 
 
 def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
-    """Why ``model`` (a :class:`~pagedllm.models.llama.LlamaDecoder`) cannot run its
+    """Why ``model`` (a :class:`~pagedllm.models.decoder.CausalDecoder`) cannot run its
     layers as one stack over ``attn``; None when it can."""
     c = model.config
     checks = [
@@ -121,7 +121,7 @@ class LayerStack:
     ) -> torch.Tensor:
         """What the layers make of ``hidden`` ``[T, hidden_size]`` (updated in place) at
         ``positions`` (int64 ``[T]``): every row, or only ``output_rows`` after the last
-        layer's attention (as :meth:`~pagedllm.models.llama.DecoderLayer.forward`)."""
+        layer's attention (as :meth:`~pagedllm.models.decoder.DecoderLayer.forward`)."""
         slots, tables, seq_lens, starts = self.attn.kernel_metadata(metadata)
         return self._stack.forward(
             hidden.contiguous(), positions.contiguous(), slots, tables, seq_lens, starts,

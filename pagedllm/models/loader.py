@@ -12,10 +12,10 @@ from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.activation_quantization import quantize_activations
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.default import default_model_path
 from pagedllm.models.dummy import load_dummy_model
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.loader_gguf import load_gguf_model, open_gguf
 from pagedllm.models.loader_safetensors import generation_eos_ids, load_safetensors_model
 from pagedllm.models.weight_arena import move_into_arena
@@ -32,7 +32,7 @@ class LoadedModel:
     ``source``: the file or folder loaded; for dummy weights the config's path or the
     preset's name (a one-part path such as ``Path("llama-3-8b")``)."""
 
-    model: LlamaDecoder
+    model: CausalDecoder
     config: ModelConfig
     tokenizer: Tokenizer | None
     source: Path
@@ -115,7 +115,7 @@ def load_model(
     return LoadedModel(model=decoder, config=config, tokenizer=tokenizer, source=path)
 
 
-def _finish(decoder: LlamaDecoder, activation_quantization: str) -> None:
+def _finish(decoder: CausalDecoder, activation_quantization: str) -> None:
     """Switch the weights to int8 activations if asked; then, on the CPU, every weight
     into one arena in forward order (see :mod:`pagedllm.models.weight_arena`), the memory
     they leave given back to the OS."""
@@ -139,7 +139,7 @@ def _load_gguf_weights(
     quantization: str,
     linear_kernel: str,
     parallel: TensorParallelGroup | None,
-) -> tuple[ModelConfig, LlamaDecoder, bool]:
+) -> tuple[ModelConfig, CausalDecoder, bool]:
     """Config, decoder and whether the file holds a tokenizer; the parsed file is
     released before the tokenizer parses it again, to keep peak memory down."""
     reader = open_gguf(path)

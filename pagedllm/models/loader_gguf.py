@@ -24,6 +24,7 @@ import torch
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_fields
 from pagedllm.models.gguf_layernorm import (
@@ -31,7 +32,6 @@ from pagedllm.models.gguf_layernorm import (
     PARTIAL_ROTARY,
     layernorm_fields,
 )
-from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.quantized_weight import (
     KERNEL_TYPES,
     QuantizedWeight,
@@ -391,13 +391,13 @@ def load_gguf_model(
     quantization: str = "auto",
     linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
-) -> tuple[ModelConfig, LlamaDecoder]:
+) -> tuple[ModelConfig, CausalDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from a GGUF file.
     With ``quantization="auto"`` on the CPU, each
     matrix stored in a :data:`KERNEL_TYPES` format stays in it; every other tensor (all of
     them with ``"none"``) is dequantized (one float32 tensor at a time, on the CPU) and
     converted to ``dtype`` on ``device``; ``linear_kernel`` as
-    :class:`~pagedllm.models.llama.LlamaDecoder` takes it."""
+    :class:`~pagedllm.models.decoder.CausalDecoder` takes it."""
     reader = reader or open_gguf(path)
     keep = keeps_quantization(quantization, dtype, torch.device(device), path)
     expanded: set[str] = set()  # quantized types dequantized although they could stay
@@ -443,7 +443,7 @@ def load_gguf_model(
         return weight
 
     tracked = TrackedSource(get)
-    decoder = LlamaDecoder(config, tracked, dtype, device, linear_kernel, parallel)
+    decoder = CausalDecoder(config, tracked, dtype, device, linear_kernel, parallel)
     if expanded:
         logger.info(
             "Dequantized to %s at load (no kernels keep them quantized): %s tensors",

@@ -13,8 +13,8 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.llama import LlamaDecoder
 from pagedllm.models.quantized_weight import (
     QuantizedWeight,
     int8_per_channel,
@@ -84,13 +84,13 @@ def load_safetensors_model(
     quantization: str = "auto",
     linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
-) -> tuple[ModelConfig, LlamaDecoder]:
+) -> tuple[ModelConfig, CausalDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from the folder's
     weights, converted to ``dtype`` on ``device``;
     with ``quantization="int8"``, the projections, embedding and LM head (those whose rows
     are a multiple of 32 weights) are rounded to int8 per output channel instead
     (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only);
-    ``linear_kernel`` as :class:`~pagedllm.models.llama.LlamaDecoder` takes it.
+    ``linear_kernel`` as :class:`~pagedllm.models.decoder.CausalDecoder` takes it.
 
     The files are memory-mapped and each tensor is moved and converted as the decoder
     reads it, so the host never holds a converted copy of the whole model."""
@@ -116,7 +116,7 @@ def load_safetensors_model(
         tracked = TrackedSource(get)
         source = checkpoint_source(config, tracked)
         weights = int8_source(source) if int8 else source
-        decoder = LlamaDecoder(config, weights, dtype, device, linear_kernel, parallel)
+        decoder = CausalDecoder(config, weights, dtype, device, linear_kernel, parallel)
         # A tied checkpoint may still store its LM head; transformers ignores it too. Old
         # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
         head = stored_name(config, "lm_head.weight")

@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
     ``attention``: this layer's scale, sliding window and soft-cap; ``local_rope``: whether
     it rotates with the local rope. ``choice`` picks each matrix's kernel. ``dtype``: the
     model's, that of every norm's output and every matrix's input; the residual stream
-    passed to :meth:`forward` may be float32 instead (:class:`LlamaDecoder`).
+    passed to :meth:`forward` may be float32 instead (:class:`CausalDecoder`).
     """
 
     def __init__(
@@ -293,7 +293,7 @@ class DecoderLayer(nn.Module):
         return hidden
 
 
-class LlamaDecoder(nn.Module):
+class CausalDecoder(nn.Module):
     """Embedding (plus GPT-2's learned positions), ``num_layers`` decoder layers, final
     norm and the LM head, for every architecture of
     :data:`~pagedllm.models.architectures.ARCHITECTURES`.
