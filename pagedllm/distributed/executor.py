@@ -71,7 +71,14 @@ class TensorParallelExecutor:
                 )
             if setup.all_reduce_bytes is not None:
                 self.group.use_shared_memory(setup.all_reduce_bytes, self.timeout)
-                how = "shared memory" if self.group.shared else "gloo (ranks on several machines)"
+                how = (
+                    "shared memory"
+                    if self.group.shared
+                    else (
+                        "gloo: the ranks are on several machines, or a rank could not build the "
+                        "shared-memory kernel (its warning says why)"
+                    )
+                )
                 logger.info("Tensor-parallel all-reduces run through %s", how)
 
     def send_step(self, work: StepWork) -> None:
