@@ -25,7 +25,8 @@ from pagedllm.bench.throughput import run_engine
 from pagedllm.bench.workload import synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.kv.kv_cache import bytes_per_block, num_blocks_for_budget
+from pagedllm.kv.capacity import pool_blocks
+from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 
 DTYPES = ["auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -45,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     def blocks(name: str, model_dtype: torch.dtype = torch.float32) -> int:
-        return num_blocks_for_budget(args.budget, *SHAPE, model_dtype, name)
+        return pool_blocks(args.budget, bytes_per_block(*SHAPE, model_dtype, name))
 
     for name in DTYPES:
         emit(

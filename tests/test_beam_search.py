@@ -11,7 +11,7 @@ from shared_models import default_model, transformers_default_model
 
 from pagedllm import LLM, EngineConfig, LLMEngine
 from pagedllm.engine.beam_search import BeamSearchParams, BeamSelector
-from pagedllm.engine.beam_search_runner import BeamSearchRunner, worst_case_blocks
+from pagedllm.engine.beam_search_runner import BeamSearchRunner
 
 STOP = 0
 
@@ -173,7 +173,7 @@ def test_beams_share_blocks_and_pruned_beams_free_them_at_once(loaded):
         max_shared, peak = max(max_shared, shared), max(peak, unique)
     per_beam = math.ceil((len(prompt_ids) + params.max_tokens - 1) / block_size)
     assert max_shared >= len(prompt_ids) // block_size
-    assert peak <= worst_case_blocks(len(prompt_ids), params, block_size)
+    assert peak <= engine.worst_case_blocks(len(prompt_ids), params.max_tokens, params.beam_width)
     assert peak < 0.5 * params.beam_width * per_beam
     assert pruned > 0
     assert pool.num_used == 0  # every block is free or merely cached

@@ -5,7 +5,7 @@ prefill, prefix-cache hits, forks and preemption by recompute and by swap.
 
 Bound, with no lookahead: a step computing ``n`` tokens from position ``p`` holds the
 blocks of positions ``p - W + 1 .. p + n - 1``, at most ``ceil((W + n + B - 2) / B)``
-(:func:`~pagedllm.kv.block_manager.max_window_blocks`); 3 blocks while decoding, which is
+(:func:`~pagedllm.kv.capacity.max_window_blocks`); 3 blocks while decoding, which is
 ``ceil(W / B) + 1``, and what the planner counts."""
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from tiny_checkpoints import tiny_engine
 from transformers_oracle import reference_greedy, write_random_checkpoint
 
 from pagedllm import SamplingParams
-from pagedllm.kv.block_manager import max_window_blocks
+from pagedllm.kv.capacity import max_window_blocks, request_worst_case_blocks
 from pagedllm.models.loader import load_model
-from pagedllm.plan.capacity import blocks_held
 
 WINDOW = 32
 BLOCK = 16
@@ -89,7 +88,8 @@ def test_a_long_sequence_holds_at_most_the_window(mistral):
     assert tokens == [reference_greedy(reference, ids, 200)]
     assert_bounded(seen)
     # 220 tokens would hold 14 blocks; the pool never had more than 3 in use
-    assert engine.get_stats().peak_blocks_used == DECODE_BOUND == blocks_held(220, BLOCK, WINDOW)[0]
+    planned = request_worst_case_blocks(0, 220, 1, BLOCK, window=WINDOW)
+    assert engine.get_stats().peak_blocks_used == DECODE_BOUND == planned
 
 
 def test_chunked_prefill_reads_the_window_before_each_chunk(mistral):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pagedllm.cpu.allocator import huge_page_region
-from pagedllm.kv.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from pagedllm.kv.capacity import pool_blocks
+from pagedllm.kv.kv_cache import KVCache, bytes_per_block
 
 
 def test_bytes_per_block_of_the_default_model():
@@ -18,12 +19,14 @@ def test_bytes_per_block_of_the_default_model():
     assert bytes_per_block(30, 16, 3, 64, torch.bfloat16) == 368_640
 
 
-def test_num_blocks_for_budget_rounds_down():
+def test_pool_blocks_round_down():
     per_block = bytes_per_block(30, 16, 3, 64, torch.float32)
-    assert num_blocks_for_budget(2 * 2**30, 30, 16, 3, 64, torch.float32) == 2912
-    assert num_blocks_for_budget(10 * per_block - 1, 30, 16, 3, 64, torch.float32) == 9
-    assert num_blocks_for_budget(10 * per_block, 30, 16, 3, 64, torch.float32) == 10
-    assert num_blocks_for_budget(0, 30, 16, 3, 64, torch.float32) == 0
+    assert pool_blocks(2 * 2**30, per_block) == 2912
+    assert pool_blocks(10 * per_block - 1, per_block) == 9
+    assert pool_blocks(10 * per_block, per_block) == 10
+    assert pool_blocks(0, per_block) == 0
+    assert pool_blocks(10 * per_block, per_block, null_block=True) == 9
+    assert pool_blocks(0, per_block, null_block=True) == 0
 
 
 def test_from_budget_fits_the_budget():

@@ -14,7 +14,8 @@ from paged_cases import build_case
 
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
-from pagedllm.kv.kv_cache import KVCache, num_blocks_for_budget
+from pagedllm.kv.capacity import pool_blocks
+from pagedllm.kv.kv_cache import KVCache, bytes_per_block
 from pagedllm.kv.kv_quant import SCALE_BYTES, decode_rows, encode_rows, resolve_kv_format
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -67,7 +68,7 @@ def test_same_budget_holds_about_twice_the_blocks_of_bfloat16():
     budget = 2**30
 
     def blocks(model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        return num_blocks_for_budget(budget, *shape, model_dtype, kv_cache_dtype)
+        return pool_blocks(budget, bytes_per_block(*shape, model_dtype, kv_cache_dtype))
 
     for name in QUANTIZED:
         assert blocks(torch.float32, name) >= 1.9 * blocks(torch.bfloat16)

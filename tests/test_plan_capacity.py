@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pagedllm.distributed.partition import PartitionError
+from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
 from pagedllm.kv.fragmentation import fragmentation_stats
-from pagedllm.kv.kv_cache import bytes_per_block, num_blocks_for_budget
+from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.plan.capacity import (
     KV_DTYPES,
@@ -17,8 +18,6 @@ from pagedllm.plan.capacity import (
     Workload,
     block_bytes,
     block_elements_per_layer,
-    blocks_for_tokens,
-    blocks_held,
     blocks_per_rank,
     dtype_capacity,
     hidden_size_estimate,
@@ -81,15 +80,15 @@ def test_blocks_match_the_kv_cache_sizing_for_unquantized_dtypes(model, null_blo
     budget = 3 * 10**9 + 12345
     for name in ("float32", "bfloat16", "float16"):
         row = dtype_capacity(config, 16, budget, Workload(100, 1000), KV_DTYPES[name])
-        expected = num_blocks_for_budget(
-            budget,
+        per_block = bytes_per_block(
             config.num_layers,
             16,
             config.num_kv_heads,
             config.head_dim,
             KV_DTYPES[name].torch_dtype,
         )
-        assert row.num_blocks == expected - null_blocks
+        assert row.num_blocks == pool_blocks(budget, per_block) - null_blocks
+        assert row.contiguous_seqs == pool_blocks(budget, per_block) // blocks_for_tokens(1000, 16)
         assert row.num_tokens == 16 * row.num_blocks
 
 
@@ -122,13 +121,15 @@ def test_paged_against_contiguous_and_a_shared_prefix():
 
 def test_a_sliding_window_bounds_the_blocks_a_sequence_holds():
     # a 4,096-token window over blocks of 16: at most 257 blocks (4,096 + 15 positions)
-    assert blocks_held(32768, 16, 4096) == (257, 0)
-    assert blocks_held(1000, 16, 4096) == (63, 0)
+    assert request_worst_case_blocks(0, 32768, 1, 16, window=4096) == 257
+    assert request_worst_case_blocks(0, 1000, 1, 16, window=4096) == 63
     assert max_seqs_paged(1000, 16, 32768, window=4096) == 3
     assert max_seqs_paged(1000, 16, 32768) == 0
-    # a shared prefix counts once only while it is inside every sequence's window
-    assert blocks_held(4200, 16, 4096, prefix_len=160) == (257, 4)
-    assert blocks_held(8192, 16, 4096, prefix_len=160) == (257, 0)
+    # the prefix's 10 full blocks are shared; each sequence's own blocks, at most 257 of
+    # them, run from block 10 to its last: 253 blocks at 4,200 tokens, the window's 257
+    # at 8,192
+    assert max_seqs_paged(257 + 253 * 2, 16, 4200, 160, 4096) == 3
+    assert max_seqs_paged(257 * 3, 16, 8192, 160, 4096) == 3
     plan = resolve_model("mistral-7b").config
     assert plan.kv_window == 4096
     row = dtype_capacity(plan, 16, 10 * 2**30, Workload(32768, 32768), KV_DTYPES["bfloat16"])
@@ -173,6 +174,8 @@ def test_workload_rejects_impossible_lengths():
         Workload(avg_len=5000, max_model_len=4096)
     with pytest.raises(ValueError):
         Workload(avg_len=100, max_model_len=4096, prefix_len=200)
+    with pytest.raises(ValueError, match="one token of its own"):
+        Workload(avg_len=32, max_model_len=4096, prefix_len=32)
 
 
 def test_kv_dtypes_use_the_torch_element_sizes():
@@ -279,8 +282,8 @@ def test_blocks_per_device_are_the_engine_pool_of_the_rank_with_most_kv_heads(
     budget = 10**9 + 12345
     layers, head_dim = config.num_layers, config.head_dim
     cache_format = KV_DTYPES[kv_dtype].cache_format
-    engine_blocks = num_blocks_for_budget(
-        budget, layers, 16, device_kv_heads, head_dim, torch.float32, cache_format
+    engine_blocks = pool_blocks(
+        budget, bytes_per_block(layers, 16, device_kv_heads, head_dim, torch.float32, cache_format)
     )
     assert blocks_per_rank(config, 2, budget, 16, kv_dtype) == engine_blocks - null_blocks
     workload = Workload(100, 1000, prefix_len=40)
@@ -296,16 +299,17 @@ def test_blocks_per_device_are_the_engine_pool_of_the_rank_with_most_kv_heads(
     window = config.kv_window
     assert row.paged_seqs == max_seqs_paged(row.num_blocks, 16, 100, window=window)
     assert row.paged_seqs_with_prefix == max_seqs_paged(row.num_blocks, 16, 100, 40, window)
-    assert row.contiguous_seqs == row.num_blocks // blocks_for_tokens(1000, 16)
+    assert row.contiguous_seqs == engine_blocks // blocks_for_tokens(1000, 16)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_one_device_keeps_the_whole_model_pool(name):
     config = resolve_model(name).config
     budget = 3 * 10**9 + 1
-    engine_blocks = num_blocks_for_budget(
-        budget, config.num_layers, 16, config.num_kv_heads, config.head_dim, torch.float32
+    per_block = bytes_per_block(
+        config.num_layers, 16, config.num_kv_heads, config.head_dim, torch.float32
     )
+    engine_blocks = pool_blocks(budget, per_block)
     null_blocks = config.kv_window is not None
     assert blocks_per_rank(config, 1, budget, 16) == engine_blocks - null_blocks
     workload = Workload(100, 1000)

@@ -11,9 +11,12 @@ picks the next beams from their log-probabilities; then, per parent beam:
 - a parent without a continuation leaves the scheduler at once, returning its blocks.
 
 Beam search runs alone on an engine (no other requests at the same time). Searches are
-admitted only while the worst case of all admitted searches fits the pool (see
-:func:`worst_case_blocks`) and their beams fit one step's token budget, so the scheduler
-never preempts a beam and every live beam of a search runs in the same step.
+admitted only while the worst case of all admitted searches fits the pool (a search
+counts as a request of ``beam_width`` samples:
+:meth:`~pagedllm.engine.llm_engine.LLMEngine.worst_case_blocks`, with contiguous
+allocation's up-front slots and sliding windows) and their beams fit one step's token
+budget, so the scheduler never preempts a beam and every live beam of a search runs in
+the same step.
 """
 
 from __future__ import annotations
@@ -37,17 +40,6 @@ from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 
 _RELEASED = SequenceStatus.FINISHED_PRUNED
 """How a beam leaves the scheduler, pruned or at the end of its search."""
-
-
-def worst_case_blocks(num_prompt_tokens: int, params: BeamSearchParams, block_size: int) -> int:
-    """Most blocks one search can hold at once, in blocks.
-
-    The prompt's full blocks are shared by every beam; each beam may hold its own blocks
-    from the prompt's partly filled block up to ``prompt + max_tokens`` tokens.
-    """
-    shared = num_prompt_tokens // block_size
-    longest = -(-(num_prompt_tokens + params.max_tokens) // block_size)
-    return shared + params.beam_width * (longest - shared)
 
 
 @dataclass(eq=False)
@@ -85,12 +77,6 @@ class BeamSearchRunner:
         return [seq for search in self._active for seq in search.beams]
 
     @property
-    def _capacity_blocks(self) -> int:
-        """Blocks normal-priority sequences may hold in the whole pool."""
-        pool = self.engine.block_manager.pool
-        return pool.num_blocks - pool.num_reserved
-
-    @property
     def _max_live_beams(self) -> int:
         scheduler = self.engine.scheduler
         return min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
@@ -112,11 +98,12 @@ class BeamSearchRunner:
                 f"beam_width {params.beam_width} exceeds the {self._max_live_beams} sequences "
                 "one step may run (max_num_seqs, max_num_batched_tokens)"
             )
-        blocks = worst_case_blocks(len(prompt_token_ids), params, engine.config.block_size)
-        if blocks > self._capacity_blocks:
-            raise ValueError(
-                f"this search may need {blocks} KV blocks; the pool has {self._capacity_blocks}"
-            )
+        blocks = engine.worst_case_blocks(
+            len(prompt_token_ids), params.max_tokens, params.beam_width
+        )
+        capacity = engine.capacity_blocks()
+        if blocks > capacity:
+            raise ValueError(f"this search may need {blocks} KV blocks; the pool has {capacity}")
         search = _Search(
             self._next_key,
             prompt,
@@ -135,7 +122,7 @@ class BeamSearchRunner:
         beams = sum(search.params.beam_width for search in self._active)
         while self._pending:
             search = self._pending[0]
-            if blocks + search.worst_case_blocks > self._capacity_blocks:
+            if blocks + search.worst_case_blocks > self.engine.capacity_blocks():
                 return
             if beams + search.params.beam_width > self._max_live_beams:
                 return

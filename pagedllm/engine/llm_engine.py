@@ -41,8 +41,9 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
 from pagedllm.kv.block_copies import BlockCopies
-from pagedllm.kv.block_manager import BlockManager, max_window_blocks
+from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
+from pagedllm.kv.capacity import pool_blocks, request_worst_case_blocks
 from pagedllm.kv.kv_cache import KVCache, bytes_per_block
 from pagedllm.models.loader import LoadedModel, load_model
 from pagedllm.models.weight_bytes import describe_weight_bytes
@@ -130,8 +131,7 @@ class LLMEngine:
             config.dtype,
             config.kv_cache_dtype,
         )
-        physical_blocks = self.kv_budget // self.block_bytes
-        self.num_blocks = max(0, physical_blocks - (window is not None))
+        self.num_blocks = pool_blocks(self.kv_budget, self.block_bytes, window is not None)
         usable_blocks = self.num_blocks - num_reserved_blocks(
             self.num_blocks, config.reserved_fraction
         )
@@ -218,7 +218,7 @@ class LLMEngine:
         config, block_bytes = self.config, self.block_bytes
         if config.preemption_mode == "recompute" or config.swap_space == 0:
             return 0
-        num_blocks = config.swap_space // block_bytes
+        num_blocks = pool_blocks(config.swap_space, block_bytes)
         if num_blocks == 0:
             raise ValueError(
                 f"swap_space={config.swap_space} bytes holds no block of {block_bytes} bytes"
@@ -417,30 +417,35 @@ class LLMEngine:
             )
         return max_tokens
 
-    def _check_fits(self, prompt_len: int, max_tokens: int, n: int, priority: int) -> None:
-        """Refuse a request whose worst case (all ``n`` samples reaching ``max_tokens``)
-        holds more blocks than the pool gives its priority; any other request fits.
+    def worst_case_blocks(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        """Most blocks a request of ``n`` samples (or beams) of a ``prompt_len``-token
+        prompt and up to ``max_tokens`` more tokens each holds at once on this engine:
+        :func:`~pagedllm.kv.capacity.request_worst_case_blocks` under its allocation mode
+        (contiguous: ``max_model_len`` slots up front) and sliding window (a step
+        computes at most ``max_num_batched_tokens`` tokens of a sequence)."""
+        manager = self.block_manager
+        return request_worst_case_blocks(
+            prompt_len,
+            max_tokens,
+            n,
+            self.config.block_size,
+            upfront_tokens=manager.upfront_tokens,
+            window=manager.sliding_window,
+            step_tokens=self.config.max_num_batched_tokens,
+        )
 
-        The prompt's full blocks are shared by the samples; each sample holds its own
-        blocks from the prompt's partly filled block on (in contiguous mode the first
-        sequence reserves ``max_model_len`` slots up front). With a sliding window on
-        every layer, no sequence holds more than the window and one step's tokens.
-        """
-        block_size = self.config.block_size
-        shared = prompt_len // block_size
-        longest = -(-(prompt_len + max_tokens) // block_size)
-        first = longest
-        own = longest - shared
-        upfront = self.block_manager.upfront_tokens
-        if upfront is not None:
-            first = max(longest, -(-upfront // block_size))
-        window = self.block_manager.sliding_window
-        if window is not None:
-            bound = max_window_blocks(window, self.config.max_num_batched_tokens, block_size)
-            first, own = min(first, bound), min(own, bound)
-        worst_case = first + (n - 1) * own
+    def capacity_blocks(self, priority: int = 0) -> int:
+        """Blocks one request of ``priority`` may ever hold: the whole pool when
+        ``priority < 0``, else the pool less the reserve."""
         pool = self.block_manager.pool
-        capacity = pool.num_blocks - (0 if priority < 0 else pool.num_reserved)
+        return pool.num_blocks - (0 if priority < 0 else pool.num_reserved)
+
+    def _check_fits(self, prompt_len: int, max_tokens: int, n: int, priority: int) -> None:
+        """Refuse a request whose worst case (:meth:`worst_case_blocks`: all ``n``
+        samples reaching ``max_tokens``) holds more blocks than the pool gives its
+        priority (:meth:`capacity_blocks`); any other request fits."""
+        worst_case = self.worst_case_blocks(prompt_len, max_tokens, n)
+        capacity = self.capacity_blocks(priority)
         if worst_case > capacity:
             raise InvalidRequestError(
                 f"n={n} samples of up to {prompt_len + max_tokens} tokens each may need "

@@ -30,10 +30,11 @@ next query sits at position ``p`` (its committed tokens), every logical block wh
 before ``p - W + 1`` is released: its reference is dropped (a shared block stays with
 its other holders, a cached one waits in the free queue as evictable) and its table
 entry becomes null (:mod:`pagedllm.kv.block_table`). A running sequence then holds at
-most :func:`max_window_blocks` blocks: ``ceil((W + n + block_size - 2) / block_size)``
-during a step that computes ``n`` tokens, ``ceil((W + block_size - 1) / block_size)``
-while decoding. A prefix-cache hit needs only the cached blocks inside the window of its
-first computed token, not the whole chain.
+most :func:`~pagedllm.kv.capacity.max_window_blocks` blocks:
+``ceil((W + n + block_size - 2) / block_size)`` during a step that computes ``n`` tokens,
+``ceil((W + block_size - 1) / block_size)`` while decoding. A prefix-cache hit needs
+only the cached blocks inside the window of its first computed token, not the whole
+chain.
 """
 
 from __future__ import annotations
@@ -43,17 +44,11 @@ from dataclasses import dataclass
 
 from pagedllm.kv.block_pool import BlockPool, BlockPoolStats, OutOfBlocksError
 from pagedllm.kv.block_table import AppendResult, BlockTable
+from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.fragmentation import FragmentationStats
 from pagedllm.kv.prefix_hash import BlockKey, PrefixHasher, iter_block_keys
 
 SeqId = int | str
-
-
-def max_window_blocks(window: int, num_tokens: int, block_size: int) -> int:
-    """Most blocks a sequence holds under a ``window``-token sliding window during a step
-    that computes ``num_tokens`` of its tokens: the blocks of the ``window + num_tokens
-    - 1`` positions those queries read, at worst misaligned by ``block_size - 1``."""
-    return -(-(window + num_tokens + block_size - 2) // block_size)
 
 
 @dataclass(frozen=True)
@@ -185,7 +180,7 @@ class BlockManager:
         """Free blocks starting on ``prefix`` takes: evictable hits plus blocks for new tokens
         (none before the window of the first token computed)."""
         revived = sum(1 for block_id in prefix.held_block_ids if self.pool.ref_count(block_id) == 0)
-        total_blocks = -(-(prefix.num_tokens + num_new_tokens) // self.block_size)
+        total_blocks = cdiv(prefix.num_tokens + num_new_tokens, self.block_size)
         new_from = max(len(prefix.block_ids), self.live_from(prefix.num_tokens + num_restored))
         return revived + max(0, total_blocks - new_from)
 
@@ -253,7 +248,7 @@ class BlockManager:
             live_from = self.live_from(self._first_query(seq, num_restored))
             return seq.table.num_blocks_needed(num_new_tokens, live_from)
         if prefix is None:
-            total = -(-max(num_new_tokens, self.upfront_tokens or 0) // self.block_size)
+            total = cdiv(max(num_new_tokens, self.upfront_tokens or 0), self.block_size)
             return max(0, total - self.live_from(num_restored))
         num_tokens = max(num_new_tokens, self.upfront_tokens or 0)
         return self._prefix_blocks_needed(prefix, num_tokens, num_restored)
@@ -394,7 +389,7 @@ class BlockManager:
         for seq in self._seqs.values():
             table = seq.table
             num_tokens, block_ids = table.num_tokens, table.block_ids
-            unshared_blocks += max(0, -(-num_tokens // block_size) - table.num_null)
+            unshared_blocks += max(0, cdiv(num_tokens, block_size) - table.num_null)
             for index in range(max(num_tokens // block_size, table.num_null), len(block_ids)):
                 fill = max(0, num_tokens - index * block_size)
                 not_full[block_ids[index]] = max(not_full.get(block_ids[index], 0), fill)

@@ -1,4 +1,5 @@
-"""The physical K/V tensors of every layer, and their sizing from a memory budget.
+"""The physical K/V tensors of every layer, and their sizing from a memory budget
+(the arithmetic: :mod:`pagedllm.kv.capacity`).
 
 Layout: one tensor ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
 (index 0 of the second axis is K, 1 is V). Within a block, each kv head's
@@ -23,6 +24,7 @@ import torch
 
 from pagedllm.cpu import write_kv
 from pagedllm.cpu.allocator import huge_page_region
+from pagedllm.kv.capacity import block_bytes, pool_blocks
 from pagedllm.kv.kv_quant import KVFormat, encode_rows, resolve_kv_format
 
 
@@ -34,26 +36,11 @@ def bytes_per_block(
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes one block takes across all layers: K and V, ``block_size`` tokens each,
-    scales included. ``dtype`` is the model's; ``kv_cache_dtype`` the cache format."""
+    """Bytes one block takes across all layers, scales included
+    (:func:`~pagedllm.kv.capacity.block_bytes` of this format's rows). ``dtype`` is the
+    model's; ``kv_cache_dtype`` the cache format."""
     row_bytes = resolve_kv_format(kv_cache_dtype, dtype).row_bytes(head_dim)
-    return 2 * num_layers * block_size * num_kv_heads * row_bytes
-
-
-def num_blocks_for_budget(
-    budget_bytes: int,
-    num_layers: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
-) -> int:
-    """How many whole blocks fit in ``budget_bytes`` (rounded down, never negative)."""
-    per_block = bytes_per_block(
-        num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype
-    )
-    return max(0, budget_bytes // per_block)
+    return block_bytes(num_layers, block_size, num_kv_heads, row_bytes)
 
 
 class KVCache:
@@ -116,9 +103,10 @@ class KVCache:
         kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """The largest cache whose tensor fits in ``budget_bytes``."""
-        num_blocks = num_blocks_for_budget(
-            budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype
+        per_block = bytes_per_block(
+            num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype
         )
+        num_blocks = pool_blocks(budget_bytes, per_block)
         return cls(
             num_layers,
             num_blocks,

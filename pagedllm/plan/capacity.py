@@ -1,9 +1,13 @@
-"""Capacity arithmetic: KV bytes per token, blocks in a budget, sequences in a pool.
+"""The planner's figures: KV bytes per token, blocks in a budget, sequences in a pool.
 
 Units: tokens, blocks of ``block_size`` tokens, bytes. The KV cache of one token holds
 K and V for every layer and KV head: ``2 x layers x kv_heads x head_dim`` elements.
-Blocks are counted with the engine's own :func:`~pagedllm.kv.kv_cache.bytes_per_block`,
-so an unquantized plan holds exactly the blocks the engine allocates for that budget.
+Every quantity the engine also computes comes from the one module it uses,
+:mod:`pagedllm.kv.capacity`: a block's bytes (through
+:func:`~pagedllm.kv.kv_cache.bytes_per_block`), the pool a budget buys
+(:func:`~pagedllm.kv.capacity.pool_blocks`) and a request's worst case
+(:func:`~pagedllm.kv.capacity.request_worst_case_blocks`), so a plan holds exactly the
+blocks the engine allocates for that budget and the sequences it admits.
 
 Quantized caches (fp8, int8) carry one bfloat16 scale per token, layer, K/V and KV
 head, as the engine stores them: ``2 / head_dim`` bytes per element, 1.6 % at head_dim
@@ -12,11 +16,11 @@ formats with their block scales, as the engine holds them); the
 activation reserve is a fraction of the weight bytes (10-20 % is the usual rule of thumb).
 
 Sliding windows: when every layer of a model slides over ``W`` tokens, a sequence holds
-at most the blocks of its last window (:func:`~pagedllm.kv.block_manager.max_window_blocks`
-while decoding), as the engine releases the others, and the engine's pool is one block
-smaller (the null block its tables point at). A model with any global layer holds every
-block of every sequence: all layers share one pool, so a block is kept while any layer
-may read it.
+at most the blocks of its last window (:func:`~pagedllm.kv.capacity.max_window_blocks`
+while decoding), as the engine releases the others, and the engine's paged pool is one
+block smaller (the null block its tables point at; contiguous allocation has none). A
+model with any global layer holds every block of every sequence: all layers share one
+pool, so a block is kept while any layer may read it.
 
 Tensor parallelism (``tensor_parallel_size`` ranks, one per device, split as
 :class:`~pagedllm.distributed.partition.TensorPartition` says): weights, budgets, blocks
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.distributed.partition import TensorPartition
-from pagedllm.kv.block_manager import max_window_blocks
+from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.plan.model_shape import ModelShape
@@ -141,33 +145,12 @@ def blocks_per_rank(
 ) -> int:
     """Blocks each rank's pool offers sequences for a KV budget of ``kv_bytes`` bytes per
     rank: the blocks of ``block_size`` tokens ``kv_bytes`` holds on the rank with the most
-    KV heads (:func:`~pagedllm.kv.kv_cache.num_blocks_for_budget`, as the engine sizes
-    every rank's pool), less the null block when every layer slides. ``kv_dtype`` is a
+    KV heads (:func:`~pagedllm.kv.capacity.pool_blocks`, as the engine sizes every rank's
+    paged pool), less the null block when every layer slides. ``kv_dtype`` is a
     :data:`KV_DTYPES` name."""
     rank_config = kv_rank_config(config, tensor_parallel_size)
     per_block = block_bytes(rank_config, block_size, KV_DTYPES[kv_dtype])
-    return max(0, kv_bytes // per_block - (config.kv_window is not None))
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks a sequence of ``num_tokens`` tokens holds: ``ceil(num_tokens / block_size)``."""
-    return -(-num_tokens // block_size)
-
-
-def blocks_held(
-    seq_len: int, block_size: int, window: int | None = None, prefix_len: int = 0
-) -> tuple[int, int]:
-    """``(held, shared)``: the most blocks a decoding sequence of up to ``seq_len`` tokens
-    holds, and how many of them are full blocks of the shared ``prefix_len``-token prefix.
-    With a ``window`` (every layer sliding), blocks before the last token's window are
-    released."""
-    held = blocks_for_tokens(seq_len, block_size)
-    shared = prefix_len // block_size
-    if window is not None:
-        held = min(held, max_window_blocks(window, 1, block_size))
-        first_held = max(0, seq_len - window) // block_size
-        shared = max(0, shared - first_held)
-    return held, shared
+    return pool_blocks(kv_bytes, per_block, config.kv_window is not None)
 
 
 def max_seqs_paged(
@@ -177,17 +160,19 @@ def max_seqs_paged(
     prefix_len: int = 0,
     window: int | None = None,
 ) -> int:
-    """Sequences of ``seq_len`` tokens that fit in ``num_blocks`` blocks allocated on demand.
-
-    The first ``prefix_len`` tokens are shared by every sequence: their full blocks are held
-    once; a partial last prefix block is private (only full blocks are shared). ``window``
-    as in :func:`blocks_held`.
+    """Sequences of ``seq_len`` tokens that fit in ``num_blocks`` blocks allocated on demand,
+    decoding: the most ``n`` for which one request of ``n`` samples of a
+    ``prefix_len``-token prompt, each reaching ``seq_len`` tokens, fits
+    (:func:`~pagedllm.kv.capacity.request_worst_case_blocks`; ``window``: every layer
+    slides over that many tokens). The prefix's full blocks are held once; a partial last
+    prefix block is private. Needs ``prefix_len < seq_len``.
     """
-    held, shared = blocks_held(seq_len, block_size, window, prefix_len)
-    private = held - shared
-    if num_blocks < shared:
+    output_len = seq_len - prefix_len
+    first = request_worst_case_blocks(prefix_len, output_len, 1, block_size, window=window)
+    if num_blocks < first:
         return 0
-    return (num_blocks - shared) // private
+    own = request_worst_case_blocks(prefix_len, output_len, 2, block_size, window=window) - first
+    return 1 + (num_blocks - first) // own
 
 
 def max_seqs_contiguous(num_blocks: int, block_size: int, max_model_len: int) -> int:
@@ -272,8 +257,12 @@ class Workload:
             raise ValueError(
                 f"average length {self.avg_len} must be in 1 .. max_model_len {self.max_model_len}"
             )
-        if not 0 <= self.prefix_len <= self.avg_len:
-            raise ValueError(f"prefix length {self.prefix_len} must be in 0 .. {self.avg_len}")
+        if not 0 <= self.prefix_len < self.avg_len:
+            # as in the engine, where every request generates at least one token
+            raise ValueError(
+                f"prefix length {self.prefix_len} must be in 0 .. {self.avg_len - 1}: every "
+                "sequence holds at least one token of its own"
+            )
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
 
@@ -281,7 +270,9 @@ class Workload:
 @dataclass(frozen=True)
 class DtypeCapacity:
     """One KV dtype's figures. Bytes include quantization scales only in ``block_bytes``
-    and what derives from it (``num_blocks``, sequence counts)."""
+    and what derives from it (``num_blocks``, sequence counts). ``num_blocks`` is the
+    paged pool (less the null block of a sliding window); ``contiguous_seqs`` counts in
+    the contiguous pool, which keeps no null block."""
 
     kv_dtype: str
     element_bytes: int
@@ -327,6 +318,7 @@ def dtype_capacity(
     rank_config = kv_rank_config(config, tensor_parallel_size)
     per_token = kv_bytes_per_token(rank_config, kv_dtype)
     window = config.kv_window
+    per_block = block_bytes(rank_config, block_size, kv_dtype)
     num_blocks = blocks_per_rank(config, tensor_parallel_size, kv_bytes, block_size, kv_dtype.name)
     return DtypeCapacity(
         kv_dtype=kv_dtype.name,
@@ -335,7 +327,7 @@ def dtype_capacity(
         block_bytes_per_layer=(
             block_elements_per_layer(rank_config, block_size) * kv_dtype.element_bytes
         ),
-        block_bytes=block_bytes(rank_config, block_size, kv_dtype),
+        block_bytes=per_block,
         batch_kv_bytes=workload.batch * workload.avg_len * per_token,
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
@@ -343,7 +335,10 @@ def dtype_capacity(
         paged_seqs_with_prefix=max_seqs_paged(
             num_blocks, block_size, workload.avg_len, workload.prefix_len, window
         ),
-        contiguous_seqs=max_seqs_contiguous(num_blocks, block_size, workload.max_model_len),
+        # contiguous allocation keeps no null block: its pool is every block of the budget
+        contiguous_seqs=max_seqs_contiguous(
+            pool_blocks(kv_bytes, per_block), block_size, workload.max_model_len
+        ),
     )
 
 

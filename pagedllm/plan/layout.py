@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.plan.capacity import blocks_for_tokens
+from pagedllm.kv.capacity import blocks_for_tokens
 
 SHARED_OWNER = -1
 

@@ -19,7 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pagedllm.plan.capacity import CapacityPlan, blocks_for_tokens, max_seqs_paged  # noqa: E402
+from pagedllm.kv.capacity import blocks_for_tokens  # noqa: E402
+from pagedllm.plan.capacity import CapacityPlan, max_seqs_paged  # noqa: E402
 from pagedllm.plan.layout import SHARED_OWNER, BlockUse, paged_layout  # noqa: E402
 
 SPREAD = (0.35, 1.6, 0.7, 1.0, 0.2, 1.3, 0.85, 0.5)

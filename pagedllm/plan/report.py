@@ -6,13 +6,13 @@ import dataclasses
 from typing import Any
 
 from pagedllm.distributed.partition import TensorPartition
+from pagedllm.kv.capacity import request_worst_case_blocks
 from pagedllm.kv.kv_quant import SCALE_BYTES
 from pagedllm.plan.capacity import (
     KV_DTYPES,
     CapacityPlan,
     DtypeCapacity,
     block_elements_per_layer,
-    blocks_held,
     hidden_size_estimate,
     kv_bytes_per_token,
 )
@@ -135,7 +135,7 @@ def _workload_line(plan: CapacityPlan) -> str:
         line += f"; the first {workload.prefix_len:,} tokens are a prefix all sequences share"
     window = plan.model.config.kv_window
     if window is not None:
-        held, _ = blocks_held(workload.avg_len, plan.block_size, window)
+        held = request_worst_case_blocks(0, workload.avg_len, 1, plan.block_size, window=window)
         line += (
             f"; every layer slides over {window:,} tokens, so a paged sequence holds at most "
             f"{held:,} blocks (older ones go back to the pool)"

@@ -1,0 +1,88 @@
+"""Capacity arithmetic of the KV cache: one function for each quantity.
+
+Units: tokens; blocks of ``block_size`` tokens; bytes. Pure integer arithmetic (no torch,
+no engine), shared by everything that sizes or admits: the engine's pool and its
+admission check (:class:`~pagedllm.engine.llm_engine.LLMEngine`), beam search's
+admission, the KV cache tensors (:mod:`~pagedllm.kv.kv_cache`), the block manager and
+the planner (:mod:`~pagedllm.plan.capacity`), so that none of them can disagree.
+
+- :func:`cdiv`: ceil division, the one place it is written;
+- :func:`blocks_for_tokens`: the blocks a sequence of ``n`` tokens holds;
+- :func:`max_window_blocks`: the most a sequence holds under a sliding window;
+- :func:`request_worst_case_blocks`: the most a request of ``n`` samples (or beams) holds;
+- :func:`block_bytes`: the bytes of one block;
+- :func:`pool_blocks`: the blocks a byte budget buys.
+"""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in exact integer arithmetic, for ``b > 0``."""
+    return -(-a // b)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens holds, ``ceil(num_tokens / block_size)``:
+    it wastes at most ``block_size - 1`` slots."""
+    return cdiv(num_tokens, block_size)
+
+
+def max_window_blocks(window: int, num_tokens: int, block_size: int) -> int:
+    """Most blocks a sequence holds under a ``window``-token sliding window during a step
+    that computes ``num_tokens`` of its tokens: the blocks of the ``window + num_tokens
+    - 1`` positions those queries read, at worst misaligned by ``block_size - 1``
+    (``ceil((window + block_size - 1) / block_size)`` while decoding)."""
+    return cdiv(window + num_tokens + block_size - 2, block_size)
+
+
+def request_worst_case_blocks(
+    prompt_len: int,
+    max_tokens: int,
+    n: int,
+    block_size: int,
+    *,
+    upfront_tokens: int | None = None,
+    window: int | None = None,
+    step_tokens: int = 1,
+) -> int:
+    """Most blocks a request holds at once: ``n`` samples (or beams) of a ``prompt_len``-
+    token prompt, each reaching ``prompt_len + max_tokens`` tokens.
+
+    The prompt's full blocks are shared by all samples and held once; each sample holds
+    its own blocks from the prompt's partly filled block up to its last token (copies on
+    write of shared blocks included). ``upfront_tokens`` (contiguous allocation): the
+    first sequence holds blocks for that many slots from its first step; the others
+    share them and copy what they write. ``window`` (every layer slides over that many
+    tokens): no sequence holds more than :func:`max_window_blocks` for a step computing
+    ``step_tokens`` of its tokens. The two exclude each other, as in the block manager.
+    Invariant: at least ``blocks_for_tokens(prompt_len + max_tokens)`` for one sample
+    without a window, and non-decreasing in ``max_tokens`` and ``n``.
+    """
+    if upfront_tokens is not None and window is not None:
+        raise ValueError("a sliding window needs on-demand allocation, not upfront_tokens")
+    shared = prompt_len // block_size
+    longest = blocks_for_tokens(prompt_len + max_tokens, block_size)
+    first, own = longest, longest - shared
+    if upfront_tokens is not None:
+        first = max(first, blocks_for_tokens(upfront_tokens, block_size))
+    if window is not None:
+        bound = max_window_blocks(window, step_tokens, block_size)
+        first, own = min(first, bound), min(own, bound)
+    return first + (n - 1) * own
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, row_bytes: int) -> int:
+    """Bytes of one block across all layers: K and V of ``block_size`` tokens for every
+    layer and KV head, each token's K (or V) of one head a row of ``row_bytes`` bytes
+    (its elements and, in quantized formats, its scale:
+    :meth:`~pagedllm.kv.kv_quant.KVFormat.row_bytes`)."""
+    return 2 * num_layers * block_size * num_kv_heads * row_bytes
+
+
+def pool_blocks(budget_bytes: int, block_bytes: int, null_block: bool = False) -> int:
+    """Blocks sequences may hold in a pool of ``budget_bytes`` bytes: the whole blocks of
+    ``block_bytes`` bytes it buys (rounded down, never negative), less the null block
+    the tables of a sliding window point at (``null_block``; the cache holds it on top
+    of the pool)."""
+    return max(0, budget_bytes // block_bytes - null_block)
