@@ -12,6 +12,7 @@ from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
 from pagedllm.cpu import paged_attention
 from pagedllm.cpu.extension import kernels_built
+from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import decode_rows
 
@@ -84,7 +85,7 @@ class PagedAttentionBackend:
             if end - start < self.sdpa_min_rows:
                 paged.append(seq)
                 continue
-            blocks = block_tables[seq, : -(-lengths[seq] // block_size)].long()
+            blocks = block_tables[seq, : cdiv(lengths[seq], block_size)].long()
             chunks.append(PrefillChunk(start, end, lengths[seq], blocks))
         if not paged:
             return StepSplit(chunks, None, ())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv.capacity import cdiv
 
 
 def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -20,7 +21,7 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     then masks.
     """
     block_size = cache.shape[2]
-    num_blocks = -(-length // block_size)
+    num_blocks = cdiv(length, block_size)
     blocks = cache[block_table[:num_blocks].long()]  # [n, Hkv, B, D]
     heads, dim = cache.shape[1], cache.shape[3]
     return blocks.transpose(0, 1).reshape(heads, num_blocks * block_size, dim)[:, :length]

@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from pagedllm.kv.capacity import cdiv
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's largest allowed value on 64-bit
@@ -71,7 +73,7 @@ def huge_page_region(nbytes: int, huge_pages: bool = True, commit: bool = False)
     so that the region's memory is taken now (a region that does not fit fails now, not
     midway through serving) and no later write pays for the page faults (a first touch
     of fresh memory measured 0.1-2 s per GiB on a virtual machine)."""
-    size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    size = max(HUGE_PAGE, cdiv(nbytes, HUGE_PAGE) * HUGE_PAGE)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)

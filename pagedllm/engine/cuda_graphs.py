@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv.capacity import cdiv
 
 logger = logging.getLogger("pagedllm")
 
@@ -58,7 +59,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = sorted(sizes)
         largest = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)

@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.kv_cache import KVCache
 
 logger = logging.getLogger("pagedllm")
@@ -66,7 +67,7 @@ def profiling_batch(
     lengths = [max_num_batched_tokens // num_seqs] * num_seqs
     for i in range(max_num_batched_tokens % num_seqs):
         lengths[i] += 1
-    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    blocks_per_seq = [cdiv(n, block_size) for n in lengths]
     max_blocks = max(blocks_per_seq)
     tables = torch.full((num_seqs, max_blocks), -1, dtype=torch.int32)
     slots: list[int] = []

@@ -24,6 +24,7 @@ from pagedllm.engine.block_table_rows import BlockTableRows
 from pagedllm.engine.cuda_graphs import DecodeGraphs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import TokenSequence
+from pagedllm.kv.capacity import cdiv
 from pagedllm.models.layer_stack import LayerStack
 
 
@@ -70,7 +71,7 @@ class ModelRunner:
         self.model = model
         self.attn = attn
         self.block_size = block_size
-        self.block_tables = BlockTableRows(-(-max_model_len // block_size))
+        self.block_tables = BlockTableRows(cdiv(max_model_len, block_size))
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None
         self.layer_stack: LayerStack | None = None
@@ -111,7 +112,7 @@ class ModelRunner:
         query_start_loc = np.zeros(len(plan.scheduled) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
         max_seq_len = max(seq_lens)
-        block_tables = tables.gather(seq_ids, -(-max_seq_len // self.block_size))
+        block_tables = tables.gather(seq_ids, cdiv(max_seq_len, self.block_size))
         metadata = AttentionMetadata(
             slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
             block_tables=self._to_device(torch.from_numpy(block_tables)),

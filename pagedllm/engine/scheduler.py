@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
+from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.swap_space import SwapSpace
 
 
@@ -225,7 +226,7 @@ class Scheduler:
                 break
             table = manager.block_table(seq.seq_id)
             first = max(len(prefix.block_ids), manager.num_null_blocks(seq.seq_id))
-            end = -(-parked // manager.block_size)
+            end = cdiv(parked, manager.block_size)
             swap_ids = seq.swap_block_ids
             out.swap_in.extend(
                 (swap_ids[i - seq.swap_first_block], table[i]) for i in range(first, end)
@@ -301,7 +302,7 @@ class Scheduler:
         # the held blocks of computed tokens (not null entries a sliding window released,
         # nor blocks held up front for later tokens)
         manager = self.block_manager
-        num_computed_blocks = -(-seq.num_computed_tokens // manager.block_size)
+        num_computed_blocks = cdiv(seq.num_computed_tokens, manager.block_size)
         first = manager.num_null_blocks(seq.seq_id)
         block_ids = manager.block_table(seq.seq_id)[first:num_computed_blocks]
         if self._swaps(seq, len(block_ids)):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.capacity import cdiv
 
 
 @dataclass
@@ -54,7 +55,7 @@ class BlockTable:
         self._pool = pool
         self._block_size = pool.block_size
         self._block_ids: list[int] = [] if block_ids is None else block_ids
-        if len(self._block_ids) < -(-num_tokens // self._block_size):
+        if len(self._block_ids) < cdiv(num_tokens, self._block_size):
             raise ValueError(f"{len(self._block_ids)} blocks cannot hold {num_tokens} tokens")
         if any(b != pool.null_block for b in self._block_ids[:num_null]):
             raise ValueError(f"the first {num_null} entries must be null")
@@ -75,7 +76,7 @@ class BlockTable:
     def _growth(self, num_tokens: int, live_from: int = 0) -> int:
         """Blocks to allocate so the table can hold ``num_tokens`` tokens, entries before
         logical block ``live_from`` being null."""
-        end = -(-num_tokens // self._block_size)
+        end = cdiv(num_tokens, self._block_size)
         return max(0, end - max(len(self._block_ids), live_from))
 
     def _shared_write_targets(self, num_new_tokens: int, live_from: int = 0) -> list[int]:
@@ -87,7 +88,7 @@ class BlockTable:
         if num_new_tokens == 0:
             return []
         first = max(self.num_tokens // self._block_size, self.num_null, live_from)
-        end = min(len(self._block_ids), -(-(self.num_tokens + num_new_tokens) // self._block_size))
+        end = min(len(self._block_ids), cdiv(self.num_tokens + num_new_tokens, self._block_size))
         ref_count = self._pool.ref_count
         return [i for i in range(first, end) if ref_count(self._block_ids[i]) > 1]
 
@@ -134,7 +135,7 @@ class BlockTable:
         released = self.release_before(live_from)
         if released:  # it starts at the first held entry, before any copy target
             result.first_changed = released.start
-        num_new_null = max(0, min(live_from, -(-end // self._block_size)) - len(self._block_ids))
+        num_new_null = max(0, min(live_from, cdiv(end, self._block_size)) - len(self._block_ids))
         self._block_ids.extend([self._pool.null_block] * num_new_null)
         self.num_null += num_new_null
         self._block_ids.extend(new_blocks[len(targets) :])

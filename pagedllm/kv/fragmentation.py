@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.kv.capacity import cdiv
+
 
 @dataclass(frozen=True)
 class FragmentationStats:
@@ -43,7 +45,7 @@ def fragmentation_stats(
     filled: dict[int, int] = {}
     unshared_blocks = 0
     for table, seq_len in zip(block_tables, seq_lens, strict=True):
-        needed = -(-seq_len // block_size)
+        needed = cdiv(seq_len, block_size)
         if len(table) < needed or any(block_id < 0 for block_id in table[:needed]):
             raise ValueError(f"block table {list(table)} cannot hold {seq_len} tokens")
         unshared_blocks += needed - sum(block_id == null_block for block_id in table[:needed])

@@ -16,6 +16,7 @@ import gguf
 import torch
 
 from pagedllm.cpu.extension import dequantize_rows, quant_linear_x16, quant_x16_supports
+from pagedllm.kv.capacity import cdiv
 from pagedllm.models.quantized_weight import Q, QuantizedWeight, pad_rows
 
 GROUP_ROWS = 16
@@ -44,7 +45,7 @@ class InterleavedWeight:
 
     @classmethod
     def interleave(cls, weight: QuantizedWeight) -> InterleavedWeight:
-        rows, groups = weight.out_features, -(-weight.out_features // GROUP_ROWS)
+        rows, groups = weight.out_features, cdiv(weight.out_features, GROUP_ROWS)
         blocks = pad_rows(weight, groups * GROUP_ROWS).blocks
         units = blocks.view(torch.int16).view(groups, GROUP_ROWS, *_unit_shape(weight))
         grouped = units.permute(0, 2, 3, 1).contiguous().view(torch.uint8)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.cpu.allocator import huge_page_region
+from pagedllm.kv.capacity import cdiv
 
 ALIGNMENT = 64  # bytes: each tensor starts on a cache line
 
@@ -31,7 +32,7 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, end = [], 0
     for tensor in tensors:
         offsets.append(end)
-        end += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
+        end += cdiv(tensor.numel() * tensor.element_size(), ALIGNMENT) * ALIGNMENT
     return offsets, end
 
 
