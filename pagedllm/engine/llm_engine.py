@@ -237,7 +237,7 @@ class LLMEngine:
     @property
     def usable_tokens(self) -> int:
         """Slots a normal-priority request can ever hold (the pool less the reserve)."""
-        return self.block_manager.pool.num_available(high_priority=False) * self.config.block_size
+        return self.capacity_blocks() * self.config.block_size
 
     def _resolve_max_model_len(self, fits: int) -> int:
         """``max_model_len`` as configured, or the model's limit capped by ``fits``, the
