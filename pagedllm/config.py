@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from pagedllm.cpu.attention_choice import ATTENTION_KERNELS, check_attention_kernel
+from pagedllm.choice import Choice, parse_choice
+from pagedllm.cpu.attention_choice import AttentionKernel
 from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
-from pagedllm.cpu.kernel_choice import LINEAR_KERNELS
+from pagedllm.cpu.kernel_choice import LinearKernel
 from pagedllm.engine.structured_output import COMPACT_JSON_BY_DEFAULT
 from pagedllm.kv.block_pool import validate_block_size
-from pagedllm.kv.kv_quant import KV_CACHE_DTYPES, resolve_kv_format
+from pagedllm.kv.kv_quant import KVCacheDtype
 
 _DTYPES = {
     "float32": torch.float32,
@@ -24,18 +25,50 @@ _DTYPES = {
     "float16": torch.float16,
 }
 
-LOAD_FORMATS = ("auto", "dummy")
-"""``load_format`` values: read the checkpoint, or seeded random weights of its shape."""
 
-QUANTIZATIONS = ("auto", "none", "int8")
-"""``quantization`` values: keep a GGUF file's quantized matrices in their block formats
-(on the CPU), expand every weight to ``dtype``, or round a safetensors checkpoint's
-matrices to int8 per output channel."""
+class LoadFormat(Choice):
+    """``load_format`` values: read the checkpoint, or seeded random weights of its
+    shape."""
 
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
-"""``activation_quantization`` values: multiply quantized weights by the activations as
-they are, or by the activations rounded to int8 per block of 32 values (llama.cpp's
-arithmetic)."""
+    AUTO = "auto"
+    DUMMY = "dummy"
+
+
+class Quantization(Choice):
+    """``quantization`` values: keep a GGUF file's quantized matrices in their block
+    formats (on the CPU), expand every weight to ``dtype``, or round a safetensors
+    checkpoint's matrices to int8 per output channel."""
+
+    AUTO = "auto"
+    NONE = "none"
+    INT8 = "int8"
+
+
+class ActivationQuantization(Choice):
+    """``activation_quantization`` values: multiply quantized weights by the activations
+    as they are, or by the activations rounded to int8 per block of 32 values
+    (llama.cpp's arithmetic)."""
+
+    NONE = "none"
+    INT8 = "int8"
+
+
+class KVAllocation(Choice):
+    """``kv_allocation`` values: blocks as sequences grow, or ``max_model_len`` slots
+    per request from its start."""
+
+    PAGED = "paged"
+    CONTIGUOUS = "contiguous"
+
+
+class PreemptionMode(Choice):
+    """``preemption_mode`` values: drop a preempted sequence's K/V, park it in the swap
+    space, or swap those with a full block computed and recompute the rest."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+    AUTO = "auto"
+
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 """Bytes of the KV pool on the CPU when ``kv_cache_memory`` is not given."""
@@ -112,10 +145,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def knob(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+def knob(
+    default: Any, help: str, choices: type[Choice] | Sequence[str] | None = None
+) -> Any:
     """A config field with its command-line help (and allowed values): the one place a
-    knob is described; the flags of every command are generated from these."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    knob is described; the flags of every command are generated from these. A
+    :class:`~pagedllm.choice.Choice` enum as ``choices`` also makes the field hold its
+    member (:meth:`EngineConfig.__post_init__` parses the text)."""
+    is_enum = isinstance(choices, type) and issubclass(choices, Choice)
+    allowed = choices.values() if is_enum else choices
+    metadata = {"help": help, "choices": allowed, "choice": choices if is_enum else None}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -128,46 +168,46 @@ class EngineConfig:
         "a .gguf file or a Hugging Face folder (config.json + safetensors); default: the "
         "embedded SmolLM2-135M-Instruct; with load_format dummy, a preset such as llama-3-8b",
     )
-    load_format: str = knob(
-        "auto",
+    load_format: LoadFormat = knob(
+        LoadFormat.AUTO,
         "auto reads the checkpoint; dummy makes seeded random weights of the model's shape "
         "(no tokenizer: prompts are token ids)",
-        LOAD_FORMATS,
+        LoadFormat,
     )
-    quantization: str = knob(
-        "auto",
+    quantization: Quantization = knob(
+        Quantization.AUTO,
         "weights a GGUF file stores quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
         "Q6_K): auto keeps them in their block formats on the CPU (other types are expanded "
         "at load); none expands every weight to dtype; int8 rounds a safetensors "
         "checkpoint's matrices to int8 per output channel (CPU)",
-        QUANTIZATIONS,
+        Quantization,
     )
-    activation_quantization: str = knob(
-        "none",
+    activation_quantization: ActivationQuantization = knob(
+        ActivationQuantization.NONE,
         "int8 rounds the activations to int8 per block of 32 values where they meet weights "
         "kept in Q8_0, Q4_0 or Q4_1 blocks and multiplies on int8 products (AVX-512 VNNI, "
         "bfloat16 models, as llama.cpp does: faster for batches, results no longer equal to "
         "the dequantized model's up to rounding); none multiplies them exactly",
-        ACTIVATION_QUANTIZATIONS,
+        ActivationQuantization,
     )
-    linear_kernel: str = knob(
-        "auto",
+    linear_kernel: LinearKernel = knob(
+        LinearKernel.AUTO,
         "CPU matrix products of float32/bfloat16 weights: auto times the kernels once per "
         "weight shape (cached per CPU model) and keeps each weight in the fastest one's "
         "form; packed forces the C++ packed_linear kernel (AVX-512, batch invariant); "
         "onednn forces torch's oneDNN on the weight reordered into its blocked layout "
         "(the plain matrix where it cannot take it); dense forces torch's GEMM on the "
         "plain matrix",
-        LINEAR_KERNELS,
+        LinearKernel,
     )
-    attention_kernel: str = knob(
-        "auto",
+    attention_kernel: AttentionKernel = knob(
+        AttentionKernel.AUTO,
         "CPU attention of a sequence's prefill chunk: auto times the C++ paged kernel "
         "against gathering its K/V for torch's SDPA (oneDNN, AMX tiles where present) once "
         "per CPU model and head layout, and sends chunks from the measured crossover rows "
         "to SDPA (none where paged wins); paged forces the C++ kernel (batch invariant); "
         "sdpa sends chunks of 16 rows or more to SDPA",
-        ATTENTION_KERNELS,
+        AttentionKernel,
     )
     device: str | torch.device = knob(
         "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
@@ -178,11 +218,11 @@ class EngineConfig:
         "instructions (avx512_bf16, amx_bf16), float32 on other CPUs",
         ("auto", *_DTYPES),
     )
-    kv_cache_dtype: str = knob(
-        "auto",
+    kv_cache_dtype: KVCacheDtype = knob(
+        KVCacheDtype.AUTO,
         "KV cache format: auto (the model's dtype), bfloat16, float16, or 8-bit fp8_e4m3, "
         "fp8_e5m2, int8 with a scale per token and KV head",
-        KV_CACHE_DTYPES,
+        KVCacheDtype,
     )
     block_size: int = knob(16, "tokens per KV block (a power of two)")
     kv_cache_memory: int | str | None = knob(
@@ -213,20 +253,20 @@ class EngineConfig:
     reserved_fraction: float = knob(
         0.05, "share of the KV blocks only high-priority requests (priority < 0) may take"
     )
-    kv_allocation: str = knob(
-        "paged",
+    kv_allocation: KVAllocation = knob(
+        KVAllocation.PAGED,
         "paged allocates blocks as sequences grow; contiguous holds max_model_len slots per "
         "request from its start (the pre-PagedAttention baseline)",
-        ("paged", "contiguous"),
+        KVAllocation,
     )
     enable_prefix_caching: bool = knob(
         True, "reuse the K/V of cached full blocks of earlier prompts (automatic prefix caching)"
     )
-    preemption_mode: str = knob(
-        "recompute",
+    preemption_mode: PreemptionMode = knob(
+        PreemptionMode.RECOMPUTE,
         "when blocks run out: recompute drops a preempted sequence's K/V; swap parks them in "
         "swap_space; auto swaps sequences with a full block computed, recomputes the rest",
-        ("recompute", "swap", "auto"),
+        PreemptionMode,
     )
     swap_space: int | str = knob(0, "bytes of the second KV tier for swap, e.g. 1GiB")
     swap_path: str | None = knob(None, "memory-map the second KV tier to this file")
@@ -272,9 +312,12 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        for spec in fields(self):
+            kind = spec.metadata["choice"]
+            if kind is not None:
+                setattr(self, spec.name, parse_choice(kind, getattr(self, spec.name), spec.name))
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        resolve_kv_format(self.kv_cache_dtype, self.dtype)  # raises on an unknown name
         if self.kv_cache_memory is None and self.device.type == "cpu":
             self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
         if self.kv_cache_memory is not None:
@@ -288,11 +331,6 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         self.swap_space = parse_bytes(self.swap_space)
-        if self.preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute', 'swap' or 'auto', got "
-                f"{self.preemption_mode!r}"
-            )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         validate_block_size(self.block_size)
@@ -313,23 +351,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 <= self.reserved_fraction < 1.0:
             raise ValueError(f"reserved_fraction must be in [0, 1), got {self.reserved_fraction}")
-        if self.kv_allocation not in ("paged", "contiguous"):
-            raise ValueError(
-                f"kv_allocation must be 'paged' or 'contiguous', got {self.kv_allocation!r}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
-                f"{self.quantization!r}"
-            )
         self._check_activation_quantization()
         self._check_parallel()
         self._check_linear_kernel()
         self._check_attention_kernel()
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
-            )
 
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes
@@ -350,14 +375,9 @@ class EngineConfig:
             )
 
     def _check_activation_quantization(self) -> None:
-        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
-            raise ValueError(
-                "activation_quantization must be one of "
-                f"{', '.join(ACTIVATION_QUANTIZATIONS)}, got {self.activation_quantization!r}"
-            )
-        if self.activation_quantization == "none":
+        if self.activation_quantization is ActivationQuantization.NONE:
             return
-        if self.quantization == "none":
+        if self.quantization is Quantization.NONE:
             raise ValueError(
                 "activation_quantization='int8' multiplies weights kept quantized; "
                 "quantization='none' expands them all"
@@ -369,20 +389,14 @@ class EngineConfig:
             )
 
     def _check_attention_kernel(self) -> None:
-        check_attention_kernel(self.attention_kernel)
-        if self.attention_kernel != "auto" and self.device.type != "cpu":
+        if self.attention_kernel is not AttentionKernel.AUTO and self.device.type != "cpu":
             raise ValueError(
                 f"attention_kernel={self.attention_kernel!r} chooses a CPU kernel; "
                 f"{self.device.type} runs the Triton kernel (leave it auto)"
             )
 
     def _check_linear_kernel(self) -> None:
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(
-                f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got "
-                f"{self.linear_kernel!r}"
-            )
-        if self.linear_kernel != "packed":
+        if self.linear_kernel is not LinearKernel.PACKED:
             return
         if self.device.type != "cpu":
             reason = f"runs on the CPU, not {self.device.type}"

@@ -19,7 +19,8 @@ from pagedllm.bench.throughput import (
     run_transformers,
 )
 from pagedllm.bench.workload import length_range, synthetic_workload
-from pagedllm.config import resolve_device
+from pagedllm.choice import parse_choice
+from pagedllm.config import KVAllocation, PreemptionMode, resolve_device
 from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
@@ -115,9 +116,13 @@ def _paged_vs_contiguous(
         mc.num_layers, args.block_size, mc.num_kv_heads, mc.head_dim, getattr(torch, dtype_name)
     )
     budget = 4 * (2048 // args.block_size) * block_bytes
-    runs = [("paged", mode) for mode in args.preemption_modes.split(",")]
+    modes = [
+        parse_choice(PreemptionMode, mode, "--preemption-modes")
+        for mode in args.preemption_modes.split(",")
+    ]
+    runs = [(KVAllocation.PAGED, mode) for mode in modes]
     out = {}
-    for allocation, preemption in [*runs, ("contiguous", "recompute")]:
+    for allocation, preemption in [*runs, (KVAllocation.CONTIGUOUS, PreemptionMode.RECOMPUTE)]:
         config = config_from_flags(
             args,
             dtype=dtype_name,
@@ -126,7 +131,7 @@ def _paged_vs_contiguous(
             reserved_fraction=0.0,
             kv_allocation=allocation,
             preemption_mode=preemption,
-            swap_space=0 if preemption == "recompute" else budget,
+            swap_space=0 if preemption is PreemptionMode.RECOMPUTE else budget,
             log_stats_interval=0,
         )
         engine = LLMEngine(config, loaded)

@@ -26,6 +26,7 @@ import torch
 from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.paged_backend import sdpa_refusal
 from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
+from pagedllm.choice import Choice, parse_choice
 from pagedllm.cpu.extension import paged_attention
 from pagedllm.cpu.kernel_choice import (
     PREFERENCE_MARGIN,
@@ -36,8 +37,14 @@ from pagedllm.cpu.kernel_choice import (
 )
 from pagedllm.kv.kv_cache import KVCache
 
-ATTENTION_KERNELS = ("auto", "paged", "sdpa")
-"""``attention_kernel`` values: measure, or force one kernel for long prefill chunks."""
+
+class AttentionKernel(Choice):
+    """``attention_kernel`` values: measure, or force one kernel for long prefill
+    chunks."""
+
+    AUTO = "auto"
+    PAGED = "paged"
+    SDPA = "sdpa"
 
 ROW_BUCKETS = (16, 64, 256)
 """Query rows of one sequence's timed chunk."""
@@ -50,14 +57,6 @@ FORCED_MIN_ROWS = ROW_BUCKETS[0]
 """Rows from which a chunk goes to SDPA under ``attention_kernel="sdpa"``."""
 
 logger = logging.getLogger("pagedllm")
-
-
-def check_attention_kernel(requested: str) -> None:
-    """Raises unless ``requested`` is one of :data:`ATTENTION_KERNELS`."""
-    if requested not in ATTENTION_KERNELS:
-        raise ValueError(
-            f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {requested!r}"
-        )
 
 
 class TimedPrefill:
@@ -124,18 +123,18 @@ def sdpa_min_rows(
     requested: str, kv_cache: KVCache, model_dtype: torch.dtype, num_q_heads: int
 ) -> int | None:
     """Rows from which a chunk attends through SDPA over ``kv_cache`` (``None``: never),
-    for an ``attention_kernel`` of :data:`ATTENTION_KERNELS`; logs the choice once."""
-    check_attention_kernel(requested)
-    if requested == "paged":
+    for an ``attention_kernel`` (:class:`AttentionKernel`); logs the choice once."""
+    requested = parse_choice(AttentionKernel, requested, "attention_kernel")
+    if requested is AttentionKernel.PAGED:
         return None
     reason = sdpa_refusal(kv_cache)
     if reason is None and kv_cache.format.dtype != model_dtype:
         reason = f"the KV cache holds {kv_cache.format.name}, the model runs in {model_dtype}"
     if reason is not None:
-        if requested == "sdpa":
+        if requested is AttentionKernel.SDPA:
             raise ValueError(f"attention_kernel='sdpa' cannot run here: {reason}")
         return None
-    if requested == "sdpa":
+    if requested is AttentionKernel.SDPA:
         logger.info("Prefill attention (attention_kernel=sdpa): SDPA from %d rows", FORCED_MIN_ROWS)
         return FORCED_MIN_ROWS
     layout = (model_dtype, num_q_heads, kv_cache.num_kv_heads, kv_cache.head_dim,

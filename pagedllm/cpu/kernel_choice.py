@@ -57,12 +57,20 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import user_cache
+from pagedllm.choice import Choice, parse_choice
 from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
 from pagedllm.cpu.onednn import onednn_linear, reorder
 
-LINEAR_KERNELS = ("auto", "packed", "onednn", "dense")
-"""``linear_kernel`` values: measure, or force one form for every float weight."""
+
+class LinearKernel(Choice):
+    """``linear_kernel`` values: measure, or force one form for every float weight.
+    The forced ones also name the kernels in timing tables."""
+
+    AUTO = "auto"
+    PACKED = "packed"
+    ONEDNN = "onednn"
+    DENSE = "dense"
 
 BUCKETS = {1: 16, 16: 4, 128: 2, 512: 1}
 """Rows of a timed product -> its weight in a shape's score."""
@@ -156,9 +164,9 @@ def product(kernel: str, x: torch.Tensor, operand: torch.Tensor, n: int) -> torc
     """``x`` times the first ``n`` rows of a weight, transposed, by ``kernel``: ``operand``
     is their panels (``packed``), those rows in oneDNN's layout (``onednn``) or plain
     (``dense``)."""
-    if kernel == "packed":
+    if kernel == LinearKernel.PACKED:
         return packed_linear(x, operand, n)
-    return onednn_linear(x, operand) if kernel == "onednn" else F.linear(x, operand)
+    return onednn_linear(x, operand) if kernel == LinearKernel.ONEDNN else F.linear(x, operand)
 
 
 def least_seconds(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -183,17 +191,17 @@ def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
     """Seconds of one product by each of ``kernels`` with contiguous ``weight``
     ``[out, in]``, per :data:`BUCKETS` row count (see the module's docstring)."""
     out_features, in_features = weight.shape
-    panels = pack_weight(weight) if "packed" in kernels else None
+    panels = pack_weight(weight) if LinearKernel.PACKED in kernels else None
     timings: Timings = {kernel: {} for kernel in kernels}
     with torch.inference_mode():
         for rows in BUCKETS:
             n = timed_rows(rows, out_features, in_features)
             x = torch.randn(rows, in_features, dtype=weight.dtype)
-            operands = {"dense": weight[:n]}
-            if "onednn" in kernels:
-                operands["onednn"] = reorder(weight[:n])
+            operands = {LinearKernel.DENSE: weight[:n]}
+            if LinearKernel.ONEDNN in kernels:
+                operands[LinearKernel.ONEDNN] = reorder(weight[:n])
             if panels is not None:
-                operands["packed"] = panels[: -(-n // PANEL_WIDTH)]
+                operands[LinearKernel.PACKED] = panels[: -(-n // PANEL_WIDTH)]
             least = least_seconds(
                 {k: partial(product, k, x, operands[k], n) for k in kernels}
             )
@@ -295,16 +303,12 @@ def shape_entry(weight: torch.Tensor) -> str:
 
 class KernelChoice:
     """The kernel for each float weight of one model on the CPU, for a ``linear_kernel``
-    of :data:`LINEAR_KERNELS`; it counts its choices for one summary line.
+    of :class:`LinearKernel`; it counts its choices for one summary line.
     ``activations``: the model's dtype, when known (quantized weights are interleaved for
     bfloat16 ones)."""
 
     def __init__(self, requested: str = "auto", activations: torch.dtype | None = None) -> None:
-        if requested not in LINEAR_KERNELS:
-            raise ValueError(
-                f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {requested!r}"
-            )
-        self.requested = requested
+        self.requested = parse_choice(LinearKernel, requested, "linear_kernel")
         self.activations = activations
         self.table: TimingTable | None = None
         self.shapes: dict[tuple[torch.dtype, int, int], str] = {}
@@ -313,10 +317,10 @@ class KernelChoice:
         """The kernel of ``kernels`` (those able to run ``weight``, in order of preference)
         that runs ``weight``: the forced one, the only one, or the measured winner. A
         forced ``onednn`` runs a weight oneDNN cannot take in its layout ``dense``."""
-        if self.requested != "auto":
-            kernel = self.requested
-            if kernel == "onednn" and kernel not in kernels:
-                kernel = "dense"
+        if self.requested is not LinearKernel.AUTO:
+            kernel = self.requested.value
+            if kernel == LinearKernel.ONEDNN and kernel not in kernels:
+                kernel = LinearKernel.DENSE.value
             if kernel not in kernels:
                 raise ValueError(
                     f"linear_kernel={self.requested!r} cannot run a {weight.dtype} weight on "

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import EngineConfig, same_device
+from pagedllm.config import EngineConfig, KVAllocation, PreemptionMode, same_device
 from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.distributed.executor import TensorParallelExecutor
 from pagedllm.distributed.worker import StepWork, WorkerSetup, shared_settings
@@ -119,7 +119,7 @@ class LLMEngine:
         self.kv_budget = self._kv_budget()
         # this rank's heads (rank 0 holds the most); block_bytes: one block, every layer
         mc = self.loaded.model.layer_config
-        contiguous = config.kv_allocation == "contiguous"
+        contiguous = config.kv_allocation is KVAllocation.CONTIGUOUS
         # With every layer sliding, blocks out of the window go back to the pool, and the
         # cache keeps one block more than the pool for the tables' null entries.
         window = None if contiguous else mc.kv_window
@@ -216,7 +216,7 @@ class LLMEngine:
     def _swap_blocks(self) -> int:
         """Blocks of the swap space (``swap_space`` bytes, per rank); 0 for none."""
         config, block_bytes = self.config, self.block_bytes
-        if config.preemption_mode == "recompute" or config.swap_space == 0:
+        if config.preemption_mode is PreemptionMode.RECOMPUTE or config.swap_space == 0:
             return 0
         num_blocks = pool_blocks(config.swap_space, block_bytes)
         if num_blocks == 0:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from pagedllm.choice import parse_choice
+from pagedllm.config import PreemptionMode
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.capacity import cdiv
@@ -101,12 +103,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         cache_key: str = "",
         swap_space: SwapSpace | None = None,
-        preemption_mode: str = "recompute",
+        preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
     ) -> None:
         self.block_manager = block_manager
         self.cache_key = cache_key
         self.swap_space = swap_space
-        self.preemption_mode = preemption_mode
+        self.preemption_mode = parse_choice(PreemptionMode, preemption_mode, "preemption_mode")
         self.swapped: list[TokenSequence] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -324,10 +326,10 @@ class Scheduler:
         copying a token's K/V costs microseconds where recomputing it costs milliseconds
         (docs/engine.md has the measurements), but a sequence with less than a block
         computed is cheaper to recompute than to park."""
-        if self.swap_space is None or self.preemption_mode == "recompute":
+        if self.swap_space is None or self.preemption_mode is PreemptionMode.RECOMPUTE:
             return False
         if (
-            self.preemption_mode == "auto"
+            self.preemption_mode is PreemptionMode.AUTO
             and seq.num_computed_tokens < self.block_manager.block_size
         ):
             return False

@@ -25,7 +25,7 @@ import torch
 from pagedllm.cpu import write_kv
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.kv.capacity import block_bytes, pool_blocks
-from pagedllm.kv.kv_quant import KVFormat, encode_rows, resolve_kv_format
+from pagedllm.kv.kv_quant import KVCacheDtype, KVFormat, encode_rows, resolve_kv_format
 
 
 def bytes_per_block(
@@ -34,7 +34,7 @@ def bytes_per_block(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
 ) -> int:
     """Bytes one block takes across all layers, scales included
     (:func:`~pagedllm.kv.capacity.block_bytes` of this format's rows). ``dtype`` is the
@@ -60,7 +60,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -100,7 +100,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
     ) -> KVCache:
         """The largest cache whose tensor fits in ``budget_bytes``."""
         per_block = bytes_per_block(

@@ -21,8 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.choice import Choice, parse_choice
+
 SCALE_BYTES = 2  # one bfloat16 scale per row
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
+class KVCacheDtype(Choice):
+    """``kv_cache_dtype`` values: the model's dtype, a 16-bit float, or 8 bits with a
+    scale per token and KV head."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    INT8 = "int8"
 
 
 @dataclass(frozen=True)
@@ -69,15 +80,12 @@ _FLOATS = {
 
 def resolve_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
     """The format for a ``kv_cache_dtype`` option; ``"auto"`` is the model's dtype."""
-    if kv_cache_dtype == "auto":
+    kv_cache_dtype = parse_choice(KVCacheDtype, kv_cache_dtype, "kv_cache_dtype")
+    if kv_cache_dtype is KVCacheDtype.AUTO:
         return KVFormat(str(model_dtype).removeprefix("torch."), model_dtype)
     if kv_cache_dtype in _QUANTIZED:
         return _QUANTIZED[kv_cache_dtype]
-    if kv_cache_dtype in _FLOATS and kv_cache_dtype != "float32":
-        return KVFormat(kv_cache_dtype, _FLOATS[kv_cache_dtype])
-    raise ValueError(
-        f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
-    )
+    return KVFormat(kv_cache_dtype.value, _FLOATS[kv_cache_dtype.value])
 
 
 def encode_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

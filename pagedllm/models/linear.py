@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.cpu.extension import PANEL_WIDTH, fits_avx512_kernels, pack_weight, packed_linear
-from pagedllm.cpu.kernel_choice import KernelChoice
+from pagedllm.cpu.kernel_choice import KernelChoice, LinearKernel
 from pagedllm.cpu.onednn import onednn_linear, reorder, reorderable
 from pagedllm.models.interleaved_weight import BlockWeight, InterleavedWeight, interleavable
 from pagedllm.models.quantized_weight import QuantizedWeight, concat_rows
@@ -83,14 +83,14 @@ def prepare_weight(
             return InterleavedWeight.interleave(weight)
         return weight
     weight = weight.contiguous()
-    kernels = ["packed"] if fits_avx512_kernels(weight) else []
+    kernels = [LinearKernel.PACKED] if fits_avx512_kernels(weight) else []
     if reorderable(weight) and not rows_read:
-        kernels.append("onednn")
-    kernels.append("dense")
+        kernels.append(LinearKernel.ONEDNN)
+    kernels.append(LinearKernel.DENSE)
     kernel = choice.choose(weight, kernels) if choice else kernels[0]
-    if kernel == "packed":
+    if kernel == LinearKernel.PACKED:
         return PackedWeight.pack(weight)
-    return OneDNNWeight.reorder(weight) if kernel == "onednn" else weight
+    return OneDNNWeight.reorder(weight) if kernel == LinearKernel.ONEDNN else weight
 
 
 def fuse_rows(parts: list[torch.Tensor] | list[QuantizedWeight]) -> torch.Tensor | QuantizedWeight:

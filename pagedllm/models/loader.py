@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.config import ACTIVATION_QUANTIZATIONS, LOAD_FORMATS
+from pagedllm.choice import parse_choice
+from pagedllm.config import ActivationQuantization, LoadFormat, Quantization
 from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.activation_quantization import quantize_activations
@@ -73,17 +74,16 @@ def load_model(
     """
     device = torch.device(device)
     _check_dtype(dtype)
-    if activation_quantization not in ACTIVATION_QUANTIZATIONS:
-        raise ModelLoadError(
-            f"unknown activation_quantization {activation_quantization!r}; choose one of "
-            f"{', '.join(ACTIVATION_QUANTIZATIONS)}"
+    try:
+        activation_quantization = parse_choice(
+            ActivationQuantization, activation_quantization, "activation_quantization"
         )
-    if load_format not in LOAD_FORMATS:
-        raise ModelLoadError(
-            f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
-        )
-    if load_format == "dummy":
-        if quantization == "int8":
+        load_format = parse_choice(LoadFormat, load_format, "load_format")
+        quantization = parse_choice(Quantization, quantization, "quantization")
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
+    if load_format is LoadFormat.DUMMY:
+        if quantization is Quantization.INT8:
             raise ModelLoadError("quantization='int8' needs a checkpoint, not dummy weights")
         config, decoder, source = load_dummy_model(
             model, dtype, device, linear_kernel=linear_kernel, parallel=parallel
@@ -119,7 +119,7 @@ def _finish(decoder: CausalDecoder, activation_quantization: str) -> None:
     """Switch the weights to int8 activations if asked; then, on the CPU, every weight
     into one arena in forward order (see :mod:`pagedllm.models.weight_arena`), the memory
     they leave given back to the OS."""
-    if activation_quantization == "int8":
+    if activation_quantization is ActivationQuantization.INT8:
         quantize_activations(decoder)
     if decoder.device.type == "cpu" and move_into_arena(decoder.weights()) is not None:
         release_free_memory()

@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 import torch
 
+from pagedllm.config import Quantization
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import ARCHITECTURES
 from pagedllm.models.config import ModelConfig
@@ -370,9 +371,9 @@ def keeps_quantization(
     """Whether quantized matrices stay in their block formats: ``quantization="auto"`` on
     the CPU with the C++ kernels built and a float32 or bfloat16 model; otherwise one log
     line says why they are expanded."""
-    if quantization == "none":
+    if quantization == Quantization.NONE:
         return False
-    if quantization != "auto":
+    if quantization != Quantization.AUTO:
         raise ModelLoadError(
             f"quantization={quantization!r} is for safetensors checkpoints; a GGUF file "
             "takes 'auto' (keep its block formats) or 'none' (expand them)"

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.config import Quantization
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
@@ -95,7 +96,7 @@ def load_safetensors_model(
     The files are memory-mapped and each tensor is moved and converted as the decoder
     reads it, so the host never holds a converted copy of the whole model."""
     config = read_hf_config(folder)
-    int8 = quantization == "int8"
+    int8 = quantization == Quantization.INT8
     reason = why_kernels_cannot_run(dtype, torch.device(device)) if int8 else None
     if reason is not None:
         raise ModelLoadError(f"quantization='int8' is not available: {reason}")
