@@ -1,7 +1,7 @@
 // The decoder layers of a pre-norm transformer (RMSNorm, fused q/k/v with rotate-half
 // RoPE over the whole head, paged attention, output projection, RMSNorm, gated SiLU MLP,
 // residual adds) as one call per step: the same kernels, in the same order, on the same
-// tensors as the Python layers (pagedllm/models/llama.py), so every value is bit for bit
+// tensors as the Python layers (pagedllm/models/decoder.py), so every value is bit for bit
 // the same; what goes away is Python and the dispatcher between ~11 operators per layer.
 // Registered as the torch class torch.classes.pagedllm_cpu.LayerStack.
 
