@@ -35,6 +35,7 @@ from pagedllm.cpu.kernel_choice import (
     least_seconds,
     machine_key,
 )
+from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.kv_cache import KVCache
 
 
@@ -66,7 +67,7 @@ class TimedPrefill:
     def __init__(self, rows: int, layout: tuple[torch.dtype, int, int, int, int]) -> None:
         dtype, num_q_heads, num_kv_heads, head_dim, block_size = layout
         num_seqs, seq_len = TOTAL_ROWS // rows, CONTEXT + rows
-        blocks_per_seq = -(-seq_len // block_size)
+        blocks_per_seq = cdiv(seq_len, block_size)
         num_blocks = num_seqs * blocks_per_seq
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.keys, self.values = torch.randn(2, *shape).to(dtype).unbind(0)

@@ -61,6 +61,7 @@ from pagedllm.choice import Choice, parse_choice
 from pagedllm.cpu.cpuinfo import busy_cpu_seconds, cpu_flags, cpu_model
 from pagedllm.cpu.extension import PANEL_WIDTH, pack_weight, packed_linear, sources_digest
 from pagedllm.cpu.onednn import onednn_linear, reorder
+from pagedllm.kv.capacity import cdiv
 
 
 class LinearKernel(Choice):
@@ -201,7 +202,7 @@ def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
             if LinearKernel.ONEDNN in kernels:
                 operands[LinearKernel.ONEDNN] = reorder(weight[:n])
             if panels is not None:
-                operands[LinearKernel.PACKED] = panels[: -(-n // PANEL_WIDTH)]
+                operands[LinearKernel.PACKED] = panels[: cdiv(n, PANEL_WIDTH)]
             least = least_seconds(
                 {k: partial(product, k, x, operands[k], n) for k in kernels}
             )
