@@ -23,9 +23,9 @@ import torch
 
 from pagedllm.engine.sampler import Sampler, SamplingBatch
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.structured_output import StructuredOutputsParams
 from pagedllm.models.default import default_model_path
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
+from pagedllm.structured_output import StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
 
 SCHEMA = {

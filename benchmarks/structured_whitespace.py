@@ -30,7 +30,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.cpu.cpuinfo import cpu_model
 from pagedllm.engine.outputs import CompletionOutput
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.structured_output import StructuredOutputsParams
 
 TEXT = {"type": "string", "maxLength": 24}
 SCHEMAS = [

@@ -14,9 +14,9 @@ from pagedllm.cpu.attention_choice import AttentionKernel
 from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LinearKernel
-from pagedllm.engine.structured_output import COMPACT_JSON_BY_DEFAULT
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv.kv_quant import KVCacheDtype
+from pagedllm.structured_output import COMPACT_JSON_BY_DEFAULT
 
 _DTYPES = {
     "float32": torch.float32,

@@ -23,7 +23,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm import user_cache
-from pagedllm.engine.structured_output import COMPACT_JSON_BY_DEFAULT, GrammarCompiler
+from pagedllm.structured_output import COMPACT_JSON_BY_DEFAULT, GrammarCompiler
 
 logger = logging.getLogger("pagedllm")
 

@@ -7,7 +7,7 @@ import pytest
 from tiny_chat_model import write_tiny_chat_llama
 
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
-from pagedllm.engine.request_errors import InvalidRequestError
+from pagedllm.request_errors import InvalidRequestError
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40

@@ -6,7 +6,7 @@ import pytest
 from shared_models import default_model
 
 from pagedllm import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
-from pagedllm.engine.request_errors import InvalidRequestError
+from pagedllm.request_errors import InvalidRequestError
 
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "def add(a, b):"]
 

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.beam_search_runner import BeamSearchRunner
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.kv.capacity import (
     block_bytes,
     blocks_for_tokens,
@@ -35,6 +34,7 @@ from pagedllm.kv.capacity import (
 from pagedllm.kv.kv_quant import resolve_kv_format
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import load_model
+from pagedllm.models.presets import PRESETS
 from pagedllm.plan.capacity import (
     KV_DTYPES,
     Workload,
@@ -44,7 +44,7 @@ from pagedllm.plan.capacity import (
     max_seqs_paged,
 )
 from pagedllm.plan.capacity import block_bytes as planner_block_bytes
-from pagedllm.plan.presets import PRESETS
+from pagedllm.request_errors import InvalidRequestError
 
 LAYERS = 2
 WINDOW = 24

@@ -20,7 +20,7 @@ from pagedllm.config_flags import config_from_flags
 from pagedllm.models import ModelLoadError, load_model
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.dummy import MATRIX_STD, dummy_weight_source, parameter_shapes
-from pagedllm.plan.presets import PRESETS
+from pagedllm.models.presets import PRESETS
 
 # Wide enough (head_dim 128, as in the presets) that std-0.02 weights make attention
 # depend on positions: a wrong RoPE base changes the greedy tokens.

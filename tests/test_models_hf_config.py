@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.hf_config import hf_config_dict, write_hf_config
-from pagedllm.plan.presets import PRESETS
+from pagedllm.models.presets import PRESETS
 
 SMALL = dict(
     num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

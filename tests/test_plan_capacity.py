@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from pagedllm.distributed.partition import PartitionError
 from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
 from pagedllm.kv.fragmentation import fragmentation_stats
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.partition import PartitionError
+from pagedllm.models.presets import PRESETS
 from pagedllm.plan.capacity import (
     KV_DTYPES,
     WEIGHT_BYTES,
@@ -28,7 +29,6 @@ from pagedllm.plan.capacity import (
 )
 from pagedllm.plan.layout import SHARED_OWNER, paged_layout
 from pagedllm.plan.model_shape import count_parameters, rank_parameters, resolve_model
-from pagedllm.plan.presets import PRESETS
 from pagedllm.plan.report import binary_bytes, decimal_bytes
 
 FP16 = KV_DTYPES["float16"]

@@ -10,8 +10,8 @@ import torch
 
 from pagedllm.cli import main
 from pagedllm.config import EngineConfig
+from pagedllm.models.presets import PRESETS
 from pagedllm.plan.model_shape import resolve_model
-from pagedllm.plan.presets import PRESETS
 
 
 def run_plan(capsys, *argv: str) -> str:

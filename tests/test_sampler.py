@@ -5,9 +5,9 @@ import torch
 
 from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
 from pagedllm.engine.penalties import apply_penalties, token_counts
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampler import Sampler, SamplingBatch, make_generator
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.request_errors import InvalidRequestError
 
 VOCAB = 50
 EOS = 0

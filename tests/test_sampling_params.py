@@ -2,9 +2,9 @@
 
 import pytest
 
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
+from pagedllm.structured_output import StructuredOutputsParams
 
 
 def test_defaults_match_vllm():

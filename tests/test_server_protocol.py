@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.app import served_model_name
 from pagedllm.server.errors import APIError, error_body, validation_error
 from pagedllm.server.field_policy import (
@@ -16,6 +15,7 @@ from pagedllm.server.field_policy import (
     ignored_fields_headers,
 )
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.structured_output import StructuredOutputsParams
 
 USER = [{"role": "user", "content": "Hi"}]
 

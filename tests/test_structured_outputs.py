@@ -13,8 +13,8 @@ import pytest
 from shared_models import default_model
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.structured_output import StructuredOutputsParams, allocate_bitmask
+from pagedllm.request_errors import InvalidRequestError
+from pagedllm.structured_output import StructuredOutputsParams, allocate_bitmask
 
 pytestmark = pytest.mark.slow
 

@@ -23,11 +23,12 @@ from tiny_checkpoints import run_outputs
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
 from pagedllm.bench.tiny_llama import write_tiny_llama
 from pagedllm.distributed.errors import WorkerFailedError
-from pagedllm.distributed.partition import PartitionError, TensorPartition, even_ranges
 from pagedllm.distributed.shm_all_reduce import process_alive
+from pagedllm.engine import llm_engine
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm import LLM
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.partition import PartitionError, TensorPartition, even_ranges
 from pagedllm.server.launcher import ServerProcess, free_port
 
 PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(5 + 3 * i)] for i in range(6)]
@@ -464,13 +465,13 @@ def test_shared_memory_all_reduce_sums_like_gloo():
 
 def test_an_engine_failing_at_start_stops_its_ranks(folders, monkeypatch):
     started = []
-    original = LLMEngine._start
+    original = llm_engine.build_engine
 
-    def start_and_note(self, loaded):
-        started.extend(p.pid for p in self.executor.processes)
-        original(self, loaded)
+    def build_and_note(config, loaded, executor):
+        started.extend(p.pid for p in executor.processes)
+        return original(config, loaded, executor)
 
-    monkeypatch.setattr(LLMEngine, "_start", start_and_note)
+    monkeypatch.setattr(llm_engine, "build_engine", build_and_note)
     with pytest.raises(ValueError, match="exceeds the model's limit"):
         make_engine(folders["kv2"], 2, max_model_len=100_000)
     assert started and wait_gone(started, timeout_s=30)

@@ -33,7 +33,7 @@ from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompt_logprobs import score_prompt_positions
-from pagedllm.engine.request_errors import InvalidRequestError
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams

@@ -34,9 +34,9 @@ import torch
 from pagedllm.cpu.extension import argmax_rows
 from pagedllm.engine.logits_processors import mask_min_p, mask_top_k_top_p
 from pagedllm.engine.penalties import apply_penalties, token_counts
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.structured_output import allocate_bitmask, apply_bitmask
+from pagedllm.request_errors import InvalidRequestError
+from pagedllm.structured_output import allocate_bitmask, apply_bitmask
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -28,7 +28,7 @@ Conventions:
   alternatives; the first prompt token has none (see
   :mod:`pagedllm.engine.prompt_logprobs`).
 - ``structured_outputs`` (vLLM's): the output follows a JSON schema, any JSON object, a
-  regex, a choice or a grammar (see :mod:`pagedllm.engine.structured_output`);
+  regex, a choice or a grammar (see :mod:`pagedllm.structured_output`);
   :meth:`SamplingParams.check_for_model` compiles it. Not with ``ignore_eos`` or
   ``min_tokens``: the grammar decides where the output ends.
 - ``output_kind`` (vLLM's ``RequestOutputKind``): every step's cumulative output, only
@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
-from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.structured_output import GrammarMatchers, StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
+from pagedllm.structured_output import GrammarMatchers, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.tokenizer import Tokenizer

@@ -27,8 +27,6 @@ from pagedllm.attention.backend import AttentionBackend, AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.kernel_choice import KernelChoice
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.distributed.partition import TensorPartition
-from pagedllm.distributed.sharded_weights import ShardedWeights
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
@@ -44,8 +42,10 @@ from pagedllm.models.linear import (
 )
 from pagedllm.models.moe import SparseMoE
 from pagedllm.models.norms import layer_norm_per_head, normalize
+from pagedllm.models.partition import TensorPartition
 from pagedllm.models.quantized_weight import QuantizedWeight
 from pagedllm.models.rope import RotaryTable, apply_partial_rope
+from pagedllm.models.sharded_weights import ShardedWeights
 
 logger = logging.getLogger("pagedllm")
 
@@ -306,7 +306,7 @@ class CausalDecoder(nn.Module):
     embedding lookups read its rows.
 
     With ``parallel``, the decoder holds rank ``parallel.rank``'s slice of every weight
-    (:mod:`pagedllm.distributed.sharded_weights`): its layers run ``layer_config``, the
+    (:mod:`pagedllm.models.sharded_weights`): its layers run ``layer_config``, the
     rank's heads and MLP width; embedding rows and logits are those of its vocabulary
     shard (``vocab_rows``, padded), summed and gathered across the ranks. ``config``
     stays the whole model's. ``linear_kernel`` (``auto``, ``packed``, ``onednn``, ``dense``;

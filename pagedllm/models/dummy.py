@@ -27,7 +27,7 @@ from pagedllm.models.default import default_model_path
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.models.loader_safetensors import read_config_file
-from pagedllm.plan.presets import PRESETS
+from pagedllm.models.presets import PRESETS
 
 MATRIX_STD = 0.02
 BIAS_STD = 0.02
@@ -36,7 +36,7 @@ DEFAULT_SEED = 0
 
 def dummy_config(model: str | Path | None) -> tuple[ModelConfig, Path]:
     """The shape ``model`` names, and what names it: a preset name (case-insensitive, see
-    :data:`~pagedllm.plan.presets.PRESETS`; returned as a one-part path), a
+    :data:`~pagedllm.models.presets.PRESETS`; returned as a one-part path), a
     ``config.json`` file or a folder holding one, or a ``.gguf`` file (its metadata;
     ``None`` or ``"default"`` is the embedded default model's)."""
     if isinstance(model, str) and model.lower() in PRESETS:

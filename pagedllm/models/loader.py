@@ -67,7 +67,7 @@ def load_model(
     shape by measurement, see :mod:`pagedllm.cpu.kernel_choice`), ``"packed"``,
     ``"onednn"`` or ``"dense"``.
     ``parallel``: load only this tensor-parallel rank's slice of the weights (see
-    :mod:`pagedllm.distributed.sharded_weights`).
+    :mod:`pagedllm.models.sharded_weights`).
     ``activation_quantization``: ``"int8"`` rounds the activations meeting Q8_0 / Q4_0 /
     Q4_1 weights to int8 (see :mod:`pagedllm.models.activation_quantization`); ``"none"``
     multiplies them exactly.

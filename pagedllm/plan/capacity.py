@@ -23,7 +23,7 @@ model with any global layer holds every block of every sequence: all layers shar
 pool, so a block is kept while any layer may read it.
 
 Tensor parallelism (``tensor_parallel_size`` ranks, one per device, split as
-:class:`~pagedllm.distributed.partition.TensorPartition` says): weights, budgets, blocks
+:class:`~pagedllm.models.partition.TensorPartition` says): weights, budgets, blocks
 and sequences are per device. A device's weights are those of the rank holding the most
 (:func:`~pagedllm.plan.model_shape.rank_parameters`); every rank's pool has as many
 blocks as the pool of the rank with the most KV heads, since all ranks hold the same
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.distributed.partition import TensorPartition
 from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
 from pagedllm.kv.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.model_shape import ModelShape
 
 
@@ -129,7 +129,7 @@ def block_bytes(config: ModelConfig, block_size: int, kv_dtype: KVDtype) -> int:
 
 def kv_rank_config(config: ModelConfig, tensor_parallel_size: int = 1) -> ModelConfig:
     """The layers of the rank holding the most KV heads
-    (:attr:`~pagedllm.distributed.partition.TensorPartition.max_kv_heads`): its KV bytes
+    (:attr:`~pagedllm.models.partition.TensorPartition.max_kv_heads`): its KV bytes
     per token and per block are a device's (the model's own config on one rank)."""
     partition = TensorPartition(config, tensor_parallel_size)
     rank = max(range(tensor_parallel_size), key=lambda r: len(partition.rank_slice(r).kv_heads))

@@ -7,6 +7,7 @@ import json
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, parse_bytes
 from pagedllm.kv.block_pool import validate_block_size
+from pagedllm.models.presets import PRESETS
 from pagedllm.plan.capacity import (
     KV_DTYPES,
     WEIGHT_BYTES,
@@ -16,7 +17,6 @@ from pagedllm.plan.capacity import (
     plan_capacity,
 )
 from pagedllm.plan.model_shape import rank_parameters, resolve_model
-from pagedllm.plan.presets import PRESETS
 from pagedllm.plan.report import format_text, to_json
 
 DEFAULT_AVG_LEN = 2048

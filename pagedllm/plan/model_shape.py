@@ -12,14 +12,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.distributed.partition import TensorPartition
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_path
 from pagedllm.models.dummy import parameter_shapes
 from pagedllm.models.errors import ModelLoadError
 from pagedllm.models.loader_gguf import gguf_config, open_gguf
 from pagedllm.models.loader_safetensors import read_hf_config
-from pagedllm.plan.presets import PRESETS
+from pagedllm.models.partition import TensorPartition
+from pagedllm.models.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ModelShape:
 
 def shard_config(partition: TensorPartition, rank: int) -> ModelConfig:
     """The shape of what rank ``rank`` stores: its layers
-    (:meth:`~pagedllm.distributed.partition.TensorPartition.local_config`) with its
+    (:meth:`~pagedllm.models.partition.TensorPartition.local_config`) with its
     vocabulary shard as the vocabulary (its rows of the embedding and of the LM head)."""
     vocab_rows = len(partition.rank_slice(rank).vocab)
     return dataclasses.replace(partition.local_config(rank), vocab_size=vocab_rows)
@@ -59,7 +59,7 @@ def rank_parameters(config: ModelConfig, tensor_parallel_size: int = 1) -> tuple
     norms with them), the gate/up rows and down columns of its MLP range (gate/up biases
     with them), its vocabulary shard of the embedding and of the LM head (one shard when
     tied), and every other norm and bias (o and down biases included) whole. Raises
-    :class:`~pagedllm.distributed.partition.PartitionError` for a model the partition
+    :class:`~pagedllm.models.partition.PartitionError` for a model the partition
     cannot split.
     """
     partition = TensorPartition(config, tensor_parallel_size)
@@ -80,7 +80,7 @@ def count_parameters(config: ModelConfig) -> int:
 
 def resolve_model(model: str | None) -> ModelShape:
     """``model``: ``None``/``"default"`` (the embedded default), a preset name
-    (see :data:`~pagedllm.plan.presets.PRESETS`), a ``.gguf`` file, a ``config.json``
+    (see :data:`~pagedllm.models.presets.PRESETS`), a ``.gguf`` file, a ``config.json``
     file or a folder holding one."""
     if model is not None and model.lower() in PRESETS:
         preset = PRESETS[model.lower()]

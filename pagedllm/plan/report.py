@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagedllm.distributed.partition import TensorPartition
 from pagedllm.kv.capacity import request_worst_case_blocks
 from pagedllm.kv.kv_quant import SCALE_BYTES
+from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.capacity import (
     KV_DTYPES,
     CapacityPlan,

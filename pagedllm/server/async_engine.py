@@ -36,8 +36,8 @@ from jinja2 import TemplateError
 from pagedllm.distributed.errors import WorkerFailedError
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.errors import APIError
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.reply_size import (

@@ -21,12 +21,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.request_body import RefusedJSON, load_json
 from pagedllm.server.structured_fields import StructuredFields
 from pagedllm.server.tools import ToolChoice, ToolDefinition, ToolPlan
+from pagedllm.structured_output import StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a client may ask for (OpenAI's chat limit)."""

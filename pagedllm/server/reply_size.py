@@ -9,8 +9,8 @@ its logprob at one position of one sample: the chosen token and each alternative
 
 from __future__ import annotations
 
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.request_errors import InvalidRequestError
 
 DEFAULT_MAX_LOGPROB_ENTRIES = 1_000_000
 """About 30 MB of JSON: an evaluation harness scoring a batch of 16 prompts of 16k

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.async_engine import ChatPrompt
 from pagedllm.server.chat import chat_prompt
 from pagedllm.server.errors import CLIENT_CLOSED_REQUEST, APIError

@@ -19,9 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.protocol import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 from pagedllm.server.tools import (
     FunctionDefinition,
@@ -31,6 +30,7 @@ from pagedllm.server.tools import (
     ToolDefinition,
     ToolPlan,
 )
+from pagedllm.structured_output import StructuredOutputsParams
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 """The ``include`` value that puts the output tokens' logprobs in the output text."""

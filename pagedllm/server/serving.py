@@ -18,8 +18,8 @@ from starlette.concurrency import run_in_threadpool
 
 from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.request_errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.async_engine import AsyncEngine, EnginePrompt, RequestGroup
 from pagedllm.server.errors import APIError
 from pagedllm.server.field_policy import check_fields, ignored_fields_headers

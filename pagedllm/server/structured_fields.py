@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
+from pagedllm.structured_output import StructuredOutputsParams
 
 
 class JsonSchemaFormat(BaseModel):

@@ -23,9 +23,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.engine.request_errors import InvalidRequestError
-from pagedllm.engine.structured_output import StructuredOutputsParams
+from pagedllm.request_errors import InvalidRequestError
 from pagedllm.server.tool_call_format import ParsedToolCall, parse_tool_calls
+from pagedllm.structured_output import StructuredOutputsParams
 
 
 class FunctionDefinition(BaseModel):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.engine.request_errors import InvalidRequestError
+from pagedllm.request_errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ANY_OBJECT = '{"type": "object"}'

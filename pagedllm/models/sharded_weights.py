@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.distributed.partition import RankSlice, TensorPartition
+from pagedllm.models.partition import RankSlice, TensorPartition
 from pagedllm.models.quantized_weight import QuantizedWeight, pad_rows, slice_columns, slice_rows
 
 logger = logging.getLogger("pagedllm")
