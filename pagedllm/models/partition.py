@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pagedllm.kv.capacity import cdiv
 from pagedllm.models.config import ModelConfig
 
 
@@ -83,7 +84,7 @@ class TensorPartition:
     @property
     def vocab_shard(self) -> int:
         """Rows of the vocabulary each rank holds (the last rank's real rows may be fewer)."""
-        return -(-self.config.vocab_size // self.world_size)
+        return cdiv(self.config.vocab_size, self.world_size)
 
     def rank_slice(self, rank: int) -> RankSlice:
         c, n = self.config, self.world_size
