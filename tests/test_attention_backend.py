@@ -1,5 +1,6 @@
-"""PagedAttentionBackend over a KVCache, driven step by step the way the engine drives it:
-chunked prefills and decodes of several sequences mixed in one batch, several layers."""
+"""PagedAttentionBackend over a KVCache: its K/V writes at a slot mapping, and steps driven
+the way the engine drives them: chunked prefills and decodes of several sequences mixed in
+one batch, several layers."""
 
 from __future__ import annotations
 
@@ -87,3 +88,28 @@ def test_steps_in_float32_match_dense_attention(index_dtype):
 def test_steps_in_bfloat16_match_dense_attention():
     # Inputs are the same bfloat16 values on both sides; only the output rounding differs.
     assert run_steps(torch.bfloat16, torch.int32, seed=4) <= 1.6e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_stores_each_token_at_its_slot_and_skips_minus_one(dtype):
+    cache = KVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=16,
+                    dtype=dtype)  # fmt: skip
+    k = torch.randn(4, 2, 16).to(dtype)
+    v = torch.randn(4, 2, 16).to(dtype)
+    slots = torch.tensor(
+        [13, 2, -1, 19]
+    )  # block 3 offset 1, block 0 offset 2, skip, block 4 offset 3
+    PagedAttentionBackend(cache).write(1, k, v, slots)
+    for row, (block, offset) in {0: (3, 1), 1: (0, 2), 3: (4, 3)}.items():
+        assert torch.equal(cache.key(1)[block, :, offset], k[row])
+        assert torch.equal(cache.value(1)[block, :, offset], v[row])
+    assert int((cache.key(1) != 0).any(-1).sum()) == 3 * 2  # 3 tokens x 2 heads, nothing else
+    assert not cache.key(0).any() and not cache.value(0).any()
+
+
+def test_write_rejects_a_slot_outside_the_cache():
+    cache = KVCache(1, 2, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        PagedAttentionBackend(cache).write(
+            0, torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.tensor([8])
+        )

@@ -1,4 +1,5 @@
-"""KVCache: sizing from a byte budget, writes at a slot mapping, copy-on-write copies."""
+"""KVCache: sizing from a byte budget, per-layer views, copy-on-write copies (the writes at a
+slot mapping are the attention backend's: tests/test_attention_backend.py)."""
 
 from __future__ import annotations
 
@@ -40,29 +41,6 @@ def test_from_budget_fits_the_budget():
 def test_block_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         KVCache(1, 4, 12, 1, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_stores_each_token_at_its_slot_and_skips_minus_one(dtype):
-    cache = KVCache(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=16,
-                    dtype=dtype)  # fmt: skip
-    k = torch.randn(4, 2, 16).to(dtype)
-    v = torch.randn(4, 2, 16).to(dtype)
-    slots = torch.tensor(
-        [13, 2, -1, 19]
-    )  # block 3 offset 1, block 0 offset 2, skip, block 4 offset 3
-    cache.write(1, k, v, slots)
-    for row, (block, offset) in {0: (3, 1), 1: (0, 2), 3: (4, 3)}.items():
-        assert torch.equal(cache.key(1)[block, :, offset], k[row])
-        assert torch.equal(cache.value(1)[block, :, offset], v[row])
-    assert int((cache.key(1) != 0).any(-1).sum()) == 3 * 2  # 3 tokens x 2 heads, nothing else
-    assert not cache.key(0).any() and not cache.value(0).any()
-
-
-def test_write_rejects_a_slot_outside_the_cache():
-    cache = KVCache(1, 2, 4, 1, 16)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        cache.write(0, torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.tensor([8]))
 
 
 def test_copy_blocks_copies_k_and_v_of_every_layer():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from paged_cases import build_case
 
+from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
 from pagedllm.kv.capacity import pool_blocks
@@ -145,12 +146,12 @@ def test_kernel_decodes_every_finite_fp8_code_like_torch(name):
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
-def test_cache_write_and_copy_blocks_carry_scales(name):
+def test_backend_write_and_cache_copy_blocks_carry_scales(name):
     cache = KVCache(2, 6, 4, 2, 64, torch.float32, kv_cache_dtype=name)
     k = torch.randn(8, 2, 64) * torch.logspace(-2, 2, 8).view(8, 1, 1)
     v = torch.randn(8, 2, 64)
     slots = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11])  # blocks 1 and 2
-    cache.write(1, k, v, slots)
+    PagedAttentionBackend(cache).write(1, k, v, slots)
     stored = decode_rows(cache.key(1)[1:3], cache.format).transpose(1, 2).reshape(8, 2, 64)
     torch.testing.assert_close(stored, decode_rows(encode_rows(k, cache.format), cache.format))
     cache.copy_blocks([(1, 4), (2, 5)])

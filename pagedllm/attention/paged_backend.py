@@ -10,15 +10,17 @@ from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
-from pagedllm.cpu import paged_attention
+from pagedllm.cpu import paged_attention, write_kv
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.kv.kv_quant import decode_rows
+from pagedllm.kv.kv_quant import decode_rows, encode_rows
 
 
 class PagedAttentionBackend:
-    """Stores each layer's new K/V in the cache, then attends through the block tables.
+    """Stores each layer's new K/V in the cache (:meth:`write`, the one K/V write on the
+    CPU: the cache only holds the memory, and :class:`~pagedllm.models.layer_stack.LayerStack`
+    runs the same C++ write inside its step), then attends through the block tables.
 
     The engine calls :meth:`forward` once per layer with the same metadata; the int32 /
     int64 contiguous tensors the kernels need are made once per step and reused by
@@ -109,7 +111,7 @@ class PagedAttentionBackend:
         """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``k``, ``v`` are
         stored in the cache's format, the output has ``q``'s dtype."""
         slot_mapping, block_tables, seq_lens, query_start_loc = self.kernel_metadata(metadata)
-        self.kv_cache.write(layer_idx, k, v, slot_mapping)
+        self.write(layer_idx, k, v, slot_mapping)
         keys, values = self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx)
         if not self.uses_fast_kernel:
             fmt = self.kv_cache.format
@@ -135,6 +137,20 @@ class PagedAttentionBackend:
         for chunk in split.chunks:
             out[chunk.start : chunk.end] = attend_chunk(query, keys, values, chunk, options)
         return out.to(q.dtype)
+
+    def write(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (any
+        float dtype; converted or quantized to the cache's format here) at slot
+        ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
+        equal to ``-1`` are skipped."""
+        cache = self.kv_cache
+        write_kv(
+            cache.stored_key(layer_idx), cache.stored_value(layer_idx),
+            encode_rows(k, cache.format).contiguous(), encode_rows(v, cache.format).contiguous(),
+            slot_mapping,
+        )  # fmt: skip
 
     @staticmethod
     def _paged(

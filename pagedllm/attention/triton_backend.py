@@ -17,9 +17,11 @@ from pagedllm.kv.kv_cache import KVCache
 
 
 class TritonAttentionBackend:
-    """Stores each layer's new K/V in the cache (converted or quantized to its format),
-    then attends through the block tables: a decode-only batch with the split-K decode
-    kernel, any other batch (prefills, chunks, decodes mixed) with the prefill kernel.
+    """Stores each layer's new K/V in the cache (converted or quantized to its format,
+    by :func:`~pagedllm.gpu.triton_kv_write.write_kv`: the one K/V write on CUDA; the
+    cache only holds the memory), then attends through the block tables: a decode-only
+    batch with the split-K decode kernel, any other batch (prefills, chunks, decodes
+    mixed) with the prefill kernel.
 
     The decode path makes no host synchronisation and sizes every launch from tensor
     shapes and ``metadata.max_seq_len``, so it can be captured in a CUDA graph (replays
@@ -64,7 +66,7 @@ class TritonAttentionBackend:
             raise ValueError(f"query dtype must be one of {QUERY_DTYPES}, got {q.dtype}")
         if metadata.num_tokens != num_tokens:
             raise ValueError(f"slot_mapping has {metadata.num_tokens} rows, q {num_tokens}")
-        keys, values = cache.tensor[layer_idx, 0], cache.tensor[layer_idx, 1]
+        keys, values = cache.stored_key(layer_idx), cache.stored_value(layer_idx)
         write_kv(k.contiguous(), v.contiguous(), keys, values, metadata.slot_mapping, cache.format)
         q = q.contiguous()
         if metadata.is_decode_only:

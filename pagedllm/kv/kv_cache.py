@@ -13,6 +13,11 @@ with the same kernel it decoded as fast or up to 20-30% slower, never clearly fa
 ``kv_cache_dtype`` picks the element format (:mod:`pagedllm.kv.kv_quant`): quantized
 formats store a ``uint8`` tensor whose last axis is ``head_dim`` codes plus the row's
 scale, so every byte copy of whole blocks (copy-on-write, swapping) carries the scales.
+
+The cache holds memory, its layout and its format, and never writes a token: new K/V
+is written by the attention backend that reads it (docs/engine.md, "K/V storage and
+its writes"), into the per-layer views :meth:`KVCache.stored_key` and
+:meth:`KVCache.stored_value`.
 """
 
 from __future__ import annotations
@@ -22,10 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.cpu import write_kv
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.kv.capacity import block_bytes, pool_blocks
-from pagedllm.kv.kv_quant import KVCacheDtype, KVFormat, encode_rows, resolve_kv_format
+from pagedllm.kv.kv_quant import KVCacheDtype, KVFormat, resolve_kv_format
 
 
 def bytes_per_block(
@@ -136,19 +140,15 @@ class KVCache:
         """Layer ``layer_idx``'s V, shaped like :meth:`key`."""
         return self._values[layer_idx]
 
-    def write(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (any
-        float dtype; converted or quantized to the cache's format here) at slot
-        ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
-        equal to ``-1`` are skipped."""
-        k_rows = encode_rows(k, self.format).contiguous()
-        v_rows = encode_rows(v, self.format).contiguous()
-        write_kv(
-            self._stored_keys[layer_idx], self._stored_values[layer_idx], k_rows, v_rows,
-            slot_mapping,
-        )  # fmt: skip
+    def stored_key(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s K as allocated, ``storage_dtype`` (``uint8`` codes and
+        scale bytes when quantized) ``[num_blocks, num_kv_heads, block_size, row]``: what
+        the K/V writes and the Triton kernels take."""
+        return self._stored_keys[layer_idx]
+
+    def stored_value(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s V as allocated, shaped like :meth:`stored_key`."""
+        return self._stored_values[layer_idx]
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of

@@ -74,7 +74,10 @@ def _matrix(weight: Weight) -> tuple[int, torch.Tensor, int, int]:
 class LayerStack:
     """Every layer of ``model`` over ``attn``'s KV cache, run by one C++ call; build it
     with :meth:`build`, which returns None (and logs why) when the model or the cache is
-    not of the kind it runs."""
+    not of the kind it runs. It is the paged backend's own path run across the layers:
+    each layer's new K/V go through the C++ ``write_kv`` that
+    :meth:`~pagedllm.attention.paged_backend.PagedAttentionBackend.write` calls, into
+    the cache's per-layer views (a cache in the model's dtype, so no encoding)."""
 
     def __init__(self, model: torch.nn.Module, attn: PagedAttentionBackend) -> None:
         c = model.config
