@@ -93,7 +93,7 @@ def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def decode_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[dict]:
     from pagedllm.gpu.triton_decode import decode_attention
-    from pagedllm.kv.kv_quant import encode_rows, resolve_kv_format
+    from pagedllm.kv_storage.kv_quant import encode_rows, resolve_kv_format
 
     dtype = torch.bfloat16
     s = shape
@@ -204,7 +204,7 @@ def decode_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[d
 
 def prefill_records(shape: Shape, device: torch.device, tune: bool) -> Iterator[dict]:
     from pagedllm.gpu.triton_prefill import prefill_attention
-    from pagedllm.kv.kv_quant import resolve_kv_format
+    from pagedllm.kv_storage.kv_quant import resolve_kv_format
 
     dtype = torch.bfloat16
     s = shape

@@ -26,7 +26,7 @@ from pagedllm.bench.workload import synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv.capacity import pool_blocks
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 
 DTYPES = ["auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"]

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
-from pagedllm.kv.kv_cache import KVCache
-from pagedllm.kv.kv_quant import decode_rows, encode_rows, resolve_kv_format
+from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows, resolve_kv_format
 from pagedllm.models.loader import LoadedModel, load_model
 
 DISTRIBUTIONS = ["transformers", "torch", "fastapi", "tqdm"]

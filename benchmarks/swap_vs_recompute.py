@@ -18,7 +18,7 @@ from pagedllm.bench.throughput import run_engine
 from pagedllm.bench.workload import synthetic_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 
 

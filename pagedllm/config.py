@@ -15,7 +15,7 @@ from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LinearKernel
 from pagedllm.kv.block_pool import validate_block_size
-from pagedllm.kv.kv_quant import KVCacheDtype
+from pagedllm.kv_storage.kv_quant import KVCacheDtype
 from pagedllm.structured_output import COMPACT_JSON_BY_DEFAULT
 
 _DTYPES = {

@@ -13,7 +13,7 @@ from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import dense_causal_attention
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 HQ, HKV, D, BLOCK, LAYERS = 6, 2, 64, 4, 2
 

@@ -18,7 +18,7 @@ from paged_cases import build_case
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
-from pagedllm.kv.kv_quant import decode_rows, encode_rows, resolve_kv_format
+from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows, resolve_kv_format
 
 # (query dtype, cache format): the formats the kernel reads.
 FORMATS = [

@@ -81,7 +81,7 @@ def test_triton_kernels_match_oracle(window, cap):
     pytest.importorskip("triton")
     from pagedllm.gpu.triton_decode import decode_attention
     from pagedllm.gpu.triton_prefill import prefill_attention
-    from pagedllm.kv.kv_quant import resolve_kv_format
+    from pagedllm.kv_storage.kv_quant import resolve_kv_format
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fmt = resolve_kv_format("auto", torch.float32)
@@ -175,7 +175,7 @@ def test_triton_kernels_never_read_released_blocks(seq_lens, query_lens, block, 
     pytest.importorskip("triton")
     from pagedllm.gpu.triton_decode import decode_attention
     from pagedllm.gpu.triton_prefill import prefill_attention
-    from pagedllm.kv.kv_quant import resolve_kv_format
+    from pagedllm.kv_storage.kv_quant import resolve_kv_format
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fmt = resolve_kv_format("auto", torch.float32)

@@ -8,7 +8,7 @@ import torch
 from shared_models import default_model, transformers_greedy
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 
 pytestmark = pytest.mark.slow
 

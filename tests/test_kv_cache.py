@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.kv.capacity import pool_blocks
-from pagedllm.kv.kv_cache import KVCache, bytes_per_block
+from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
 
 
 def test_bytes_per_block_of_the_default_model():

@@ -31,7 +31,7 @@ from pagedllm.kv.capacity import (
     pool_blocks,
     request_worst_case_blocks,
 )
-from pagedllm.kv.kv_quant import resolve_kv_format
+from pagedllm.kv_storage.kv_quant import resolve_kv_format
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import load_model
 from pagedllm.models.presets import PRESETS

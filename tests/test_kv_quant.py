@@ -16,8 +16,8 @@ from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention
 from pagedllm.kv.capacity import pool_blocks
-from pagedllm.kv.kv_cache import KVCache, bytes_per_block
-from pagedllm.kv.kv_quant import SCALE_BYTES, decode_rows, encode_rows, resolve_kv_format
+from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
+from pagedllm.kv_storage.kv_quant import SCALE_BYTES, decode_rows, encode_rows, resolve_kv_format
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
 CACHE_DTYPES = ["float16", "bfloat16", *QUANTIZED]

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedllm.bench.tiny_llama import write_tiny_llama
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 
 BLOCK_SIZE = 4

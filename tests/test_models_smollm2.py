@@ -16,7 +16,7 @@ from shared_models import transformers_greedy
 from pagedllm.attention.dense_backend import DenseAttentionBackend, dense_metadata
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 pytestmark = pytest.mark.slow
 

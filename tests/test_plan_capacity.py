@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
 from pagedllm.kv.fragmentation import fragmentation_stats
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.partition import PartitionError
 from pagedllm.models.presets import PRESETS

@@ -21,7 +21,7 @@ from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.cpu import attention_choice, kernel_choice
 from pagedllm.cpu.attention_choice import ROW_BUCKETS, crossover, sdpa_min_rows
 from pagedllm.cpu.extension import kernels_built
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 # Read at collection, before conftest swaps in a timer that keeps every chunk paged.
 REAL_TIME_PREFILL = attention_choice.time_prefill

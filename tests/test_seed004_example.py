@@ -16,7 +16,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import dense_causal_attention
 from pagedllm.kv.fragmentation import fragmentation_stats
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 HQ, HKV, BLOCK = 4, 2, 4
 TABLES = [[5, 1, 6], [5, 3]]

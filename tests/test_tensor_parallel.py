@@ -235,7 +235,7 @@ def test_sharing_preemption_and_parallel_samples_across_ranks(folders, mode):
 
 def block_bytes(folder: Path, tp: int) -> int:
     """Bytes of one block of 4 tokens on the rank holding the most KV heads."""
-    from pagedllm.kv.kv_cache import bytes_per_block
+    from pagedllm.kv_storage.kv_cache import bytes_per_block
     from pagedllm.models.loader_safetensors import read_hf_config
 
     config = read_hf_config(folder)

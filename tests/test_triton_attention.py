@@ -30,8 +30,8 @@ from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 from pagedllm.gpu.triton_decode import decode_attention, plan_splits  # noqa: E402
 from pagedllm.gpu.triton_kv_write import write_kv  # noqa: E402
 from pagedllm.gpu.triton_prefill import prefill_attention  # noqa: E402
-from pagedllm.kv.kv_cache import KVCache  # noqa: E402
-from pagedllm.kv.kv_quant import decode_rows, encode_rows, resolve_kv_format  # noqa: E402
+from pagedllm.kv_storage.kv_cache import KVCache  # noqa: E402
+from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows, resolve_kv_format  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

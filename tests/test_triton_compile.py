@@ -26,7 +26,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from pagedllm.gpu import triton_decode, triton_kv_write, triton_prefill  # noqa: E402
-from pagedllm.kv.kv_cache import KVCache  # noqa: E402
+from pagedllm.kv_storage.kv_cache import KVCache  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -11,7 +11,7 @@ def tiny_engine(loaded, num_blocks: int, block_size: int = 4, swap_blocks: int =
     ``num_blocks`` blocks (and a second tier of ``swap_blocks``); other keywords are
     :class:`EngineConfig` fields."""
     from pagedllm import EngineConfig, LLMEngine
-    from pagedllm.kv.kv_cache import bytes_per_block
+    from pagedllm.kv_storage.kv_cache import bytes_per_block
 
     mc = loaded.config
     block_bytes = bytes_per_block(

@@ -1,4 +1,4 @@
-"""The attention backend over a paged :class:`~pagedllm.kv.kv_cache.KVCache` on CPU."""
+"""The attention backend over a paged :class:`~pagedllm.kv_storage.kv_cache.KVCache` on CPU."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
 from pagedllm.cpu import paged_attention, write_kv
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv.capacity import cdiv
-from pagedllm.kv.kv_cache import KVCache
-from pagedllm.kv.kv_quant import decode_rows, encode_rows
+from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows
 
 
 class PagedAttentionBackend:

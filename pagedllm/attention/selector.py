@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 
 def attention_backend_for(

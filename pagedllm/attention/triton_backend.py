@@ -1,4 +1,4 @@
-"""The attention backend over a paged :class:`~pagedllm.kv.kv_cache.KVCache` on CUDA,
+"""The attention backend over a paged :class:`~pagedllm.kv_storage.kv_cache.KVCache` on CUDA,
 with Triton kernels (:mod:`pagedllm.gpu`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pagedllm.gpu.kernel_dtypes import QUERY_DTYPES
 from pagedllm.gpu.triton_decode import decode_attention
 from pagedllm.gpu.triton_kv_write import write_kv
 from pagedllm.gpu.triton_prefill import prefill_attention
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 
 class TritonAttentionBackend:

@@ -22,7 +22,7 @@ from pagedllm.bench.workload import length_range, synthetic_workload
 from pagedllm.choice import parse_choice
 from pagedllm.config import KVAllocation, PreemptionMode, resolve_device
 from pagedllm.config_flags import add_config_flags, config_from_flags
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.loader import load_model
 
 

@@ -36,7 +36,7 @@ from pagedllm.cpu.kernel_choice import (
     machine_key,
 )
 from pagedllm.kv.capacity import cdiv
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 
 class AttentionKernel(Choice):

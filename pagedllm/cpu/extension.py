@@ -118,7 +118,7 @@ def paged_attention(
     ``[num_blocks, num_kv_heads, block_size, row]`` (any strides with the row contiguous)
     of float32, bfloat16 or float16 (``row`` = ``D``), or of int8 / float8_e4m3fn /
     float8_e5m2 with ``row`` = ``D`` codes + a 2-byte bfloat16 scale
-    (:mod:`pagedllm.kv.kv_quant`), decoded in the kernel; ``block_tables``, ``seq_lens``,
+    (:mod:`pagedllm.kv_storage.kv_quant`), decoded in the kernel; ``block_tables``, ``seq_lens``,
     ``query_start_loc`` contiguous int32 with the meaning of
     :class:`~pagedllm.attention.metadata.AttentionMetadata`. Every block a sequence uses
     is checked to lie inside the cache.

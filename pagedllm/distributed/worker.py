@@ -33,7 +33,7 @@ from pagedllm.distributed.group import TensorParallelGroup, join_default_group
 from pagedllm.engine.model_runner import ModelInput
 from pagedllm.engine.model_worker import ModelWorker
 from pagedllm.engine.prompt_logprobs import prompt_logits
-from pagedllm.kv.block_copies import BlockCopies
+from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.models.loader import load_model
 
 logger = logging.getLogger("pagedllm")

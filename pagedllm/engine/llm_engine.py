@@ -40,11 +40,11 @@ from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
-from pagedllm.kv.block_copies import BlockCopies
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import pool_blocks, request_worst_case_blocks
-from pagedllm.kv.kv_cache import KVCache, bytes_per_block
+from pagedllm.kv_storage.block_copies import BlockCopies
+from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
 from pagedllm.models.loader import LoadedModel, load_model
 from pagedllm.models.weight_bytes import describe_weight_bytes
 

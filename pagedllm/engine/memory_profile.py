@@ -18,7 +18,7 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv.capacity import cdiv
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 logger = logging.getLogger("pagedllm")
 

@@ -11,9 +11,9 @@ from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig
 from pagedllm.cpu.attention_choice import sdpa_min_rows
 from pagedllm.engine.model_runner import ModelInput, ModelOutput, ModelRunner
-from pagedllm.kv.block_copies import BlockCopies
-from pagedllm.kv.kv_cache import KVCache
-from pagedllm.kv.swap_space import SwapSpace
+from pagedllm.kv_storage.block_copies import BlockCopies
+from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_storage.swap_space import SwapSpace
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.layer_stack import LayerStack
 

@@ -10,7 +10,7 @@ it waits again ahead of every later arrival of its priority. No new sequence is 
 in a step that preempted, so a preempted sequence is never overtaken by a newcomer.
 
 Preemption by swap (``preemption_mode`` "swap", or "auto" while the second tier has
-room) parks the victim's blocks in the :class:`~pagedllm.kv.swap_space.SwapSpace`
+room) parks the victim's blocks in the :class:`~pagedllm.kv_storage.swap_space.SwapSpace`
 instead; swapped sequences come back, in queue order, before any new admission.
 
 With prefix caching, a sequence that starts (or restarts after preemption) first takes
@@ -35,7 +35,7 @@ from pagedllm.config import PreemptionMode
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.capacity import cdiv
-from pagedllm.kv.swap_space import SwapSpace
+from pagedllm.kv_storage.swap_space import SwapSpace
 
 
 @dataclass

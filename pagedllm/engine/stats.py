@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.kv.swap_space import SwapStats
+from pagedllm.kv_storage.swap_space import SwapStats
 
 logger = logging.getLogger("pagedllm")
 

@@ -8,7 +8,7 @@ import os
 import torch
 import triton.language as tl
 
-from pagedllm.kv.kv_quant import KVFormat
+from pagedllm.kv_storage.kv_quant import KVFormat
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -1,7 +1,7 @@
 """Cache formats as the kernels see them, and the per-row 8-bit codes in Triton.
 
-The formats and their exact rounding are defined by :mod:`pagedllm.kv.kv_quant`; these
-helpers reproduce :func:`~pagedllm.kv.kv_quant.encode_rows` bit for bit (scale is
+The formats and their exact rounding are defined by :mod:`pagedllm.kv_storage.kv_quant`; these
+helpers reproduce :func:`~pagedllm.kv_storage.kv_quant.encode_rows` bit for bit (scale is
 ``amax / max_code`` rounded up to bfloat16, codes round half to even) using integer
 arithmetic only, so they behave the same on a GPU and under the interpreter. A
 quantized row is ``head_dim`` uint8 codes followed by the scale's two bytes (little
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.kv.kv_quant import KVFormat
+from pagedllm.kv_storage.kv_quant import KVFormat
 
 FLOAT = tl.constexpr(0)
 INT8 = tl.constexpr(1)

@@ -25,7 +25,7 @@ import triton.language as tl
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
 from pagedllm.gpu.kv_codes import kernel_format
 from pagedllm.gpu.paged_tiles import LOG2_E, online_softmax_step, tile_offsets, tile_scores
-from pagedllm.kv.kv_quant import KVFormat
+from pagedllm.kv_storage.kv_quant import KVFormat
 
 # The window passed to the kernels when a layer has none: longer than any sequence.
 NO_WINDOW = 2**30

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.gpu.kv_codes import FLOAT, encode_tile, kernel_format, to_bfloat16
-from pagedllm.kv.kv_quant import KVFormat
+from pagedllm.kv_storage.kv_quant import KVFormat
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def write_kv(
     """Stores token ``i`` of ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` (any
     float dtype) at slot ``slot_mapping[i]`` (int64; ``-1`` skips the token) of one
     layer's caches ``[num_blocks, num_kv_heads, block_size, row]`` in ``fmt.storage_dtype``,
-    converting or quantizing exactly as :func:`~pagedllm.kv.kv_quant.encode_rows` does.
+    converting or quantizing exactly as :func:`~pagedllm.kv_storage.kv_quant.encode_rows` does.
     Launches one program per token; makes no host synchronisation."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:

@@ -21,7 +21,7 @@ from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
 from pagedllm.gpu.kv_codes import kernel_format
 from pagedllm.gpu.paged_tiles import LOG2_E, online_softmax_step, tile_offsets, tile_scores
 from pagedllm.gpu.triton_decode import NO_WINDOW
-from pagedllm.kv.kv_quant import KVFormat
+from pagedllm.kv_storage.kv_quant import KVFormat
 
 
 @triton.jit

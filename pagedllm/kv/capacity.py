@@ -3,7 +3,7 @@
 Units: tokens; blocks of ``block_size`` tokens; bytes. Pure integer arithmetic (no torch,
 no engine), shared by everything that sizes or admits: the engine's pool and its
 admission check (:class:`~pagedllm.engine.llm_engine.LLMEngine`), beam search's
-admission, the KV cache tensors (:mod:`~pagedllm.kv.kv_cache`), the block manager and
+admission, the KV cache tensors (:mod:`~pagedllm.kv_storage.kv_cache`), the block manager and
 the planner (:mod:`~pagedllm.plan.capacity`), so that none of them can disagree.
 
 - :func:`cdiv`: ceil division, the one place it is written;
@@ -76,7 +76,7 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, row_bytes: 
     """Bytes of one block across all layers: K and V of ``block_size`` tokens for every
     layer and KV head, each token's K (or V) of one head a row of ``row_bytes`` bytes
     (its elements and, in quantized formats, its scale:
-    :meth:`~pagedllm.kv.kv_quant.KVFormat.row_bytes`)."""
+    :meth:`~pagedllm.kv_storage.kv_quant.KVFormat.row_bytes`)."""
     return 2 * num_layers * block_size * num_kv_heads * row_bytes
 
 

@@ -4,7 +4,7 @@ Units: tokens, blocks of ``block_size`` tokens, bytes. The KV cache of one token
 K and V for every layer and KV head: ``2 x layers x kv_heads x head_dim`` elements.
 Every quantity the engine also computes comes from the one module it uses,
 :mod:`pagedllm.kv.capacity`: a block's bytes (through
-:func:`~pagedllm.kv.kv_cache.bytes_per_block`), the pool a budget buys
+:func:`~pagedllm.kv_storage.kv_cache.bytes_per_block`), the pool a budget buys
 (:func:`~pagedllm.kv.capacity.pool_blocks`) and a request's worst case
 (:func:`~pagedllm.kv.capacity.request_worst_case_blocks`), so a plan holds exactly the
 blocks the engine allocates for that budget and the sequences it admits.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
-from pagedllm.kv.kv_cache import bytes_per_block
+from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.model_shape import ModelShape

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from pagedllm.kv.capacity import request_worst_case_blocks
-from pagedllm.kv.kv_quant import SCALE_BYTES
+from pagedllm.kv_storage.kv_quant import SCALE_BYTES
 from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.capacity import (
     KV_DTYPES,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.kv.kv_cache import KVCache
-from pagedllm.kv.swap_space import SwapSpace
+from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_storage.swap_space import SwapSpace
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.kv.block_pool import BlockPool
-from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv_storage.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

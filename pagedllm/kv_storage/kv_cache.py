@@ -10,7 +10,7 @@ with the same kernel it decoded as fast or up to 20-30% slower, never clearly fa
 (``benchmarks/attention.py`` times both). A flat cache *slot* is
 ``block_id * block_size + offset``.
 
-``kv_cache_dtype`` picks the element format (:mod:`pagedllm.kv.kv_quant`): quantized
+``kv_cache_dtype`` picks the element format (:mod:`pagedllm.kv_storage.kv_quant`): quantized
 formats store a ``uint8`` tensor whose last axis is ``head_dim`` codes plus the row's
 scale, so every byte copy of whole blocks (copy-on-write, swapping) carries the scales.
 
@@ -29,7 +29,7 @@ import torch
 
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.kv.capacity import block_bytes, pool_blocks
-from pagedllm.kv.kv_quant import KVCacheDtype, KVFormat, resolve_kv_format
+from pagedllm.kv_storage.kv_quant import KVCacheDtype, KVFormat, resolve_kv_format
 
 
 def bytes_per_block(
