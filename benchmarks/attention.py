@@ -27,9 +27,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.attention_choice import (
+    CONTEXT,
+    ROW_BUCKETS,
+    TOTAL_ROWS,
+    crossover,
+    time_prefill,
+)
 from pagedllm.cpu import paged_attention
 from pagedllm.cpu.allocator import huge_page_region
-from pagedllm.cpu.attention_choice import CONTEXT, ROW_BUCKETS, TOTAL_ROWS, crossover, time_prefill
 from pagedllm.cpu.extension import ops
 
 NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 9, 3, 64  # SmolLM2-135M's attention

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.attention.attention_choice import AttentionKernel
 from pagedllm.choice import Choice, parse_choice
-from pagedllm.cpu.attention_choice import AttentionKernel
 from pagedllm.cpu.cpuinfo import multiplies_bfloat16
 from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LinearKernel

@@ -50,7 +50,8 @@ def kernel_choice_without_timing(tmp_path_factory):
     live in a session folder, never the user's cache. test_kernel_choice.py and
     test_sdpa_prefill.py restore the real timers."""
     from pagedllm import user_cache
-    from pagedllm.cpu import attention_choice, kernel_choice
+    from pagedllm.attention import attention_choice
+    from pagedllm.cpu import kernel_choice
 
     def packed_first(weight, kernels):
         return {k: dict.fromkeys(kernel_choice.BUCKETS, i + 1.0) for i, k in enumerate(kernels)}

@@ -1,6 +1,6 @@
 """Long prefill chunks through torch's SDPA (pagedllm.attention.sdpa_prefill) next to the
 paged kernel: mixed batches against the gather-and-dense reference, the paged rows'
-bits untouched by the split, the measured crossover (pagedllm.cpu.attention_choice)
+bits untouched by the split, the measured crossover (pagedllm.attention.attention_choice)
 with fake and real timings, refusals, and the engine's greedy tokens against
 transformers float32 with every long chunk through SDPA."""
 
@@ -14,12 +14,13 @@ from paged_cases import build_case
 from transformers_oracle import engine_greedy, reference_greedy, write_random_checkpoint
 
 from pagedllm import EngineConfig, user_cache
+from pagedllm.attention import attention_choice
+from pagedllm.attention.attention_choice import ROW_BUCKETS, crossover, sdpa_min_rows
 from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.config_flags import add_config_flags, config_from_flags
-from pagedllm.cpu import attention_choice, kernel_choice
-from pagedllm.cpu.attention_choice import ROW_BUCKETS, crossover, sdpa_min_rows
+from pagedllm.cpu import kernel_choice
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv_storage.kv_cache import KVCache
 

@@ -30,7 +30,7 @@ class PagedAttentionBackend:
     decodes K/V itself and takes a float32 query. The C++ kernels are built (or loaded
     from the extension cache) here, so a first step never pays for a compile.
 
-    With ``sdpa_min_rows`` (chosen by :mod:`pagedllm.cpu.attention_choice`), a sequence
+    With ``sdpa_min_rows`` (chosen by :mod:`pagedllm.attention.attention_choice`), a sequence
     running at least that many query rows in a step attends through torch's SDPA over
     its gathered K/V (:mod:`pagedllm.attention.sdpa_prefill`), the other rows through
     the paged kernel; soft-capped layers run every row paged.

@@ -6,7 +6,7 @@ contiguous tensors costs little next to the products, and torch's fused (flash)
 tiles where the CPU has them. Its result equals the paged kernel's to rounding, not bit
 for bit (the products run in another order, and the probabilities are rounded to the
 query's dtype before they weight V), so which one runs is measured
-(:mod:`pagedllm.cpu.attention_choice`), never assumed.
+(:mod:`pagedllm.attention.attention_choice`), never assumed.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ too, with the same block ids, slots and copies, each over its own heads.
 
 from __future__ import annotations
 
+from pagedllm.attention.attention_choice import sdpa_min_rows
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig
-from pagedllm.cpu.attention_choice import sdpa_min_rows
 from pagedllm.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.kv_storage.kv_cache import KVCache
