@@ -1,0 +1,284 @@
+"""Assembling an engine from its :class:`~pagedllm.config.EngineConfig`.
+
+Each part needs the ones before it: the model (loaded, or given, and checked against the
+config's dtype and device); the KV budget in bytes (configured, or what the memory
+profile leaves on CUDA); the pool in blocks (:func:`~pagedllm.kv.capacity.pool_blocks`);
+``max_model_len`` in tokens (never more than one normal-priority request can ever hold);
+the block manager; this rank's worker (cache, swap space, runner); the other ranks'
+caches; CUDA graphs; the scheduler. :class:`~pagedllm.engine.llm_engine.LLMEngine`
+holds what :func:`build_engine` returns and only steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from pagedllm.attention.selector import attention_backend_for
+from pagedllm.config import EngineConfig, KVAllocation, PreemptionMode, same_device
+from pagedllm.cpu.allocator import keep_freed_memory
+from pagedllm.distributed.executor import TensorParallelExecutor
+from pagedllm.distributed.worker import WorkerSetup, shared_settings
+from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedllm.engine.memory_profile import profile_memory
+from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.block_pool import num_reserved_blocks
+from pagedllm.kv.capacity import pool_blocks
+from pagedllm.kv_storage.kv_cache import bytes_per_block
+from pagedllm.models.decoder import CausalDecoder
+from pagedllm.models.loader import LoadedModel, load_model
+from pagedllm.models.weight_bytes import describe_weight_bytes
+from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an engine holds. Sizes are this rank's (rank 0 holds the most KV heads)."""
+
+    loaded: LoadedModel
+    tokenizer: Tokenizer | None  # compact JSON as ``disable_any_whitespace`` asks
+    kv_budget: int  # bytes for the pool
+    block_bytes: int  # bytes of one block, every layer
+    num_blocks: int  # blocks sequences may hold (a window's null block not counted)
+    max_model_len: int  # tokens one sequence may reach
+    block_manager: BlockManager
+    worker: ModelWorker
+    scheduler: Scheduler
+
+
+def start_executor(
+    config: EngineConfig, loaded: LoadedModel | None
+) -> TensorParallelExecutor | None:
+    """Start the other tensor-parallel ranks (None with one rank); the caller must
+    ``shutdown()`` the executor if the engine then fails to build."""
+    if config.tensor_parallel_size == 1:
+        return None
+    if loaded is not None:
+        raise ValueError("a preloaded model cannot be split over tensor-parallel ranks")
+    if config.device.type == "cuda":
+        raise ValueError(
+            "tensor parallelism runs on the CPU (gloo) only for now; use "
+            "tensor_parallel_size=1 on CUDA"
+        )
+    return TensorParallelExecutor(config)
+
+
+def build_engine(
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    executor: TensorParallelExecutor | None = None,
+) -> EngineParts:
+    """Every part of an engine for ``config``; ``loaded``: a model already loaded for it
+    (one rank only); ``executor``: the other ranks, from :func:`start_executor`."""
+    torch.manual_seed(config.seed)
+    keep_freed_memory()
+    loaded = _load(config, loaded, executor)
+    model = loaded.model
+    kv_budget = config.kv_cache_memory
+    if kv_budget is None:
+        kv_budget = _profiled_kv_budget(config, model)
+    # With every layer sliding, blocks out of the window go back to the pool, and the
+    # cache keeps one block more than the pool for the tables' null entries.
+    contiguous = config.kv_allocation is KVAllocation.CONTIGUOUS
+    window = None if contiguous else model.layer_config.kv_window
+    block_bytes = _block_bytes(config, model)
+    num_blocks = pool_blocks(kv_budget, block_bytes, window is not None)
+    model_limit = loaded.config.max_position_embeddings
+    max_model_len = _max_model_len(config, model_limit, num_blocks, kv_budget)
+    block_manager = BlockManager(
+        num_blocks,
+        config.block_size,
+        config.reserved_fraction,
+        enable_prefix_caching=config.enable_prefix_caching,
+        upfront_tokens=max_model_len if contiguous else None,
+        sliding_window=window,
+    )
+    _log_pool(block_manager, max_model_len)
+    cache_blocks = num_blocks + (window is not None)
+    swap_blocks = _swap_blocks(config, block_bytes)
+    worker = ModelWorker(config, model, cache_blocks, max_model_len, swap_blocks)
+    if executor is not None:
+        largest = None
+        if not config.disable_custom_all_reduce:  # the embedding's rows, in float32 at most
+            largest = config.max_num_batched_tokens * loaded.config.hidden_size * 4
+        settings = shared_settings(config)
+        setup = WorkerSetup(settings, cache_blocks, max_model_len, swap_blocks, largest)
+        executor.start_ranks(setup)
+    _capture_graphs(config, model, worker.runner, max_model_len)
+    scheduler = Scheduler(
+        block_manager,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        cache_key=f"{loaded.source}:{config.dtype}",
+        swap_space=worker.swap_space,
+        preemption_mode=config.preemption_mode,
+    )
+    tokenizer = loaded.tokenizer
+    if tokenizer is not None:
+        tokenizer = tokenizer.with_compact_json(config.disable_any_whitespace)
+    return EngineParts(
+        loaded,
+        tokenizer,
+        kv_budget,
+        block_bytes,
+        num_blocks,
+        max_model_len,
+        block_manager,
+        worker,
+        scheduler,
+    )
+
+
+def _load(
+    config: EngineConfig, loaded: LoadedModel | None, executor: TensorParallelExecutor | None
+) -> LoadedModel:
+    """``loaded``, or the model loaded for ``config`` (this rank's slice); ValueError when
+    its dtype or device is not the config's."""
+    start = time.monotonic()
+    loaded = loaded or load_model(
+        config.model,
+        config.dtype,
+        device=config.device,
+        load_format=config.load_format,
+        quantization=config.quantization,
+        linear_kernel=config.linear_kernel,
+        parallel=executor.group if executor else None,
+        activation_quantization=config.activation_quantization,
+    )
+    model = loaded.model
+    if model.dtype != config.dtype:
+        raise ValueError(
+            f"the model was loaded in {model.dtype} but the engine's dtype is "
+            f"{config.dtype}; pass the model's dtype to EngineConfig"
+        )
+    if not same_device(model.device, config.device):
+        raise ValueError(
+            f"the model was loaded on {model.device} but the engine's device "
+            f"is {config.device}; pass the model's device to EngineConfig"
+        )
+    logger.info(
+        "Loaded %s (%s) in %.2f s; weights %s%s",
+        loaded.source.name,
+        loaded.config.architecture,
+        time.monotonic() - start,
+        describe_weight_bytes(model),
+        f" on rank 0 of {config.tensor_parallel_size}" if executor else "",
+    )
+    return loaded
+
+
+def _profiled_kv_budget(config: EngineConfig, model: CausalDecoder) -> int:
+    """Bytes for the KV pool on CUDA: what the memory profile of the largest step leaves
+    of ``gpu_memory_utilization`` of the device."""
+    profile = profile_memory(
+        model,
+        attention_backend_for,
+        partial(make_kv_cache, config, model),
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        config.block_size,
+        config.gpu_memory_utilization,
+        config.device,
+    )
+    profile.log()
+    return profile.kv_budget
+
+
+def _block_bytes(config: EngineConfig, model: CausalDecoder) -> int:
+    """Bytes of one block over every layer, for this rank's KV heads."""
+    mc = model.layer_config
+    return bytes_per_block(
+        mc.num_layers,
+        config.block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        config.dtype,
+        config.kv_cache_dtype,
+    )
+
+
+def _max_model_len(config: EngineConfig, model_limit: int, num_blocks: int, kv_budget: int) -> int:
+    """``max_model_len`` as configured, or the model's limit capped by the slots one
+    normal-priority request can ever hold (the pool less the reserve); ValueError when
+    the configured one exceeds either, or when the pool cannot hold two tokens."""
+    usable = num_blocks - num_reserved_blocks(num_blocks, config.reserved_fraction)
+    fits = usable * config.block_size
+    requested = config.max_model_len
+    if requested is not None and requested > model_limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's limit of {model_limit} tokens"
+        )
+    # the fewest tokens one request must be able to hold: the configured length, or
+    # without one a prompt token and an output token (fewer if the model allows fewer)
+    wanted = model_limit if requested is None else requested
+    least = min(model_limit, 2) if requested is None else requested
+    if fits < least:
+        raise ValueError(
+            f"The KV cache pool ({num_blocks} blocks of {config.block_size} tokens, "
+            f"{kv_budget} bytes) cannot hold one request of max_model_len="
+            f"{wanted} tokens. The largest max_model_len that fits is "
+            f"{fits}; lower max_model_len or raise kv_cache_memory."
+        )
+    return min(model_limit, fits) if requested is None else requested
+
+
+def _log_pool(block_manager: BlockManager, max_model_len: int) -> None:
+    pool = block_manager.pool
+    block_size = block_manager.block_size
+    logger.info(
+        "KV cache pool: %d blocks x %d tokens = %d tokens (%d reserved blocks), "
+        "max_model_len %d, maximum concurrency at max_model_len: %.2fx",
+        pool.num_blocks,
+        block_size,
+        pool.num_blocks * block_size,
+        pool.num_reserved,
+        max_model_len,
+        (pool.num_blocks - pool.num_reserved) * block_size / max_model_len,
+    )
+    if block_manager.sliding_window is not None:
+        logger.info(
+            "Every layer slides over %d tokens: blocks that leave the window go back to the pool",
+            block_manager.sliding_window,
+        )
+
+
+def _swap_blocks(config: EngineConfig, block_bytes: int) -> int:
+    """Blocks of the swap space (``swap_space`` bytes, per rank); 0 for none."""
+    if config.preemption_mode is PreemptionMode.RECOMPUTE or config.swap_space == 0:
+        return 0
+    num_blocks = pool_blocks(config.swap_space, block_bytes)
+    if num_blocks == 0:
+        raise ValueError(
+            f"swap_space={config.swap_space} bytes holds no block of {block_bytes} bytes"
+        )
+    logger.info("Swap space: %d blocks (%d bytes)", num_blocks, num_blocks * block_bytes)
+    return num_blocks
+
+
+def _capture_graphs(
+    config: EngineConfig, model: CausalDecoder, runner: ModelRunner, max_model_len: int
+) -> None:
+    """On CUDA (unless ``enforce_eager``), capture the decode steps' graphs into
+    ``runner`` for the batch sizes up to ``max_num_seqs``."""
+    if config.device.type != "cuda" or config.enforce_eager:
+        return
+    if not model.supports_cuda_graphs:
+        logger.info("Decode steps run eagerly: this model's layers cannot be captured")
+        return
+    runner.graphs = DecodeGraphs(
+        model,
+        runner.attn,
+        max_model_len,
+        config.block_size,
+        capture_sizes(config.max_num_seqs),
+        config.device,
+    )
