@@ -30,11 +30,12 @@ from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompt_logprobs import score_prompt_positions
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.request_validator import PromptInput, RequestValidator
-from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
+from pagedllm.engine.sampler import Sampler, SamplerOutput, make_generator
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
+from pagedllm.engine.step_sampling import sample_isolated
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.models.loader import LoadedModel
 
@@ -208,7 +209,7 @@ class LLMEngine:
         ending, logits = self.execute_plan(plan)
         t1 = time.perf_counter()
         sampling, logits = self._fork_parallel_samples(ending, logits)
-        sampled, failures = self._sample_isolated(sampling, logits)
+        sampled, failures = sample_isolated(self.sampler, sampling, logits, self.stop_token_ids)
         t2 = time.perf_counter()
         outputs = self._process(sampling, sampled, failures)
         times.sample += t2 - t1
@@ -276,51 +277,6 @@ class LLMEngine:
         if len(forked) == len(sampling):
             return sampling, logits
         return forked, logits[torch.tensor(rows)]
-
-    def _sample(self, sampling: list[TokenSequence], logits: torch.Tensor):
-        if not sampling:
-            return None
-        batch = SamplingBatch.from_requests(
-            [seq.params for seq in sampling],
-            [seq.prompt_token_ids for seq in sampling],
-            [seq.output_token_ids for seq in sampling],
-            [seq.generator for seq in sampling],
-            self.stop_token_ids,
-            device=logits.device,
-        )
-        return self.sampler(logits, batch)
-
-    def _sample_isolated(
-        self, sampling: list[TokenSequence], logits: torch.Tensor
-    ) -> tuple[SamplerOutput | None, dict[str, Exception]]:
-        """The batch's tokens and the requests whose sampling failed.
-
-        If sampling the whole batch raises, every row is sampled again on its own (seeded
-        generators rewound first), so the rows that do not fail get the tokens they get
-        in the batch, and a failing row fails only its request.
-        """
-        if not sampling:
-            return None, {}
-        seeded = [(seq.generator, seq.generator.get_state()) for seq in sampling if seq.generator]
-        try:
-            return self._sample(sampling, logits), {}
-        except Exception:
-            logger.exception("sampling a batch of %d rows failed; sampling rows apart", len(logits))
-        for generator, state in seeded:
-            generator.set_state(state)
-        token_ids: list[int | None] = []
-        logprobs: list = []
-        failures: dict[str, Exception] = {}
-        for row, seq in enumerate(sampling):
-            one = None
-            if seq.request_id not in failures:
-                try:
-                    one = self._sample([seq], logits[row : row + 1])
-                except Exception as error:
-                    failures[seq.request_id] = error
-            token_ids.append(one.token_ids[0] if one else None)
-            logprobs.append(one.logprobs[0] if one and one.logprobs else None)
-        return SamplerOutput(token_ids, logprobs), failures
 
     def _process(
         self,
