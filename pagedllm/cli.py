@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if hasattr(args, "tensor_parallel_size"):
-            from pagedllm.distributed.node import run_ranks_unless_engine
+            from pagedllm.engine.tensor_parallel.node import run_ranks_unless_engine
 
             status = run_ranks_unless_engine(config_from_flags(args))
             if status is not None:

@@ -21,13 +21,13 @@ import torch
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig, KVAllocation, PreemptionMode, same_device
 from pagedllm.cpu.allocator import keep_freed_memory
-from pagedllm.distributed.executor import TensorParallelExecutor
-from pagedllm.distributed.worker import WorkerSetup, shared_settings
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.tensor_parallel.executor import TensorParallelExecutor
+from pagedllm.engine.tensor_parallel.worker import WorkerSetup, shared_settings
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import pool_blocks

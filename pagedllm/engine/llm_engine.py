@@ -23,7 +23,6 @@ from contextlib import nullcontext
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.worker import StepWork
 from pagedllm.engine.engine_builder import build_engine, start_executor
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
@@ -36,6 +35,7 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
 from pagedllm.engine.step_sampling import sample_isolated
+from pagedllm.engine.tensor_parallel.worker import StepWork
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.models.loader import LoadedModel
 

@@ -13,7 +13,7 @@ from types import TracebackType
 
 import httpx
 
-from pagedllm.distributed.launch import free_port
+from pagedllm.engine.tensor_parallel.launch import free_port
 
 LOCALHOST = "127.0.0.1"
 

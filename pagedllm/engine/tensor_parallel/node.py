@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.launch import placement, threads_per_rank
-from pagedllm.distributed.worker import run_rank, start_ranks
+from pagedllm.engine.tensor_parallel.launch import placement, threads_per_rank
+from pagedllm.engine.tensor_parallel.worker import run_rank, start_ranks
 
 logger = logging.getLogger("pagedllm")
 

@@ -7,7 +7,7 @@ it kills the ranks it started and raises :class:`WorkerFailedError` naming the r
 and how it ended; every later step raises the same error. Ranks started here never
 outlive the engine: they are stopped on :meth:`shutdown` (also run at interpreter exit),
 and killed by the kernel if the engine's process dies (see
-:func:`~pagedllm.distributed.worker.die_with_parent`).
+:func:`~pagedllm.engine.tensor_parallel.worker.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.errors import WorkerFailedError
 from pagedllm.distributed.group import TensorParallelGroup, join_default_group
-from pagedllm.distributed.launch import placement, threads_per_rank
-from pagedllm.distributed.worker import StepWork, WorkerSetup, start_ranks
+from pagedllm.engine.tensor_parallel.launch import placement, threads_per_rank
+from pagedllm.engine.tensor_parallel.worker import StepWork, WorkerSetup, start_ranks
 
 logger = logging.getLogger("pagedllm")
 
