@@ -65,3 +65,23 @@ def test_stats_match_the_pure_fragmentation_count():
     assert stats.fragmentation == fragmentation_stats(tables, lengths, 4)
     assert stats.num_seqs == 3 and stats.pool.used == 6
     assert stats.fragmentation.slots_saved_by_sharing == (3 + 4 + 1 - 6) * 4
+
+
+def test_check_progress_relates_committed_reserved_and_hashed_counts():
+    manager = BlockManager(8, 4, reserved_fraction=0.0)
+    prompt = [1, 2, 3, 4, 5]
+    manager.allocate_slots("a", 5, prefix=manager.find_cached_prefix(prompt))
+    manager.check_progress("a", 0, num_scheduled_tokens=5)  # inside the step
+    with pytest.raises(AssertionError, match=r"reserved 5 != committed 0 \+ scheduled 0"):
+        manager.check_progress("a", 0)
+    manager.commit_tokens("a", prompt)
+    manager.check_progress("a", 5)  # one block hashed (and cached), one token pending
+    with pytest.raises(AssertionError, match="committed 5 != computed 4"):
+        manager.check_progress("a", 4)
+    manager.fork("a", "b")
+    manager.check_progress("b", 5)
+    manager._seqs["b"].hasher.pending.clear()  # a hash chain out of step
+    with pytest.raises(AssertionError, match="0 tokens pending in the hash chain, not 1"):
+        manager.check_progress("b", 5)
+    with pytest.raises(AssertionError, match="holds no such sequence"):
+        manager.check_progress("c", 0)

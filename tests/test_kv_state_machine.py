@@ -150,13 +150,15 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.commit(seq_id)
         return True
 
-    def commit(self, seq_id):
-        """Commit the sequence's pending tokens; a sliding window releases blocks then."""
+    def commit(self, seq_id, count=None):
+        """Commit the sequence's pending tokens (the first ``count`` of them if given); a
+        sliding window releases blocks then."""
         shadow = self.seqs[seq_id]
         held = self.manager.held_block_ids(seq_id)
         num_null = self.manager.num_null_blocks(seq_id)
-        released = self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed :])
-        shadow.num_committed = len(shadow.tokens)
+        end = len(shadow.tokens) if count is None else shadow.num_committed + count
+        released = self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed : end])
+        shadow.num_committed = end
         assert released == range(num_null, self.manager.live_from(shadow.num_committed))
         event("window released blocks" if released else "nothing released")
         self.record_cached_blocks(held)
@@ -170,10 +172,14 @@ class KVManagerMachine(RuleBasedStateMachine):
             content = self.block_content(block_id)
             assert self.cached_content.setdefault(key.digest, content) == content
 
-    def admit(self, new_tokens, high_priority, shadow, prefix, restored=0):
+    def admit(self, new_tokens, high_priority, shadow, prefix, restored=0, commit=True):
+        """Start a sequence; commit its tokens, or only the ``restored`` ones (as the
+        scheduler does at a swap-in: the others wait for the step)."""
         seq_id = self.new_id()
-        if not self.write(seq_id, shadow, new_tokens, high_priority, True, prefix, restored):
+        if not self.write(seq_id, shadow, new_tokens, high_priority, commit, prefix, restored):
             assert seq_id not in self.manager
+        elif not commit:
+            self.commit(seq_id, restored)
 
     def new_id(self):
         self.next_seq_id += 1
@@ -207,7 +213,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         skipped = prefix.num_tokens
         restored = data.draw(st.integers(0, len(prompt) - skipped))
         shadow = ShadowSequence(salt, prompt[:skipped], num_committed=skipped)
-        self.admit(prompt[skipped:], high_priority, shadow, prefix, restored)
+        commit = data.draw(st.booleans(), label="commit the computed tokens too")
+        self.admit(prompt[skipped:], high_priority, shadow, prefix, restored, commit)
 
     @precondition(lambda self: self.seqs)
     @rule(
@@ -221,10 +228,15 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.write(seq_id, self.seqs[seq_id], new_tokens, high_priority, commit)
 
     @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 99))
-    def commit_pending(self, index):
-        """The model step has run: the waiting tokens' K/V are now committed."""
-        self.commit(self.pick(index))
+    @rule(index=st.integers(0, 99), data=st.data())
+    def commit_pending(self, index, data):
+        """The model step has run: the waiting tokens' K/V (or the first of them) are
+        now committed."""
+        seq_id = self.pick(index)
+        shadow = self.seqs[seq_id]
+        pending = len(shadow.tokens) - shadow.num_committed
+        count = data.draw(st.one_of(st.none(), st.integers(0, pending)), label="count")
+        self.commit(seq_id, count)
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
@@ -273,6 +285,16 @@ class KVManagerMachine(RuleBasedStateMachine):
             capacity = max(len(shadow.tokens), shadow.reserved_tokens)
             expected = -(-capacity // self.block_size)
             assert len(self.manager.block_table(seq_id)) == expected
+
+    @invariant()
+    def progress_counts_agree(self):
+        """One count of progress: the block manager's committed tokens equal the shadow's
+        (which stands for the engine's computed count), the table's reserved slots run
+        ahead of them by the tokens written and not yet committed (a step's plan), and
+        the hash chain, null entries and table length follow from them."""
+        for seq_id, shadow in self.seqs.items():
+            scheduled = len(shadow.tokens) - shadow.num_committed
+            self.manager.check_progress(seq_id, shadow.num_committed, scheduled)
 
     @invariant()
     def blocks_out_of_the_next_querys_window_are_null(self):

@@ -24,6 +24,16 @@ Automatic prefix caching (``enable_prefix_caching``, on by default), in three ca
 A sequence started without a prefix object (``prefix=None``) is never cached: its extra
 keys (``cache_salt``) are unknown, and sharing without them could leak across tenants.
 
+Progress has one count per sequence: the committed tokens (K/V written), kept here, set
+when a sequence starts (its prefix hit) or forks and moved on only by
+:meth:`BlockManager.commit_tokens`. The other figures follow from it or
+run ahead of it by what a step has reserved: the table's ``num_tokens`` counts tokens
+with slots (committed plus the tokens scheduled and not yet committed, so equal between
+steps); the hash chain has hashed the committed tokens' full blocks and holds the rest
+pending; a sliding window's null entries are those before the window of the next query.
+The engine's ``TokenSequence.num_computed_tokens`` is the same quantity on the engine's
+side. :meth:`BlockManager.check_progress` states these relations and checks them.
+
 Sliding window (``sliding_window`` ``W`` tokens, for a model whose every layer slides):
 a query at position ``p`` reads positions ``p - W + 1 .. p`` only, so once a sequence's
 next query sits at position ``p`` (its committed tokens), every logical block wholly
@@ -97,9 +107,13 @@ class BlockManagerStats:
 
 @dataclass
 class _Sequence:
+    """One live sequence: its table (slots reserved: ``table.num_tokens``), its hash
+    chain and its committed count, the source of its progress (see
+    :meth:`BlockManager.check_progress`)."""
+
     table: BlockTable
     hasher: PrefixHasher | None  # None: this sequence's blocks are never cached
-    num_committed: int = 0  # tokens whose K/V are written
+    num_committed: int = 0  # tokens whose K/V are written: the one progress count
 
 
 class BlockManager:
@@ -227,7 +241,7 @@ class BlockManager:
         self._prefix_cache_queries += prefix.num_prompt_tokens
         self._prefix_cache_hits += prefix.num_tokens
         parent = prefix.keys[-1].digest if prefix.keys else None
-        return PrefixHasher(self.block_size, prefix.extra_keys, parent, prefix.num_tokens)
+        return PrefixHasher(self.block_size, prefix.extra_keys, parent)
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -325,7 +339,7 @@ class BlockManager:
                 f"the {table.num_tokens} reserved slots of {seq_id!r}"
             )
         if seq.hasher is not None:
-            first_block = seq.hasher.num_tokens // self.block_size
+            first_block = seq.num_committed // self.block_size  # the hasher's first pending
             for index, key in enumerate(seq.hasher.extend(token_ids), start=first_block):
                 if index >= table.num_null:  # a null entry's K/V were never written here
                     self.pool.cache_block(table.block_ids[index], key)
@@ -347,7 +361,84 @@ class BlockManager:
         """
         self._seqs.pop(seq_id).table.free()
 
+    # -- progress ------------------------------------------------------------------------
+
+    def check_progress(
+        self, seq_id: SeqId, num_computed_tokens: int, num_scheduled_tokens: int = 0
+    ) -> None:
+        """Check that the progress counts of ``seq_id`` agree with each other and with the
+        caller's ``num_computed_tokens``; raise AssertionError naming each that does not.
+
+        O(1), for tests and debugging (the state machine calls it after every rule, the
+        scheduler's :meth:`~pagedllm.engine.scheduler.Scheduler.check_progress` for each
+        running sequence); nothing calls it per step. With ``c`` the committed count and
+        ``s = num_scheduled_tokens`` the tokens reserved and not yet committed:
+
+        - committed, ``c`` (``_Sequence.num_committed``), is the source: tokens whose K/V
+          are written in this table (computed, copied back from swap space, or a prefix
+          hit). It equals the caller's computed count (the engine's
+          ``TokenSequence.num_computed_tokens``) whenever control is outside the
+          scheduler: the scheduler moves both in one method.
+        - reserved (``BlockTable.num_tokens``): tokens with slots, ``c + s``. ``s`` is 0
+          between steps and the plan's tokens of the sequence inside a step (between
+          ``schedule`` and ``update_from_output``; a swap-in's restored tokens are
+          committed as they are scheduled).
+        - hashed (the :class:`PrefixHasher`, when the sequence is cacheable): the first
+          ``c // block_size`` full blocks are hashed (so it has a parent digest iff
+          ``c >= block_size``); the ``c % block_size`` tokens after them are pending.
+        - released (sliding window): the first ``live_from(c)`` entries are null between
+          steps; with tokens scheduled, those before the window of the first one
+          computed, which lies in ``c .. c + s``.
+        - blocks: ``ceil((c + s) / block_size)`` table entries, or the up-front
+          reservation's if that is larger.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise AssertionError(
+                f"progress of {seq_id!r}: the block manager holds no such sequence"
+            )
+        table, block_size = seq.table, self.block_size
+        committed, scheduled = seq.num_committed, num_scheduled_tokens
+        problems = []
+        if committed != num_computed_tokens:
+            problems.append(f"committed {committed} != computed {num_computed_tokens}")
+        if scheduled < 0 or table.num_tokens != committed + scheduled:
+            problems.append(
+                f"reserved {table.num_tokens} != committed {committed} + scheduled {scheduled}"
+            )
+        hasher = seq.hasher
+        if hasher is not None:
+            if len(hasher.pending) != committed % block_size:
+                problems.append(
+                    f"{len(hasher.pending)} tokens pending in the hash chain, not "
+                    f"{committed % block_size} (committed {committed} % block size {block_size})"
+                )
+            if (hasher.parent_digest is None) != (committed < block_size):
+                problems.append(f"hash chain's parent digest does not match {committed} committed")
+        lowest = self.live_from(committed)
+        highest = self.live_from(committed + scheduled) if scheduled > 0 else lowest
+        if not lowest <= table.num_null <= highest:
+            problems.append(
+                f"{table.num_null} null entries, not in {lowest}..{highest} (sliding window "
+                f"{self.sliding_window} after {committed} committed, {scheduled} scheduled)"
+            )
+        num_blocks = max(
+            cdiv(table.num_tokens, block_size), cdiv(self.upfront_tokens or 0, block_size)
+        )
+        if len(table.block_ids) != num_blocks:
+            problems.append(
+                f"{len(table.block_ids)} table entries for {table.num_tokens} reserved tokens, "
+                f"not {num_blocks}"
+            )
+        if problems:
+            raise AssertionError(f"progress of sequence {seq_id!r}: " + "; ".join(problems))
+
     # -- views ---------------------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a table."""
+        return len(self._seqs)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """A copy of the physical block ids of ``seq_id``, in logical order (null entries

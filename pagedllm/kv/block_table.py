@@ -1,7 +1,11 @@
 """One sequence's map from logical blocks to physical blocks.
 
 Logical block ``j`` holds the sequence's tokens ``j * block_size .. (j + 1) * block_size - 1``
-and lives in physical block ``block_ids[j]``. Invariants:
+and lives in physical block ``block_ids[j]``. ``num_tokens`` counts the tokens that have
+slots: reserved, not computed. A step reserves its tokens' slots before the forward pass
+writes them, so inside a step it runs ahead of the block manager's committed count, the
+source of the sequence's progress, and equals it between steps
+(:meth:`~pagedllm.kv.block_manager.BlockManager.check_progress`). Invariants:
 
 - a table of ``num_tokens`` tokens holds exactly ``ceil(num_tokens / block_size)`` blocks
   (more only after :meth:`BlockTable.preallocate`), each with one reference owned by this table;

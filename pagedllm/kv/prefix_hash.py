@@ -75,8 +75,12 @@ def iter_block_keys(
 class PrefixHasher:
     """The running hash chain of one sequence's committed tokens.
 
-    ``num_tokens`` counts committed tokens; the keys of full blocks are handed out as the
-    blocks complete, the tokens of the partial last block wait in ``pending``.
+    It keeps no token count of its own: the block manager's committed count is the one
+    source. Of ``committed`` tokens, the full blocks (``committed`` rounded down to a
+    whole block) are hashed and their keys were handed out as the blocks completed; the
+    tokens of the partial last block, ``committed % block_size`` of them, wait in
+    ``pending``. :meth:`BlockManager.check_progress
+    <pagedllm.kv.block_manager.BlockManager.check_progress>` checks that relation.
     """
 
     def __init__(
@@ -84,21 +88,16 @@ class PrefixHasher:
         block_size: int,
         extra_keys: tuple[str, ...] = (),
         parent_digest: bytes | None = None,
-        num_tokens: int = 0,
     ) -> None:
-        """Continue a chain whose ``num_tokens`` tokens (whole blocks) end in ``parent_digest``."""
-        if num_tokens % block_size:
-            raise ValueError(f"a chain starts on a block boundary, got {num_tokens} tokens")
+        """Continue a chain of whole blocks ending in ``parent_digest`` (None: at the start)."""
         self.block_size = block_size
         self.extra_keys = extra_keys
         self.parent_digest = parent_digest
-        self.num_tokens = num_tokens
         self.pending: list[int] = []
 
     def extend(self, token_ids: Sequence[int]) -> list[BlockKey]:
         """Commit ``token_ids`` and return the keys of the blocks they complete."""
         self.pending.extend(token_ids)
-        self.num_tokens += len(token_ids)
         if len(self.pending) < self.block_size:
             return []
         keys = list(
@@ -112,6 +111,5 @@ class PrefixHasher:
     def copy(self) -> PrefixHasher:
         """An independent chain at the same point (for a forked sequence)."""
         twin = PrefixHasher(self.block_size, self.extra_keys, self.parent_digest)
-        twin.num_tokens = self.num_tokens
         twin.pending = list(self.pending)
         return twin
