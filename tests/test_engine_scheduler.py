@@ -1,14 +1,20 @@
 """The scheduler alone, over a real block manager and no model: budgets, chunked
-prefill, preemption order, priorities and the contiguous reservation."""
+prefill, preemption order, priorities, the contiguous reservation, and one count of
+each sequence's progress through every path (swap, recompute, fork, prefix hits,
+sliding window)."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
+from pagedllm.config import PreemptionMode
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.block_pool import BlockPool
 
 
 def make_seq(prompt_len: int, arrival: float, priority: int = 0) -> TokenSequence:
@@ -22,20 +28,24 @@ def make_seq(prompt_len: int, arrival: float, priority: int = 0) -> TokenSequenc
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[TokenSequence, int]]:
-    """One step as the engine does it: compute, then sample where a sequence ends."""
+    """One step as the engine does it: plan, compute (the scheduler commits), then sample
+    where a sequence ends; every sequence's progress is checked in the step and after."""
     plan = scheduler.schedule()
-    ran = []
-    for item in plan.scheduled:
-        samples = item.will_sample
-        item.seq.num_computed_tokens += item.num_tokens
-        if samples:
-            item.seq.append_token(next_token)
-        ran.append((item.seq, item.num_tokens))
-    return ran
+    scheduler.check_progress(plan)
+    for seq in scheduler.update_from_output(plan):
+        seq.append_token(next_token)
+    scheduler.check_progress()
+    return [(item.seq, item.num_tokens) for item in plan.scheduled]
+
+
+# The prompts of make_seq share their first tokens; the tests counting chunks and blocks
+# turn prefix caching off, so that every token is computed.
 
 
 def test_decodes_run_before_prefill_chunks_within_the_budget():
-    manager = BlockManager(num_blocks=64, block_size=4, reserved_fraction=0.0)
+    manager = BlockManager(
+        num_blocks=64, block_size=4, reserved_fraction=0.0, enable_prefix_caching=False
+    )
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=10)
     first = make_seq(6, arrival=0.0)
     scheduler.add(first)
@@ -82,7 +92,9 @@ def test_pool_exhaustion_preempts_latest_arrival_and_requeues_it_first():
 
 
 def test_preempted_sequence_recomputes_prompt_and_outputs():
-    manager = BlockManager(num_blocks=4, block_size=2, reserved_fraction=0.0)
+    manager = BlockManager(
+        num_blocks=4, block_size=2, reserved_fraction=0.0, enable_prefix_caching=False
+    )
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
     old, new = make_seq(3, 0.0), make_seq(3, 1.0)
     scheduler.add(old)
@@ -98,7 +110,9 @@ def test_preempted_sequence_recomputes_prompt_and_outputs():
 
 
 def test_head_of_line_waits_instead_of_being_skipped():
-    manager = BlockManager(num_blocks=4, block_size=4, reserved_fraction=0.0)
+    manager = BlockManager(
+        num_blocks=4, block_size=4, reserved_fraction=0.0, enable_prefix_caching=False
+    )
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
     running = make_seq(8, 0.0)
     scheduler.add(running)
@@ -152,3 +166,178 @@ def test_finish_returns_blocks_at_once(status):
     assert manager.pool.num_free == 8
     assert not scheduler.has_unfinished
     assert seq.status is status
+
+
+class FakeSwapSpace:
+    """The swap space's bookkeeping (parked blocks) without its tensors."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.pool = BlockPool(num_blocks, block_size, reserved_fraction=0.0)
+
+    def can_hold(self, num_blocks: int) -> bool:
+        return self.pool.can_allocate(num_blocks)
+
+    def park(self, num_blocks: int) -> list[int]:
+        return self.pool.allocate(num_blocks)
+
+    def unpark(self, swap_ids: list[int]) -> None:
+        self.pool.free(swap_ids)
+
+    def free(self, swap_ids: list[int]) -> None:
+        self.pool.free(swap_ids)
+
+
+def test_progress_check_names_a_computed_count_out_of_step():
+    manager = BlockManager(num_blocks=8, block_size=4, reserved_fraction=0.0)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    seq = make_seq(6, 0.0)
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    scheduler.check_progress(plan)
+    with pytest.raises(AssertionError, match="reserved 6 != committed 0 \\+ scheduled 0"):
+        scheduler.check_progress()  # inside the step, the plan's tokens are reserved only
+    scheduler.update_from_output(plan)
+    scheduler.check_progress()
+    seq.num_computed_tokens += 1  # counted by hand, not through the scheduler
+    with pytest.raises(AssertionError, match="committed 6 != computed 7"):
+        scheduler.check_progress()
+
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 14), st.integers(-1, 1), st.booleans()),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("fork"), st.integers(0, 99)),
+        st.tuples(st.just("abort"), st.integers(0, 99)),
+    ),
+    min_size=4,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(3, 16),
+    sliding_window=st.sampled_from([None, None, 3, 6]),
+    enable_prefix_caching=st.booleans(),
+    preemption_mode=st.sampled_from(list(PreemptionMode)),
+    swap_blocks=st.integers(1, 16),
+    max_num_batched_tokens=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 6),
+    actions=ACTIONS,
+)
+def test_computed_counts_follow_the_block_manager_through_every_path(
+    block_size,
+    num_blocks,
+    sliding_window,
+    enable_prefix_caching,
+    preemption_mode,
+    swap_blocks,
+    max_num_batched_tokens,
+    max_num_seqs,
+    actions,
+):
+    """Random workloads of admissions, steps, forks and aborts, with chunked prefills,
+    prefix hits, both preemptions and a sliding window: after every plan and every step
+    each running sequence's computed count is its committed count (the table's slots
+    run ahead by the plan's tokens), each swapped one's parked blocks cover its computed
+    tokens, and each waiting one has computed nothing."""
+    manager = BlockManager(
+        num_blocks,
+        block_size,
+        reserved_fraction=0.0,
+        enable_prefix_caching=enable_prefix_caching,
+        sliding_window=sliding_window,
+    )
+    swap_space = FakeSwapSpace(swap_blocks, block_size)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs,
+        max_num_batched_tokens,
+        cache_key="model",
+        swap_space=swap_space,
+        preemption_mode=preemption_mode,
+    )
+    capacity = num_blocks * block_size
+    live: list[TokenSequence] = []
+    arrival = 0.0
+    seen: set[str] = set()
+    forks: list[int] = []  # asked for, made after the next step that ends a sequence
+
+    def fork(parent: TokenSequence) -> TokenSequence:
+        child = TokenSequence(
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params,
+            arrival_time=parent.arrival_time,
+        )
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        scheduler.fork(parent, child)
+        live.append(child)
+        seen.add("fork")
+        return child
+
+    def step() -> None:
+        plan = scheduler.schedule()
+        scheduler.check_progress(plan)
+        seen.update(["swap out"] * bool(plan.swap_out) + ["swap in"] * bool(plan.swap_in))
+        if any(seq.status is SequenceStatus.PREEMPTED for seq in plan.preempted):
+            seen.add("recompute")
+        if any(manager.num_null_blocks(seq.seq_id) for seq in scheduler.running):
+            seen.add("window released blocks")
+        ending = scheduler.update_from_output(plan)
+        scheduler.check_progress()
+        if forks and ending:  # as the engine forks samples, and beam search beams
+            ending.append(fork(ending[forks.pop() % len(ending)]))
+            scheduler.check_progress()
+        for seq in ending:
+            seq.append_token((seq.seq_id + seq.num_tokens) % 3)
+            if seq.num_tokens >= seq.num_prompt_tokens + seq.params.max_tokens:
+                scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        scheduler.check_progress()
+
+    for action in actions:
+        if action[0] == "add":
+            _, prompt_len, priority, logprobs = action
+            max_tokens = max(1, min(10, capacity - prompt_len))  # fits the pool alone
+            prompt_len = min(prompt_len, capacity - max_tokens)
+            arrival += 1.0
+            seq = TokenSequence(
+                request_id=f"r{arrival}",
+                prompt_token_ids=[0, 1, 2, 0, 1, 2, 0, 1][:prompt_len] + [1] * (prompt_len - 8),
+                params=SamplingParams(
+                    max_tokens=max_tokens, prompt_logprobs=1 if logprobs else None
+                ),
+                arrival_time=arrival,
+                priority=priority,
+            )
+            scheduler.add(seq)
+            live.append(seq)
+        elif action[0] == "step":
+            for _ in range(action[1]):
+                step()
+        elif action[0] == "fork":
+            forks.append(action[1])
+        else:
+            candidates = [seq for seq in live if not seq.is_finished]
+            if candidates:
+                seq = candidates[action[1] % len(candidates)]
+                seen.add(f"abort {seq.status.name}")
+                scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                scheduler.check_progress()
+    for _ in range(40):  # drain (aborting the rest afterwards, whatever is left)
+        if not scheduler.has_unfinished:
+            break
+        step()
+    if manager.stats().prefix_cache_hits:
+        seen.add("prefix hit")
+    for name in sorted(seen):
+        event(name)
+    for seq in live:
+        if not seq.is_finished:
+            scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    scheduler.check_progress()
+    assert not scheduler.has_unfinished
+    assert manager.pool.num_used == 0 and swap_space.pool.num_used == 0

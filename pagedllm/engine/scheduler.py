@@ -174,14 +174,61 @@ class Scheduler:
             owed = seq.prompt_logprob_positions(item.num_tokens)
             if owed:
                 seq.num_prompt_logprob_positions = owed.stop
-            start = seq.num_computed_tokens
-            released = self.block_manager.commit_tokens(
-                seq.seq_id, seq.all_token_ids[start : start + item.num_tokens]
-            )
-            if released:  # the runner's entries from there on are stale
-                seq.num_table_blocks_sent = min(seq.num_table_blocks_sent, released.start)
-            seq.num_computed_tokens += item.num_tokens
+            self._advance(seq, item.num_tokens)
         return ending
+
+    def _advance(self, seq: TokenSequence, num_tokens: int) -> None:
+        """The one way a running sequence's progress moves on: K/V of its next
+        ``num_tokens`` tokens are written (by this plan's forward pass, or copied back
+        from the swap space before it). Commits them to the block manager (its committed
+        count, hash chain and sliding window follow) and advances
+        ``seq.num_computed_tokens`` by as many, so the two stay equal."""
+        start = seq.num_computed_tokens
+        released = self.block_manager.commit_tokens(
+            seq.seq_id, seq.all_token_ids[start : start + num_tokens]
+        )
+        if released:  # the runner's entries from there on are stale
+            seq.num_table_blocks_sent = min(seq.num_table_blocks_sent, released.start)
+        seq.num_computed_tokens = start + num_tokens
+
+    def check_progress(self, plan: SchedulerOutput | None = None) -> None:
+        """Check every sequence's computed count against the block manager; raise
+        AssertionError on the first disagreement. For tests and debugging: O(sequences),
+        never called per step.
+
+        ``TokenSequence.num_computed_tokens`` is the engine's count of tokens whose K/V
+        exist. Running, it equals the block manager's committed count and the rest follow
+        (:meth:`BlockManager.check_progress`): pass the ``plan`` between :meth:`schedule`
+        and :meth:`update_from_output`, when the plan's tokens have slots and are not yet
+        computed. Swapped, the sequence holds no table and its computed tokens' blocks
+        (those a sliding window had not released) are parked. Waiting (new or preempted
+        for recompute), it holds nothing and has computed nothing.
+        """
+        manager = self.block_manager
+        scheduled = {} if plan is None else {i.seq.seq_id: i.num_tokens for i in plan.scheduled}
+        for seq in self.running:
+            manager.check_progress(
+                seq.seq_id, seq.num_computed_tokens, scheduled.get(seq.seq_id, 0)
+            )
+        if manager.num_seqs != len(self.running):
+            raise AssertionError(
+                f"the block manager holds {manager.num_seqs} sequences, "
+                f"{len(self.running)} are running"
+            )
+        for seq in self.swapped:
+            parked = cdiv(seq.num_computed_tokens, manager.block_size) - seq.swap_first_block
+            if seq.seq_id in manager or len(seq.swap_block_ids) != max(0, parked):
+                raise AssertionError(
+                    f"swapped sequence {seq.seq_id}: {len(seq.swap_block_ids)} parked blocks "
+                    f"for {seq.num_computed_tokens} computed tokens from logical block "
+                    f"{seq.swap_first_block}, or it still holds a table"
+                )
+        for seq in self.waiting:
+            if seq.seq_id in manager or seq.num_computed_tokens != 0:
+                raise AssertionError(
+                    f"waiting sequence {seq.seq_id}: {seq.num_computed_tokens} computed "
+                    f"tokens, or it still holds a table"
+                )
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(released=self._released)
@@ -234,7 +281,7 @@ class Scheduler:
                 (swap_ids[i - seq.swap_first_block], table[i]) for i in range(first, end)
             )
             # their K/V are back before this plan's forward pass reads any of them
-            manager.commit_tokens(seq.seq_id, tokens[prefix.num_tokens : parked])
+            self._advance(seq, copied)
             self.swap_space.unpark(seq.swap_block_ids)
             seq.swap_block_ids = []
             self.swapped.pop(0)
@@ -251,7 +298,6 @@ class Scheduler:
             num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self._append(seq, num_tokens, out, prefix=prefix):
                 return
-            seq.num_computed_tokens = prefix.num_tokens
             self.waiting.pop(0)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
@@ -280,13 +326,19 @@ class Scheduler:
     ) -> bool:
         """Allocate slots for ``num_tokens`` tokens of ``seq`` (after ``parked`` tokens
         whose K/V come back from the swap space) and add them to the plan with their
-        block-table delta; False, changing nothing, when the blocks are not there."""
+        block-table delta; False, changing nothing, when the blocks are not there.
+
+        With a ``prefix`` the sequence starts a new table on that hit: its computed count
+        starts where the block manager's committed count does, at the hit's tokens (the
+        parked ones follow through :meth:`_advance`)."""
         manager = self.block_manager
         result = manager.allocate_slots(
             seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix, num_restored=parked
         )
         if result is None:
             return False
+        if prefix is not None:
+            seq.num_computed_tokens = prefix.num_tokens
         out.block_copies.extend(result.copies)
         start = min(seq.num_table_blocks_sent, result.first_changed)
         new_block_ids = manager.block_ids_from(seq.seq_id, start)

@@ -68,6 +68,11 @@ class TokenSequence:
 
     Invariant: ``0 <= num_computed_tokens <= num_tokens``; the tokens
     ``all_token_ids[num_computed_tokens:]`` still need a forward pass.
+    ``num_computed_tokens`` counts the tokens whose K/V exist: in the running sequence's
+    blocks, where it equals the block manager's committed count (the kv side's copy of
+    the same quantity); parked in the swap space while SWAPPED; none while WAITING or
+    PREEMPTED. Only the scheduler changes it, in step with the block manager
+    (``Scheduler._advance``; ``Scheduler.check_progress`` checks they agree).
     ``priority``: lower runs earlier (vLLM's convention); priority < 0 may use the
     reserved blocks. ``cache_salt``: sequences with different salts never share cached
     blocks.
