@@ -78,13 +78,15 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     not THP.exists() or "[never]" in THP.read_text(), reason="needs transparent huge pages"
 )
 def test_cpu_pool_is_zeroed_and_advised_for_huge_pages():
+    """The pool's own mapping carries the advice (``hg`` in VmFlags, set only by
+    MADV_HUGEPAGE) and the kernel counts it eligible. Whether memory that was not
+    advised is eligible depends on the machine (per-size THP settings, glibc tunables,
+    heap reuse), so it is not checked."""
     cache = KVCache(2, 64, 16, 3, 64, torch.bfloat16)
     assert cache.tensor.is_contiguous() and not cache.tensor.any()
-    assert mapping_fields(cache.tensor.data_ptr())["THPeligible"] == "1"
-    if "[madvise]" in THP.read_text():  # only advised memory gets huge pages
-        plain = torch.zeros(cache.tensor.shape, dtype=cache.tensor.dtype)
-        assert mapping_fields(plain.data_ptr())["THPeligible"] == "0"
-
+    fields = mapping_fields(cache.tensor.data_ptr())
+    assert "hg" in fields["VmFlags"].split()
+    assert fields["THPeligible"] == "1"
 
 
 def resident_bytes() -> int:
