@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -135,9 +135,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.bfloat16 if native else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"dtype {dtype} is not supported; use float32, bfloat16 or float16"
-            )
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     if dtype not in _DTYPES:
         choices = sorted(["auto", *_DTYPES])
@@ -145,23 +143,68 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+Parser = Callable[[Any, "EngineConfig"], Any]
+"""Reads a knob's user input (text such as ``"2GiB"``, ``"auto"`` or a choice's name,
+or the final value itself) into the field's final type, given the fields declared
+before it; raises ValueError naming the knob on bad input."""
+
+
 def knob(
-    default: Any, help: str, choices: type[Choice] | Sequence[str] | None = None
+    default: Any,
+    help: str,
+    choices: type[Choice] | Sequence[str] | None = None,
+    parse: Parser | None = None,
 ) -> Any:
-    """A config field with its command-line help (and allowed values): the one place a
-    knob is described; the flags of every command are generated from these. A
-    :class:`~pagedllm.choice.Choice` enum as ``choices`` also makes the field hold its
-    member (:meth:`EngineConfig.__post_init__` parses the text)."""
+    """A config field with its command-line help, allowed values and parser: the one
+    place a knob is described; the flags of every command are generated from these. A
+    :class:`~pagedllm.choice.Choice` enum as ``choices`` parses the text into its
+    member; ``parse`` reads any other knob given as text (sizes, devices, dtypes).
+    :meth:`EngineConfig.__post_init__` runs each parser once, in field order."""
     is_enum = isinstance(choices, type) and issubclass(choices, Choice)
     allowed = choices.values() if is_enum else choices
-    metadata = {"help": help, "choices": allowed, "choice": choices if is_enum else None}
+    metadata = {
+        "help": help,
+        "choices": allowed,
+        "choice": choices if is_enum else None,
+        "parse": parse,
+    }
     return field(default=default, metadata=metadata)
+
+
+def _parse_device(value: str | torch.device, config: EngineConfig) -> torch.device:
+    return resolve_device(value)
+
+
+def _parse_dtype(value: str | torch.dtype, config: EngineConfig) -> torch.dtype:
+    return resolve_dtype(value, config.device)
+
+
+def _parse_kv_cache_memory(value: int | str | None, config: EngineConfig) -> int | None:
+    if value is None and config.device.type == "cpu":
+        value = DEFAULT_CPU_KV_CACHE_MEMORY
+    if value is None:
+        return None
+    size = parse_bytes(value)
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {size}")
+    return size
+
+
+def _parse_swap_space(value: int | str, config: EngineConfig) -> int:
+    size = parse_bytes(value)
+    if size < 0:
+        raise ValueError(f"swap_space must be >= 0, got {size}")
+    return size
 
 
 @dataclass
 class EngineConfig:
     """Engine settings. Units: tokens unless a name says blocks or bytes; each field's
-    ``help`` says what it does (``pagedllm serve --help`` prints them all)."""
+    ``help`` says what it does (``pagedllm serve --help`` prints them all).
+
+    Every field holds its annotated type once constructed: a knob given as text (a
+    choice's name, ``"auto"``, ``"2GiB"``) is read by its parser (:func:`knob`) once, in
+    ``__post_init__``, which then checks the fields against each other."""
 
     model: str | None = knob(
         None,
@@ -209,14 +252,17 @@ class EngineConfig:
         "sdpa sends chunks of 16 rows or more to SDPA",
         AttentionKernel,
     )
-    device: str | torch.device = knob(
-        "auto", "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]"
+    device: torch.device = knob(
+        "auto",
+        "auto (CUDA when torch sees a GPU, else the CPU), cpu, or cuda[:N]",
+        parse=_parse_device,
     )
-    dtype: str | torch.dtype = knob(
+    dtype: torch.dtype = knob(
         "auto",
         "weights and activations; auto is bfloat16 on CUDA and on a CPU with bfloat16 "
         "instructions (avx512_bf16, amx_bf16), float32 on other CPUs",
         ("auto", *_DTYPES),
+        parse=_parse_dtype,
     )
     kv_cache_dtype: KVCacheDtype = knob(
         KVCacheDtype.AUTO,
@@ -225,10 +271,11 @@ class EngineConfig:
         KVCacheDtype,
     )
     block_size: int = knob(16, "tokens per KV block (a power of two)")
-    kv_cache_memory: int | str | None = knob(
+    kv_cache_memory: int | None = knob(
         None,
         "bytes for the whole KV pool, e.g. 2GiB; default 2GiB on the CPU, and on CUDA what "
         "gpu_memory_utilization leaves after the weights and a profiling step's activations",
+        parse=_parse_kv_cache_memory,
     )
     gpu_memory_utilization: float = knob(
         0.9, "share of the GPU's memory the engine may use, KV pool included (CUDA)"
@@ -247,9 +294,7 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(
         1024, "tokens one step may run (decodes + prefill chunks); longer prompts are chunked"
     )
-    max_n: int = knob(
-        128, "most samples (n) one request may ask for; each holds its own KV blocks"
-    )
+    max_n: int = knob(128, "most samples (n) one request may ask for; each holds its own KV blocks")
     reserved_fraction: float = knob(
         0.05, "share of the KV blocks only high-priority requests (priority < 0) may take"
     )
@@ -268,7 +313,9 @@ class EngineConfig:
         "swap_space; auto swaps sequences with a full block computed, recomputes the rest",
         PreemptionMode,
     )
-    swap_space: int | str = knob(0, "bytes of the second KV tier for swap, e.g. 1GiB")
+    swap_space: int = knob(
+        0, "bytes of the second KV tier for swap, e.g. 1GiB", parse=_parse_swap_space
+    )
     swap_path: str | None = knob(None, "memory-map the second KV tier to this file")
     tensor_parallel_size: int = knob(
         1,
@@ -313,26 +360,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for spec in fields(self):
-            kind = spec.metadata["choice"]
+            value, kind, parse = (
+                getattr(self, spec.name),
+                spec.metadata["choice"],
+                spec.metadata["parse"],
+            )
             if kind is not None:
-                setattr(self, spec.name, parse_choice(kind, getattr(self, spec.name), spec.name))
-        self.device = resolve_device(self.device)
-        self.dtype = resolve_dtype(self.dtype, self.device)
-        if self.kv_cache_memory is None and self.device.type == "cpu":
-            self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-            if self.kv_cache_memory <= 0:
-                raise ValueError(
-                    f"kv_cache_memory must be positive, got {self.kv_cache_memory}"
-                )
+                setattr(self, spec.name, parse_choice(kind, value, spec.name))
+            elif parse is not None:
+                setattr(self, spec.name, parse(value, self))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        self.swap_space = parse_bytes(self.swap_space)
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         validate_block_size(self.block_size)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

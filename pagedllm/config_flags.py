@@ -16,8 +16,8 @@ from typing import Any
 from pagedllm.config import EngineConfig
 
 # How a field's annotation (a string under postponed evaluation) is read from the command
-# line; any other annotation is passed on as text for EngineConfig to parse (sizes such as
-# "2GiB", devices, dtypes).
+# line; a knob with its own parser (sizes such as "2GiB", devices, dtypes, choices) and
+# any other annotation is passed on as text for EngineConfig to parse.
 _PARSERS = {"int": int, "int | None": int, "float": float}
 
 
@@ -41,7 +41,8 @@ def add_config_flags(
         if spec.type == "bool":
             options["action"] = argparse.BooleanOptionalAction
         else:
-            options["type"] = _PARSERS.get(str(spec.type), str)
+            parsed_by_config = spec.metadata["parse"] or spec.metadata["choice"]
+            options["type"] = str if parsed_by_config else _PARSERS.get(str(spec.type), str)
             if spec.metadata["choices"] is not None:
                 options["choices"] = spec.metadata["choices"]
         group.add_argument(flag_name(spec.name), **options)

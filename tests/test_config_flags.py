@@ -3,15 +3,18 @@ for names, defaults and help, and the README lists every knob."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.cli import build_parser
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, PreemptionMode
 from pagedllm.config_flags import config_from_flags, flag_name
+from pagedllm.kv_storage.kv_quant import KVCacheDtype
 
 FIELDS = [spec.name for spec in fields(EngineConfig)]
 
@@ -57,3 +60,37 @@ def test_readme_names_every_knob():
     readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     named = set(re.findall(r"`([a-z_]+)`", readme))
     assert set(FIELDS) <= named, sorted(set(FIELDS) - named)
+
+
+def test_text_knobs_are_parsed_into_their_final_types_once():
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory="1.5GiB",
+        swap_space="512MB",
+        preemption_mode="swap",
+        kv_cache_dtype="int8",
+    )
+    assert config.device == torch.device("cpu") and config.dtype is torch.float32
+    assert (config.kv_cache_memory, config.swap_space) == (3 << 29, 512 * 1000**2)
+    assert type(config.preemption_mode) is PreemptionMode
+    assert type(config.kv_cache_dtype) is KVCacheDtype
+    # constructing again from the final values (dataclasses.replace) keeps them
+    assert dataclasses.replace(config) == config
+    assert EngineConfig(device="cpu").kv_cache_memory == DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "message"),
+    [
+        ("kv_cache_memory", "0", "kv_cache_memory must be positive"),
+        ("kv_cache_memory", "lots", "cannot read a memory size"),
+        ("swap_space", -1, "swap_space must be >= 0"),
+        ("dtype", "float64", "dtype 'float64' is not supported"),
+        ("device", "tpu", "device must be"),
+        ("preemption_mode", "drop", "preemption_mode must be one of recompute, swap, auto"),
+    ],
+)
+def test_bad_knob_text_is_refused_naming_the_knob(knob, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{"device": "cpu", knob: value})

@@ -26,6 +26,9 @@ def test_block_table_rows_follow_deltas_and_reuse_rows():
 
 
 def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tiny_model):
+    """Through the whole engine (forks of n > 1, copy-on-write, swap and recompute), the
+    runner's tables follow the plans' deltas and every sequence's computed count agrees
+    with the block manager before and after each step."""
     engine = tiny_engine(
         tiny_model,
         32,
@@ -49,6 +52,7 @@ def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tin
                 keys = engine.scheduler._extra_keys(item.seq)
                 found = manager.find_cached_prefix(item.seq.all_token_ids[: computed + 1], keys)
                 assert found.num_tokens == computed // block_size * block_size
+        engine.scheduler.check_progress(plan)  # slots for the plan, none of it computed
         if plan.is_empty:
             continue
         swapped_out_bytes = engine.swap_space.stats().bytes_swapped_out
@@ -58,6 +62,7 @@ def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tin
             saw_swap_copies = True
         saw_cow |= bool(plan.block_copies)
         engine.run_plan(plan)
+        engine.scheduler.check_progress()  # forks, finishes and sampled tokens included
         for item in plan.scheduled:
             if item.seq.seq_id not in engine.block_manager:
                 continue  # finished in this step
