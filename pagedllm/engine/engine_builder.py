@@ -33,7 +33,7 @@ from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import pool_blocks
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.decoder import CausalDecoder
-from pagedllm.models.loader import LoadedModel, load_model
+from pagedllm.models.loader import LoadedModel, load_model_for
 from pagedllm.models.weight_bytes import describe_weight_bytes
 from pagedllm.tokenizer import Tokenizer
 
@@ -144,16 +144,7 @@ def _load(
     """``loaded``, or the model loaded for ``config`` (this rank's slice); ValueError when
     its dtype or device is not the config's."""
     start = time.monotonic()
-    loaded = loaded or load_model(
-        config.model,
-        config.dtype,
-        device=config.device,
-        load_format=config.load_format,
-        quantization=config.quantization,
-        linear_kernel=config.linear_kernel,
-        parallel=executor.group if executor else None,
-        activation_quantization=config.activation_quantization,
-    )
+    loaded = loaded or load_model_for(config, executor.group if executor else None)
     model = loaded.model
     if model.dtype != config.dtype:
         raise ValueError(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.choice import parse_choice
-from pagedllm.config import ActivationQuantization, LoadFormat, Quantization
+from pagedllm.config import ActivationQuantization, EngineConfig, LoadFormat, Quantization
 from pagedllm.cpu.allocator import release_free_memory
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.activation_quantization import quantize_activations
@@ -37,6 +37,23 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer | None
     source: Path
+
+
+def load_model_for(
+    config: EngineConfig, parallel: TensorParallelGroup | None = None
+) -> LoadedModel:
+    """:func:`load_model` with the engine config's model, dtype, device, format and
+    kernel knobs (``parallel``: this rank's group, for its slice)."""
+    return load_model(
+        config.model,
+        config.dtype,
+        device=config.device,
+        load_format=config.load_format,
+        quantization=config.quantization,
+        linear_kernel=config.linear_kernel,
+        parallel=parallel,
+        activation_quantization=config.activation_quantization,
+    )
 
 
 def load_model(

@@ -34,7 +34,7 @@ from pagedllm.engine.model_runner import ModelInput
 from pagedllm.engine.model_worker import ModelWorker
 from pagedllm.engine.prompt_logprobs import prompt_logits
 from pagedllm.kv_storage.block_copies import BlockCopies
-from pagedllm.models.loader import load_model
+from pagedllm.models.loader import load_model_for
 
 logger = logging.getLogger("pagedllm")
 
@@ -154,16 +154,7 @@ def run_rank(
 
 
 def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
-    loaded = load_model(
-        config.model,
-        config.dtype,
-        device=config.device,
-        load_format=config.load_format,
-        quantization=config.quantization,
-        linear_kernel=config.linear_kernel,
-        parallel=group,
-        activation_quantization=config.activation_quantization,
-    )
+    loaded = load_model_for(config, group)
     setup = group.broadcast_object()
     if not isinstance(setup, WorkerSetup):
         return  # rank 0 failed before it sized the pool, and says stop
