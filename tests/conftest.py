@@ -101,3 +101,28 @@ def tiny_model(tmp_path_factory):
     from pagedllm.models.loader import load_model
 
     return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))))
+
+
+# A server test module defines ``server`` (a ServerProcess, module scope); these reach it.
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client of the module's server."""
+    import httpx
+
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai SDK's client of the module's server (no retries)."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(model_folder):
+    """The served model's name: its folder's (the module defines ``model_folder``)."""
+    return model_folder.name

@@ -31,11 +31,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def offline():
     """Greedy outputs of the offline API, one prompt at a time (as the server runs them)."""
     from pagedllm.engine.llm import LLM

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
 from tiny_chat_model import write_tiny_chat_llama
 
@@ -37,26 +36,10 @@ def server(model_folder):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def tokenizer(model_folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_folder)
-
-
-@pytest.fixture(scope="module")
-def model_name(model_folder):
-    return model_folder.name
 
 
 def complete(client, model_name, **fields):

@@ -42,12 +42,6 @@ def server(model):
         yield process
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        yield client
-
-
 def metric(http: httpx.Client, name: str) -> float:
     """The sum of a Prometheus series over its labels."""
     lines = http.get("/metrics").text.splitlines()

@@ -176,12 +176,6 @@ def server(tmp_path_factory):
         yield process
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        yield client
-
-
 def assert_openai_error(response: httpx.Response) -> None:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-import httpx
 import pydantic
 import pytest
 from fault_injecting_cli import DECODER_FAULT
@@ -59,22 +58,6 @@ def model_folder(tmp_path_factory):
 def server(model_folder):
     with ServerProcess(["--model", str(model_folder), *SERVE_ARGS], entry=ENTRY) as process:
         yield process
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model_name(model_folder):
-    return model_folder.name
 
 
 def respond(client, model_name, **fields):
