@@ -5,7 +5,8 @@ content of a sequence's token at position p is its cache salt and its token ids 
 which is what real K/V depend on (the salt stands in for everything that must keep two
 requests apart). After every step each sequence must read back, through its block table,
 the content it wrote, and every cached block must still hold the content its key names,
-whatever other sequences wrote, forked, evicted or freed meanwhile. With a sliding
+whatever other sequences wrote, forked, evicted or freed meanwhile (or guessed and
+rolled back: a speculative step writes guesses it may not keep). With a sliding
 window, each sequence reads back only the positions its next query can see, holds no
 block before them, and prefix hits need only the cached blocks inside the window.
 """
@@ -237,6 +238,40 @@ class KVManagerMachine(RuleBasedStateMachine):
         pending = len(shadow.tokens) - shadow.num_committed
         count = data.draw(st.one_of(st.none(), st.integers(0, pending)), label="count")
         self.commit(seq_id, count)
+
+    @precondition(lambda self: self.seqs)
+    @rule(
+        index=st.integers(0, 99),
+        known=st.lists(st.integers(0, 2), min_size=1, max_size=3),
+        guesses=st.lists(st.integers(0, 2), min_size=1, max_size=9),
+        high_priority=st.booleans(),
+        data=st.data(),
+    )
+    def speculate(self, index, known, guesses, high_priority, data):
+        """A speculative step: slots for the known tokens and the guesses after them in
+        one allocation, all written; then the known tokens and the kept guesses are
+        committed and the rejected guesses rolled back (their blocks wholly past the
+        kept tokens return to the pool; a contiguous reservation keeps its own)."""
+        seq_id = self.pick(index)
+        shadow = self.seqs[seq_id]
+        self.commit(seq_id)  # the previous step's tokens are done
+        if not self.write(seq_id, shadow, known + guesses, high_priority, commit=False):
+            return
+        accepted = data.draw(st.integers(0, len(guesses)), label="guesses kept")
+        self.commit(seq_id, len(known) + accepted)
+        table_before = len(self.manager.block_table(seq_id))
+        free_before = self.pool.num_free
+        released = self.manager.rollback(seq_id)
+        del shadow.tokens[shadow.num_committed :]
+        kept = max(
+            -(-shadow.num_committed // self.block_size),
+            -(-shadow.reserved_tokens // self.block_size),
+            self.manager.num_null_blocks(seq_id),
+        )
+        assert released == table_before - kept
+        assert len(self.manager.block_table(seq_id)) == kept
+        assert self.pool.num_free == free_before + released
+        event(f"rollback released {released} blocks")
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))

@@ -346,6 +346,16 @@ class BlockManager:
         seq.num_committed += len(token_ids)
         return table.release_before(self.live_from(seq.num_committed))
 
+    def rollback(self, seq_id: SeqId) -> int:
+        """Give back the slots ``seq_id`` reserved beyond its committed tokens (guessed
+        tokens the model rejected): the table ends at the committed count again and the
+        blocks wholly past it return to the pool (an up-front reservation keeps its
+        blocks). Returns the blocks released. Nothing was hashed from those slots:
+        only committed tokens enter the prefix cache."""
+        seq = self._seqs[seq_id]
+        min_blocks = cdiv(self.upfront_tokens or 0, self.block_size)
+        return seq.table.truncate(seq.num_committed, min_blocks)
+
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks."""
         if child_id in self._seqs:

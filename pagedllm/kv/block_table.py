@@ -160,6 +160,20 @@ class BlockTable:
             self.num_null = end
         return released
 
+    def truncate(self, num_tokens: int, min_blocks: int = 0) -> int:
+        """Drop the slots of tokens ``num_tokens ..`` (reserved, never to be kept) and
+        release the blocks wholly past them, last first, keeping at least
+        ``min_blocks`` entries (an up-front reservation). Returns the blocks released.
+        Their K/V were never committed, so none of them is cached."""
+        if not self.num_null * self._block_size <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate a table of {self.num_tokens} tokens to {num_tokens}")
+        keep = max(cdiv(num_tokens, self._block_size), min_blocks, self.num_null)
+        released = self._block_ids[keep:]
+        self._pool.free(reversed(released))
+        del self._block_ids[keep:]
+        self.num_tokens = num_tokens
+        return len(released)
+
     def preallocate(self, num_tokens: int, high_priority: bool = False) -> None:
         """Hold blocks for ``num_tokens`` tokens in advance (contiguous-reservation baseline).
 
