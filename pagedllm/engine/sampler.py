@@ -359,7 +359,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
-        logits = _processed_logits(logits, batch)
+        logits = processed_logits(logits, batch)
         token_ids = argmax_rows(logits)
         if batch.random is not None:
             token_ids[batch.random.rows] = _draw(logits[batch.random.rows], batch.random)
@@ -369,8 +369,9 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
 
-def _processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Constrained, biased and penalised logits; never modifies the input."""
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Constrained, biased and penalised logits, rows aligned with ``batch``'s (greedy
+    rows take their argmax); never modifies the input."""
     vocab_size = logits.shape[-1]
     if batch.grammar is not None:
         constrained = logits[batch.grammar.rows]
@@ -420,8 +421,10 @@ def _check_some_token_allowed(logits: torch.Tensor) -> None:
         )
 
 
-def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
-    """Token ids ``[num_random]`` drawn from the truncated, tempered distributions."""
+def sampling_probabilities(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
+    """The distributions ``[num_random, vocab]`` the random rows draw from: processed
+    ``logits`` of those rows tempered, truncated by top-k, top-p and min-p, softmaxed
+    (min-p leaves them unnormalised; draws scale by each row's total)."""
     logits = logits / random.temperatures[:, None]
     if random.uses_top_k_top_p:
         vocab_size = logits.shape[-1]
@@ -430,14 +433,27 @@ def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     if random.uses_min_p:
         mask_min_p(probs, random.min_p)
+    return probs
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-transform draws: per row of ``probs`` ``[rows, vocab]`` (not necessarily
+    normalised), the first id whose cumulative mass (float64, id order) exceeds
+    ``uniforms[row]`` ``[rows]`` (in [0, 1)) times the row's total."""
     cumulative = probs.double().cumsum(dim=-1)
-    targets = _uniforms(random.generators, probs.device) * cumulative[:, -1]
+    targets = uniforms * cumulative[:, -1]
     token_ids = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
     # u * total may round up to total (chance about 2**-53): stay inside the vocabulary
     return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+def _draw(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
+    """Token ids ``[num_random]`` drawn from the truncated, tempered distributions."""
+    probs = sampling_probabilities(logits, random)
+    return draw_from(probs, draw_uniforms(random.generators, probs.device))
+
+
+def draw_uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """``[num_rows]`` float64 uniforms in [0, 1) on ``device``: seeded rows from their own
     generator, which may live on another device than the logits (the host's by
     default), so a seeded sequence draws the same numbers on every device."""
