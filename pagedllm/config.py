@@ -16,6 +16,7 @@ from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LinearKernel
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv_storage.kv_quant import KVCacheDtype
+from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output import COMPACT_JSON_BY_DEFAULT
 
 _DTYPES = {
@@ -352,6 +353,15 @@ class EngineConfig:
         "space after each ',' and ':' and none elsewhere (vLLM's name; on by default here, "
         "off in vLLM: --no-disable-any-whitespace allows any JSON whitespace); a request's "
         "structured_outputs.disable_any_whitespace overrides it",
+    )
+    speculative_config: SpeculativeConfig | None = knob(
+        None,
+        "speculative decoding, as JSON in vLLM's shape: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4} or {"method": "suffix", "num_speculative_tokens": 8}; '
+        "the engine guesses up to that many tokens per sequence and step, fewer (or none) "
+        "when its measurements say guessing would not pay (docs/speculative_decoding.md)",
+        parse=lambda value, config: SpeculativeConfig.parse(value),
     )
     seed: int = knob(0, "seed of the global random generator (unseeded requests draw from it)")
     log_stats_interval: float = knob(

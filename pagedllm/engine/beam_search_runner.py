@@ -62,6 +62,11 @@ class BeamSearchRunner:
     def __init__(self, engine: LLMEngine) -> None:
         if engine.has_unfinished_requests():
             raise ValueError("beam search runs alone: the engine still has requests")
+        if engine.speculator is not None:
+            raise ValueError(
+                "beam search does not run with speculative decoding: start the engine "
+                "without speculative_config"
+            )
         self.engine = engine
         self._pending: deque[_Search] = deque()
         self._active: list[_Search] = []

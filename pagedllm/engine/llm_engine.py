@@ -3,7 +3,11 @@
 One step: the scheduler picks tokens within the budget (decodes first, then prefill
 chunks), copy-on-write block copies run, the model runs the flattened batch through the
 paged cache, the sampler picks the next token of every sequence that reached its end,
-and finished sequences give their blocks back before ``step()`` returns.
+and finished sequences give their blocks back before ``step()`` returns. With
+``speculative_config``, sequences also run the tokens guessed for them; the model's
+rows verify the guesses (:mod:`~pagedllm.engine.spec_verify`), the kept ones join the
+sequence with the model's next token, and the rest are rolled back
+(:mod:`~pagedllm.engine.speculation`).
 
 Isolation: ``add_request`` refuses (``InvalidRequestError``, nothing queued) a request
 whose fields or worst case can never fit this engine. A failure while sampling or
@@ -29,12 +33,13 @@ from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompt_logprobs import score_prompt_positions
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.request_validator import PromptInput, RequestValidator
-from pagedllm.engine.sampler import Sampler, SamplerOutput, make_generator
+from pagedllm.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, make_generator
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
+from pagedllm.engine.speculation import Speculator
 from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
-from pagedllm.engine.step_sampling import sample_isolated
+from pagedllm.engine.step_sampling import sample_isolated, verify_isolated
 from pagedllm.engine.tensor_parallel.worker import StepWork
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.models.loader import LoadedModel
@@ -77,6 +82,8 @@ class LLMEngine:
             self.block_manager,
         )
         self.sampler = Sampler()
+        spec = config.speculative_config
+        self.speculator = Speculator(spec) if spec is not None else None
         self._requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self._prompt_tokens_total = 0
@@ -185,6 +192,8 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             seq.finished_time = now
+            if self.speculator is not None:
+                self.speculator.finished(seq, completed=False)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -200,7 +209,10 @@ class LLMEngine:
         times.schedule += time.perf_counter() - t0
         if plan.is_empty:
             return []
-        return self.run_plan(plan)
+        outputs = self.run_plan(plan)
+        if self.speculator is not None:
+            self.speculator.policy.observe_step(plan.num_batched_tokens, time.perf_counter() - t0)
+        return outputs
 
     def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """The rest of :meth:`step` after scheduling: execute ``plan`` (from
@@ -208,14 +220,20 @@ class LLMEngine:
         times = self.step_times
         ending, logits = self.execute_plan(plan)
         t1 = time.perf_counter()
-        sampling, logits = self._fork_parallel_samples(ending, logits)
-        sampled, failures = sample_isolated(self.sampler, sampling, logits, self.stop_token_ids)
-        t2 = time.perf_counter()
-        outputs = self._process(sampling, sampled, failures)
+        drafts = {i.seq.seq_id: i.draft_token_ids for i in plan.scheduled if i.draft_token_ids}
+        if drafts:
+            outputs = self._sample_with_drafts(ending, logits, drafts)
+            t2 = t1  # verification and processing are counted together, as sampling
+        else:
+            sampling, logits = self._fork_parallel_samples(ending, logits)
+            sampled, failures = sample_isolated(self.sampler, sampling, logits, self.stop_token_ids)
+            t2 = time.perf_counter()
+            outputs = self._process(sampling, sampled, failures)
         times.sample += t2 - t1
+        if self.speculator is not None:
+            self._offer_guesses()
         times.postprocess += time.perf_counter() - t2
         times.steps += 1
-        self._generation_tokens_total += len(sampling)
         self._last_batched_tokens = plan.num_batched_tokens
         self._max_concurrent = max(self._max_concurrent, len(plan.scheduled))
         if self._stats_logger.due():
@@ -244,6 +262,68 @@ class LLMEngine:
         times.prepare += t1 - t0
         times.forward += time.perf_counter() - t1
         return self.scheduler.update_from_output(plan), output.logits
+
+    def _sample_with_drafts(
+        self,
+        ending: list[TokenSequence],
+        logits: torch.Tensor,
+        drafts: dict[int, list[int]],
+    ) -> list[RequestOutput]:
+        """Sample the plain rows, verify the guessing sequences' rows, record both, then
+        settle each guessing sequence (commit the kept guesses, roll back the rest).
+        Sequences that guess only decode, so none of them forks here."""
+        plain, plain_rows, guessing, guessing_rows = [], [], [], []
+        row = 0
+        for seq in ending:
+            guesses = drafts.get(seq.seq_id, [])
+            if guesses:
+                guessing.append(seq)
+                guessing_rows.extend(range(row, row + len(guesses) + 1))
+            else:
+                plain.append(seq)
+                plain_rows.append(row)
+            row += len(guesses) + 1
+        plain, plain_logits = self._fork_parallel_samples(plain, logits[plain_rows])
+        sampled, failures = sample_isolated(self.sampler, plain, plain_logits, self.stop_token_ids)
+        guess_lists = [drafts[seq.seq_id] for seq in guessing]
+        verified, verify_failures = verify_isolated(
+            guessing, guess_lists, logits[guessing_rows], self.stop_token_ids
+        )
+        failures.update(verify_failures)
+        rows = list(plain)
+        token_ids: list[int | None] = list(sampled.token_ids) if sampled else []
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if sampled is not None and sampled.logprobs is not None:
+            logprobs = list(sampled.logprobs)
+        for seq, result in zip(guessing, verified, strict=True):
+            if result is None:
+                continue
+            rows.extend([seq] * len(result.token_ids))
+            token_ids.extend(result.token_ids)
+            logprobs.extend(result.logprobs or [None] * len(result.token_ids))
+        outputs = self._process(rows, SamplerOutput(token_ids, logprobs), failures)
+        speculator = self.speculator
+        for seq, guesses, result in zip(guessing, guess_lists, verified, strict=True):
+            if result is None:
+                continue
+            speculator.record(len(guesses), result.num_accepted)
+            speculator.num_blocks_rolled_back += self.scheduler.settle_drafts(
+                seq, result.num_accepted
+            )
+        return outputs
+
+    def _offer_guesses(self) -> None:
+        """Let the speculator offer guesses to the decoding sequences for the next step,
+        each within its ``max_tokens``."""
+        candidates, num_batched_tokens = [], 0
+        for seq in self.scheduler.running:
+            num_batched_tokens += seq.num_uncomputed_tokens
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            out = self._requests[seq.request_id].sequences[seq.index]
+            candidates.append((seq, out.max_tokens - seq.num_output_tokens - 1))
+        budget = self.config.max_num_batched_tokens
+        self.speculator.propose(candidates, min(num_batched_tokens, budget))
 
     def _record_prompt_logprobs(
         self, spans: list[tuple[TokenSequence, range]], hidden: torch.Tensor
@@ -292,8 +372,8 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for row, seq in enumerate(sampling):
-            if seq.request_id in failures:
-                continue
+            if seq.request_id in failures or seq.is_finished:
+                continue  # a finished sequence's later rows: guesses after its stop
             state = self._requests[seq.request_id]
             out = state.sequences[seq.index]
             logprobs = sampled.logprobs[row] if sampled.logprobs is not None else None
@@ -303,6 +383,7 @@ class LLMEngine:
                 failures[seq.request_id] = error
                 touched.pop(seq.request_id, None)
                 continue
+            self._generation_tokens_total += 1
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 # vLLM's prompt_tokens_total: each request's whole prompt, once, when
@@ -313,6 +394,8 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(seq, status)
                 seq.finished_time = now
+                if self.speculator is not None:
+                    self.speculator.finished(seq, completed=True)
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
@@ -367,4 +450,5 @@ class LLMEngine:
             step_times=self.step_times,
             num_swapped=len(self.scheduler.swapped),
             swap=self.swap_space.stats() if self.swap_space is not None else None,
+            spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
         )

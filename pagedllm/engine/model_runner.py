@@ -2,7 +2,9 @@
 
 The batch is every scheduled token of every sequence, concatenated in plan order,
 with no padding. Only rows that end a sequence's known tokens are projected to the
-vocabulary: a prefill chunk that stops short of the prompt's end samples nothing.
+vocabulary: a prefill chunk that stops short of the prompt's end samples nothing. A
+sequence running guessed tokens (speculative decoding) has them after its known token,
+and each of their rows is projected too: ``1 + guesses`` rows, in order.
 Rows of prompt positions whose logprobs a request asked for (``prompt_logprobs``) come
 back as final hidden states, from the same pass, for the engine to score.
 
@@ -31,7 +33,8 @@ from pagedllm.models.layer_stack import LayerStack
 @dataclass
 class ModelInput:
     """One flattened batch: token ids and positions ``[T]``, attention metadata, the
-    rows that sample (one per sequence whose known tokens end in this batch), and the
+    rows that sample (per sequence whose known tokens end in this batch, its last known
+    token's row, then one per guessed token), and the
     rows of prompt positions owed logprobs, sequence by sequence (``prompt_spans``:
     each sequence with its positions, in ``prompt_rows`` order)."""
 
@@ -103,7 +106,8 @@ class ModelRunner:
                 token_ids.append(seq.all_token_ids[start])
                 positions.append(start)
             else:
-                token_ids.extend(seq.all_token_ids[start:end])
+                token_ids.extend(seq.all_token_ids[start : start + item.num_known_tokens])
+                token_ids.extend(item.draft_token_ids)
                 positions.extend(range(start, end))
             slots.extend(item.slots)
             seq_lens.append(end)
@@ -122,9 +126,10 @@ class ModelRunner:
             max_seq_len=max_seq_len,
         )
         sample_rows = [
-            int(query_start_loc[row + 1]) - 1
+            int(query_start_loc[row + 1]) - 1 - guess
             for row, item in enumerate(plan.scheduled)
             if item.will_sample
+            for guess in range(len(item.draft_token_ids), -1, -1)
         ]
         return ModelInput(
             self._to_device(torch.tensor(token_ids, dtype=torch.int64)),

@@ -24,7 +24,7 @@ class SequenceDetokenizer:
         self.params: SamplingParams = seq.params
         self._decoder = decoder
         self._eos_token_ids = set() if seq.params.ignore_eos else eos_token_ids
-        self._max_tokens = max_tokens
+        self.max_tokens = max_tokens
         self._stops: list[str] = list(seq.params.stop)
         self._hold_back = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
@@ -51,7 +51,7 @@ class SequenceDetokenizer:
             self.text += self._decoder.add(token_id)
         if self._stops and self._truncate_at_stop_string():
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= self._max_tokens:
+        if seq.num_output_tokens >= self.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

@@ -21,6 +21,15 @@ later query of the sequence reads (:mod:`pagedllm.kv.block_manager`); their entr
 reach the model runner as null entries in the next block-table delta, a swap-out parks
 only the blocks still held, and a swap-in copies back only those inside the window.
 
+Speculative decoding: a decoding sequence may carry guessed tokens
+(``TokenSequence.draft_token_ids``). The step runs them after its next token, in the
+same allocation call, as far as the token budget and the pool allow (else without
+them). Only the sequence's known tokens are committed when the pass is done; the engine
+verifies the guesses and then calls :meth:`Scheduler.settle_drafts`, which commits the
+kept ones (they are now the sequence's tokens) and rolls the rest back: their slots are
+dropped and blocks wholly past the kept tokens return to the pool. Unverified guesses
+never reach the prefix cache.
+
 Liveness: a request is only accepted if it fits the pool alone, and the sequence at the
 head of the queue can always evict everything behind it, so some sequence always runs.
 """
@@ -42,7 +51,8 @@ from pagedllm.kv_storage.swap_space import SwapSpace
 class ScheduledSequence:
     """``num_tokens`` tokens of ``seq``, from ``seq.num_computed_tokens`` on, written at
     ``slots``; ``will_sample`` is True when they reach the end of the sequence, so the step
-    yields its next token.
+    yields its next token. The last ``len(draft_token_ids)`` of them are guesses that
+    follow the sequence's known tokens (each of their rows is scored too).
 
     Block-table delta for the model runner: logical blocks ``table_start ..`` of the
     sequence now live in physical blocks ``new_block_ids`` (new blocks, a block replaced
@@ -55,10 +65,16 @@ class ScheduledSequence:
     slots: list[int]
     table_start: int = 0
     new_block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The scheduled tokens that are the sequence's own (not guesses)."""
+        return self.num_tokens - len(self.draft_token_ids)
 
     @property
     def will_sample(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_known_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -174,8 +190,22 @@ class Scheduler:
             owed = seq.prompt_logprob_positions(item.num_tokens)
             if owed:
                 seq.num_prompt_logprob_positions = owed.stop
-            self._advance(seq, item.num_tokens)
+            self._advance(seq, item.num_known_tokens)
         return ending
+
+    def settle_drafts(self, seq: TokenSequence, num_accepted: int) -> int:
+        """After verification: ``seq``'s first ``num_accepted`` guesses were kept and
+        appended to it (their K/V are written); commit them and roll the rejected
+        guesses' slots back. Returns the blocks the rollback released. A sequence that
+        finished meanwhile holds nothing and is left alone (returns 0)."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return 0
+        self._advance(seq, num_accepted)
+        released = self.block_manager.rollback(seq.seq_id)
+        if released:  # the runner's entries past the table are stale
+            table_length = len(self.block_manager.block_table(seq.seq_id))
+            seq.num_table_blocks_sent = min(seq.num_table_blocks_sent, table_length)
+        return released
 
     def _advance(self, seq: TokenSequence, num_tokens: int) -> None:
         """The one way a running sequence's progress moves on: K/V of its next
@@ -238,6 +268,10 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._take_drafts(seq, budget - num_tokens)
+            if drafts and self._append(seq, num_tokens, out, drafts=drafts):
+                budget -= num_tokens + len(drafts)
+                continue
             while not self._append(seq, num_tokens, out):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
@@ -250,6 +284,16 @@ class Scheduler:
             if not self.swapped:
                 self._admit_waiting(budget, out)
         return out
+
+    @staticmethod
+    def _take_drafts(seq: TokenSequence, budget: int) -> list[int]:
+        """The guesses ``seq`` offers to run after its next token, within ``budget``
+        tokens; only a decoding sequence (one known token to compute) runs guesses.
+        Clears the offer: guesses live one step."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if seq.num_uncomputed_tokens != 1:
+            return []
+        return drafts[: max(0, budget)]
 
     def _free(self, seq: TokenSequence) -> None:
         """Return ``seq``'s blocks to the pool; the runner drops its table next plan."""
@@ -323,15 +367,19 @@ class Scheduler:
         out: SchedulerOutput,
         prefix: CachedPrefix | None = None,
         parked: int = 0,
+        drafts: list[int] | None = None,
     ) -> bool:
         """Allocate slots for ``num_tokens`` tokens of ``seq`` (after ``parked`` tokens
-        whose K/V come back from the swap space) and add them to the plan with their
-        block-table delta; False, changing nothing, when the blocks are not there.
+        whose K/V come back from the swap space; followed by the guessed ``drafts``) and
+        add them to the plan with their block-table delta; False, changing nothing, when
+        the blocks are not there.
 
         With a ``prefix`` the sequence starts a new table on that hit: its computed count
         starts where the block manager's committed count does, at the hit's tokens (the
         parked ones follow through :meth:`_advance`)."""
         manager = self.block_manager
+        drafts = drafts or []
+        num_tokens += len(drafts)
         result = manager.allocate_slots(
             seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix, num_restored=parked
         )
@@ -344,7 +392,9 @@ class Scheduler:
         new_block_ids = manager.block_ids_from(seq.seq_id, start)
         seq.num_table_blocks_sent = start + len(new_block_ids)
         slots = result.slots[parked:] if parked else result.slots
-        out.scheduled.append(ScheduledSequence(seq, num_tokens, slots, start, new_block_ids))
+        out.scheduled.append(
+            ScheduledSequence(seq, num_tokens, slots, start, new_block_ids, drafts)
+        )
         return True
 
     def _preempt(self, seq: TokenSequence, out: SchedulerOutput) -> None:

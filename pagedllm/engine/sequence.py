@@ -103,6 +103,10 @@ class TokenSequence:
     # Prompt positions 0.. whose next-token logprobs were computed (prompt_logprobs);
     # a recompute never computes them twice.
     num_prompt_logprob_positions: int = 0
+    # Tokens guessed to follow all_token_ids (speculative decoding), offered to the
+    # next step: the scheduler takes what fits and clears them; never part of the
+    # sequence until the model verified them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -159,5 +163,6 @@ class TokenSequence:
     def reset_for_recompute(self) -> None:
         """Forget the cache: every token (prompt and output so far) is prefilled again."""
         self.num_computed_tokens = 0
+        self.draft_token_ids = []
         self.num_preemptions += 1
         self.status = SequenceStatus.PREEMPTED

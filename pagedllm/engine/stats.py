@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.kv_storage.swap_space import SwapStats
+from pagedllm.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,6 +64,7 @@ class EngineStats:
     step_times: StepTimes = field(default_factory=StepTimes)
     num_swapped: int = 0
     swap: SwapStats | None = None
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -79,6 +81,7 @@ class StatsLogger:
         self._last_time = time.monotonic()
         self._last_prompt = 0
         self._last_generation = 0
+        self._last_spec: SpecDecodeStats | None = None
 
     def due(self) -> bool:
         """Whether a line is due: build the stats snapshot only then."""
@@ -107,6 +110,35 @@ class StatsLogger:
             stats.num_blocks_shared,
             100.0 * stats.prefix_cache_hit_rate,
         )
+        if stats.spec_decode is not None:
+            self._log_spec_decode(stats.spec_decode, elapsed)
         self._last_time = now
         self._last_prompt = stats.prompt_tokens_total
         self._last_generation = stats.generation_tokens_total
+
+    def _log_spec_decode(self, spec: SpecDecodeStats, elapsed: float) -> None:
+        """vLLM's speculative decoding line, over the interval since the last one."""
+        last = self._last_spec or SpecDecodeStats(spec.max_tokens)
+        drafts = spec.num_drafts - last.num_drafts
+        drafted = spec.num_draft_tokens - last.num_draft_tokens
+        accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+        per_position = [
+            (now - before) / drafts if drafts else 0.0
+            for now, before in zip(
+                spec.accepted_per_position, last.accepted_per_position, strict=True
+            )
+        ]
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: "
+            "%.2f tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, "
+            "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "
+            "rate: %.1f%%",
+            1.0 + (accepted / drafts if drafts else 0.0),
+            accepted / elapsed,
+            drafted / elapsed,
+            accepted,
+            drafted,
+            ", ".join(f"{rate:.3f}" for rate in per_position),
+            100.0 * accepted / drafted if drafted else 0.0,
+        )
+        self._last_spec = spec

@@ -3,7 +3,8 @@
 The whole batch is sampled in one sampler call. If that raises, every row is sampled
 again on its own, seeded generators rewound first, so each row that does not fail gets
 the token it would have got in the batch, and the rows of a request that fails are left
-out (token None) and reported.
+out (token None) and reported. Verifying guessed tokens
+(:func:`~pagedllm.engine.spec_verify.verify`) is isolated the same way, per sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from pagedllm.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagedllm.engine.sequence import TokenSequence
+from pagedllm.engine.spec_verify import Verified, verify
 
 logger = logging.getLogger("pagedllm")
 
@@ -67,3 +69,37 @@ def _sample(
         device=logits.device,
     )
     return sampler(logits, batch)
+
+
+def verify_isolated(
+    sequences: list[TokenSequence],
+    drafts: list[list[int]],
+    logits: torch.Tensor,
+    stop_token_ids: Collection[int],
+) -> tuple[list[Verified | None], dict[str, Exception]]:
+    """:func:`~pagedllm.engine.spec_verify.verify` of the whole batch; if it raises,
+    each sequence again on its own (seeded generators rewound), leaving out (None) and
+    reporting the requests that fail."""
+    if not sequences:
+        return [], {}
+    seeded = [(seq.generator, seq.generator.get_state()) for seq in sequences if seq.generator]
+    try:
+        return list(verify(sequences, drafts, logits, stop_token_ids)), {}
+    except Exception:
+        logger.exception("verifying %d sequences' guesses failed; verifying apart", len(sequences))
+    for generator, state in seeded:
+        generator.set_state(state)
+    results: list[Verified | None] = []
+    failures: dict[str, Exception] = {}
+    first = 0
+    for seq, guesses in zip(sequences, drafts, strict=True):
+        rows = logits[first : first + len(guesses) + 1]
+        first += len(guesses) + 1
+        one = None
+        if seq.request_id not in failures:
+            try:
+                one = verify([seq], [guesses], rows, stop_token_ids)[0]
+            except Exception as error:
+                failures[seq.request_id] = error
+        results.append(one)
+    return results, failures

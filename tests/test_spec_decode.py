@@ -1,0 +1,203 @@
+"""Speculative decoding's model-free parts: the configuration, n-gram prompt lookup,
+the draft-length rule, and rejection sampling checked statistically."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.engine import spec_verify
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sequence import TokenSequence
+from pagedllm.spec_decode.config import SpeculativeConfig, SpeculativeMethod
+from pagedllm.spec_decode.draft_length import DraftLengthPolicy
+from pagedllm.spec_decode.ngram import NgramProposer
+
+# -- configuration -----------------------------------------------------------------------
+
+
+def test_config_parses_dicts_and_json_in_vllms_shape():
+    config = SpeculativeConfig.parse(
+        json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    )
+    assert config.method is SpeculativeMethod.NGRAM
+    assert (config.num_speculative_tokens, config.prompt_lookup_min) == (5, 4)
+    assert (config.prompt_lookup_max, config.adaptive_draft_length) == (4, True)
+    suffix = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 8})
+    assert suffix.method is SpeculativeMethod.SUFFIX
+    assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse(config) is config
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "integer in 1..16"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "does not take model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+             "prompt_lookup_max": 3},
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
+        ({"method": "suffix", "num_speculative_tokens": 2, "typo": 1}, "does not take typo"),
+    ],
+)  # fmt: skip
+def test_config_refuses_what_it_does_not_read(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+# -- n-gram prompt lookup ----------------------------------------------------------------
+
+
+def test_ngram_copies_what_followed_the_longest_latest_match():
+    proposer = NgramProposer(2, 4)
+    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    # the 2-gram (1, 2) occurs twice: the later occurrence wins
+    assert proposer.propose([1, 2, 7, 1, 2, 8, 9, 1, 2], 2) == [8, 9]
+    # a longer match beats a later shorter one
+    assert proposer.propose([5, 1, 2, 7, 0, 2, 9, 5, 1, 2], 1) == [7]
+    assert proposer.propose([1, 2, 3], 2) == []  # no earlier occurrence
+    assert proposer.propose([4, 4, 4, 4], 3) == [4]  # only one token follows the match
+    assert NgramProposer(3, 3).propose([1, 2, 9, 1, 2], 2) == []  # below min_n
+    assert proposer.propose([1, 2, 1, 2], 0) == []
+
+
+def test_ngram_agrees_with_a_plain_search():
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(1, 3)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, rng.integers(1, 40)).tolist()
+        expected = []
+        for n in range(min(3, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tail]
+            if starts:
+                expected = tokens[starts[-1] + n : starts[-1] + n + 4]
+                break
+        assert proposer.propose(tokens, 4) == expected, tokens
+
+
+# -- draft length ------------------------------------------------------------------------
+
+
+def feed(policy: DraftLengthPolicy, fixed: float, per_token: float, sizes) -> None:
+    for size in sizes:
+        policy.observe_step(size, fixed + per_token * size)
+
+
+def test_policy_guesses_when_steps_cost_their_weights_and_not_when_they_cost_tokens():
+    cheap = DraftLengthPolicy(4)
+    feed(cheap, 0.010, 0.0001, [1, 5, 1, 5, 1, 40])
+    cheap.observe_acceptance(40, 28)
+    assert cheap.choose([4], 1, 1) == 4
+    costly = DraftLengthPolicy(4)
+    feed(costly, 0.001, 0.002, [64, 320, 64, 320, 64, 512])
+    costly.observe_acceptance(40, 12)
+    assert [costly.choose([4] * 64, 64, 64) for _ in range(5)] == [0] * 5
+    # it measures again now and then, guessing fully
+    assert 4 in [costly.choose([4] * 64, 64, 64) for _ in range(64)]
+
+
+def test_policy_explores_before_it_can_fit_a_cost():
+    policy = DraftLengthPolicy(3)
+    assert policy.step_cost(10) is None
+    assert policy.choose([2, 3], 2, 2) == 3
+    assert policy.choose([], 2, 2) == 0
+
+
+# -- rejection sampling ------------------------------------------------------------------
+
+VOCAB = 6
+DRAWS = 20_000
+
+
+def sequence_with(params: SamplingParams, seed: int | None = None) -> TokenSequence:
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return TokenSequence("r", [0], params, 0.0, generator=generator)
+
+
+def emitted_counts(logits: torch.Tensor, guesses: list[int], params: SamplingParams):
+    """Counts of the first emitted token, and of the second given the first guess kept,
+    over DRAWS verifications (one batch: rows are independent draws)."""
+    seqs = [sequence_with(params) for _ in range(DRAWS)]
+    rows = logits.repeat(DRAWS, 1)
+    results = spec_verify.verify(seqs, [guesses] * DRAWS, rows, stop_token_ids=())
+    first = np.bincount([r.token_ids[0] for r in results], minlength=VOCAB)
+    second = np.bincount([r.token_ids[1] for r in results if r.num_accepted >= 1], minlength=VOCAB)
+    return first, second
+
+
+def target(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """The distribution plain sampling draws from at a row (temperature and top-k)."""
+    tempered = logits / params.temperature
+    kth = tempered.topk(params.top_k).values[-1]
+    return tempered.masked_fill(tempered < kth, float("-inf")).softmax(-1).double().numpy()
+
+
+def p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token outside the distribution's support"
+    expected = probs[support] / probs[support].sum() * counts.sum()
+    statistic = float((((counts[support] - expected) ** 2) / expected).sum())
+    dof = int(support.sum()) - 1  # chi-square survival: the regularised upper gamma
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+
+
+LOGITS = torch.tensor(
+    [[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0, 1.5, 1.5, 0.2, -0.5, 3.0], [1.0] * 6]
+)
+PARAMS = SamplingParams(temperature=0.8, top_k=5, seed=None)
+
+
+def test_rejection_sampling_emits_the_targets_distribution():
+    """Guess 0 (likely) then 4 (unlikely) at two rows: the first emitted token follows
+    the first row's distribution, the second (after a kept guess) the second row's;
+    top-k leaves token 5 out of the first row's support and token 4 in the second's."""
+    first, second = emitted_counts(LOGITS, [0, 4], PARAMS)
+    assert p_value(first, target(LOGITS[0], PARAMS)) > 1e-4
+    assert p_value(second, target(LOGITS[1], PARAMS)) > 1e-4
+    assert second.sum() > DRAWS / 3  # the first guess was kept often enough to test
+
+
+def test_a_wrong_residual_fails_the_same_test(monkeypatch):
+    """Drawing after a rejection from the target itself (not the residual without the
+    guess) over-weights the guessed token; the test above must see it."""
+    monkeypatch.setattr(spec_verify, "residual_distribution", lambda probs, token: probs)
+    first, _ = emitted_counts(LOGITS, [0, 4], PARAMS)
+    assert p_value(first, target(LOGITS[0], PARAMS)) < 1e-6
+
+
+def test_greedy_rows_keep_guesses_while_they_are_the_argmax():
+    params = SamplingParams(temperature=0.0)
+    seqs = [sequence_with(params) for _ in range(3)]
+    rows = torch.cat([LOGITS, LOGITS[:2], LOGITS[:1]])
+    results = spec_verify.verify(seqs, [[0, 5], [0], []], rows, stop_token_ids=())
+    # row 0's argmax is 0 (kept), row 1's is 5 (kept), row 2 (all equal) gives 0
+    assert [r.token_ids for r in results] == [[0, 5, 0], [0, 5], [0]]
+
+
+def test_penalties_see_the_kept_guesses_as_history():
+    """Row j is processed with the output history ending in the first j guesses: a
+    presence penalty that bans a repeated token moves the argmax off it."""
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0)
+    seq = sequence_with(params)
+    logits = torch.tensor([[3.0, 2.0, 0.0], [3.0, 2.0, 0.0]])
+    # without history the argmax is 0; after guessing 0, row 1 penalises it: 1 wins
+    assert spec_verify.verify([seq], [[0]], logits, stop_token_ids=())[0].token_ids == [0, 1]
+
+
+def test_seeded_verification_repeats():
+    params = SamplingParams(temperature=1.0, seed=7)
+    runs = [
+        spec_verify.verify([sequence_with(params, seed=7)], [[3, 1]], LOGITS, ())[0].token_ids
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
