@@ -16,6 +16,9 @@ Meanings:
 - ``vllm:time_per_output_token_seconds``: each interval between two steps that gave
   a request new tokens (inter-token latency; a step adds at most one token per
   sequence).
+- ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``
+  and ``..._num_accepted_tokens_per_pos`` (label ``position``, 0-based): speculative
+  decoding's verified guesses (:mod:`pagedllm.spec_decode.stats`), when it is on.
 - ``pagedllm:num_requests_failed``: requests the engine failed alone (an error inside
   the step for that request); ``pagedllm:engine_step_failures``: steps that raised for
   no single request and so failed every request in flight. Both stay 0 in health.
@@ -94,11 +97,37 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._model_name = model_name
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Sequences' guesses verified (one per step each)."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Guessed tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Guessed tokens the model kept."
+        )
+        self._spec_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Guessed tokens kept, by their position in the guess (0-based).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self._last_spec_per_position: list[int] = []
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Inter-token latency.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
         self._last_totals = dict.fromkeys(
-            ("preemptions", "prompt", "generation", "prefix_queries", "prefix_hits"), 0
+            (
+                "preemptions",
+                "prompt",
+                "generation",
+                "prefix_queries",
+                "prefix_hits",
+                "spec_drafts",
+                "spec_draft_tokens",
+                "spec_accepted_tokens",
+            ),
+            0,
         )
         self._last_token_time: dict[str, float | None] = {}
 
@@ -117,6 +146,19 @@ class ServerMetrics:
         self._advance(self.preemptions, "preemptions", stats.num_preemptions_total)
         self._advance(self.prompt_tokens, "prompt", stats.prompt_tokens_total)
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
+        spec = stats.spec_decode
+        if spec is not None:
+            self._advance(self.spec_drafts, "spec_drafts", spec.num_drafts)
+            self._advance(self.spec_draft_tokens, "spec_draft_tokens", spec.num_draft_tokens)
+            self._advance(
+                self.spec_accepted_tokens, "spec_accepted_tokens", spec.num_accepted_tokens
+            )
+            last = self._last_spec_per_position or [0] * len(spec.accepted_per_position)
+            for position, (total, before) in enumerate(
+                zip(spec.accepted_per_position, last, strict=True)
+            ):
+                self._spec_per_position.labels(self._model_name, str(position)).inc(total - before)
+            self._last_spec_per_position = list(spec.accepted_per_position)
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         counter.inc(max(0, total - self._last_totals[key]))

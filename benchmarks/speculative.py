@@ -1,0 +1,227 @@
+"""Speculative decoding against plain decoding, per method and workload (JSON lines).
+
+Workloads, all greedy on the default model (or ``--model``):
+
+- ``grounded``: chat requests that ask the model to repeat, correct or summarize a
+  passage given in the prompt (prompt lookup's home ground);
+- ``agentic``: requests that each answer with a tool call in one JSON shape, for a
+  different city each (repetitive structure across requests: suffix trees' home);
+- ``bench``: ``pagedllm bench``'s synthetic workload (random prompts, exact output
+  lengths), where guesses rarely match.
+
+Each workload runs at two loads: ``one`` (``--single`` requests sent one after another:
+one sequence decoding at a time) and ``all`` (every request at once, 64 by default).
+For every (workload, load) the methods (``off``, then each of ``--methods``) run in a
+fresh engine over one loaded model, in an order rotated each of ``--runs`` rounds.
+
+Per (workload, load, method) one line: median ``output_tokens_per_s``, ``ratio`` (median
+of the per-round ratios to ``off`` of the same round), ``acceptance_rate``,
+``mean_acceptance_length`` (tokens a drafting sequence emitted per step),
+``draft_tokens``, ``identical`` (greedy tokens equal to ``off``'s in every round), and
+``blocks_held_after`` (pool blocks in use after the run: 0). The first line names the
+machine (CPU model and flags: every figure belongs to it).
+
+    python benchmarks/speculative.py [--runs 3] [--methods ngram,suffix]
+        [--workloads grounded,agentic,bench] [--single 16] [--requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from pagedllm import EngineConfig, LLMEngine, SamplingParams
+from pagedllm.bench.machine import machine_record
+from pagedllm.bench.workload import synthetic_workload
+from pagedllm.models.loader import load_model_for
+
+PASSAGES = [
+    "PagedAttention stores the key and value cache of every sequence in fixed-size "
+    "blocks drawn from one preallocated pool. A block table maps each sequence's logical "
+    "blocks to physical blocks, so memory is taken on demand as the sequence grows and "
+    "returned the moment it finishes.",
+    "Prefix caching lets requests that begin with the same system prompt share the "
+    "blocks that hold it. Each full block is identified by a hash of its tokens and of "
+    "every token before it, and a new request takes the longest chain of cached blocks "
+    "before it computes anything.",
+    "When two sequences share a block and one of them must write into it, the engine "
+    "first copies the block and points the writer at the copy. This copy-on-write rule "
+    "lets parallel samples of one prompt share all of its blocks until they diverge.",
+    "Continuous batching schedules work one iteration at a time. Finished sequences "
+    "leave the batch at once and waiting ones join it in the same step, so the model is "
+    "never idle while short requests wait behind long ones.",
+    "The river rises in the northern hills and flows south through three small towns "
+    "before it reaches the sea. In spring the water is high and fast, and the old stone "
+    "bridges are closed to carts until the floods have passed.",
+    "Our library opens at nine in the morning and closes at six in the evening, except "
+    "on Sundays, when it opens at noon. Books may be borrowed for three weeks and "
+    "renewed twice, online or at the front desk.",
+    "To bake the bread, mix the flour, water, salt and yeast, knead the dough for ten "
+    "minutes, and let it rise for an hour. Shape the loaf, let it rise again, and bake "
+    "it for forty minutes until the crust is brown.",
+    "The committee met on Tuesday to review the budget. It agreed to raise the funds "
+    "for repairs to the school roof, to postpone the new playground until next year, "
+    "and to publish the accounts on the town's website.",
+]
+TASKS = [
+    "Repeat the following text exactly, word for word:\n\n{passage}",
+    "Correct the spelling mistakes in the following text and return the whole corrected "
+    "text:\n\n{passage}",
+    "Summarize the following text in two sentences, reusing its words:\n\n{passage}",
+]
+CITIES = [
+    "Paris", "Berlin", "Madrid", "Rome", "Vienna", "Prague", "Lisbon", "Dublin",
+    "Oslo", "Stockholm", "Helsinki", "Warsaw", "Athens", "Budapest", "Brussels", "Zurich",
+]  # fmt: skip
+TOOL_PROMPT = (
+    "You can call one tool, get_weather(city: string, unit: 'celsius' or 'fahrenheit', "
+    "days: integer). Answer only with the tool call as JSON of the form "
+    '{{"name": "get_weather", "arguments": {{"city": ..., "unit": ..., "days": ...}}}}.\n\n'
+    "What will the weather be in {city} over the next {days} days, in celsius?"
+)
+
+
+def with_typos(text: str) -> str:
+    """Swap two letters in every seventh word (a passage to correct)."""
+    words = text.split(" ")
+    for i in range(3, len(words), 7):
+        word = words[i]
+        if len(word) > 3:
+            words[i] = word[0] + word[2] + word[1] + word[3:]
+    return " ".join(words)
+
+
+def chat_prompts(tokenizer, contents: list[str]) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+        for c in contents
+    ]
+
+
+def workloads(tokenizer, count: int) -> dict[str, tuple[list[list[int]], list[SamplingParams]]]:
+    """Prompt token ids and sampling params of each workload, ``count`` requests."""
+    grounded = []
+    for i in range(count):
+        passage = PASSAGES[i % len(PASSAGES)]
+        task = TASKS[(i // len(PASSAGES)) % len(TASKS)]
+        grounded.append(task.format(passage=with_typos(passage) if "Correct" in task else passage))
+    agentic = [
+        TOOL_PROMPT.format(city=CITIES[i % len(CITIES)], days=1 + i % 7) for i in range(count)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=160)
+    bench = synthetic_workload(count, vocab_size=tokenizer.vocab_size)
+    return {
+        "grounded": (chat_prompts(tokenizer, grounded), [greedy] * count),
+        "agentic": (chat_prompts(tokenizer, agentic), [greedy] * count),
+        "bench": (
+            [r.prompt_token_ids for r in bench],
+            [
+                SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+                for r in bench
+            ],
+        ),
+    }
+
+
+def run(engine: LLMEngine, prompts, params, one_at_a_time: bool) -> dict[str, object]:
+    """Generate every request (all at once, or each alone in turn); wall time and
+    outputs by request."""
+    outputs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    groups = [[i] for i in range(len(prompts))] if one_at_a_time else [range(len(prompts))]
+    for group in groups:
+        for i in group:
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": outputs}
+
+
+def spec_config(method: str, tokens: int) -> dict | None:
+    if method == "off":
+        return None
+    return {"method": method, "num_speculative_tokens": tokens}
+
+
+def measure(loaded, args, methods, prompts, params, one_at_a_time) -> dict[str, list[dict]]:
+    """Every method ``args.runs`` times, in an order rotated each round; each run in a
+    fresh engine over ``loaded``."""
+    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    for round_index in range(args.runs):
+        shift = round_index % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            config = EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                log_stats_interval=0,
+                speculative_config=spec_config(method, args.tokens),
+            )
+            engine = LLMEngine(config, loaded)
+            result = run(engine, prompts, params, one_at_a_time)
+            stats = engine.get_stats()
+            result["output_tokens"] = sum(len(t) for t in result["tokens"].values())
+            result["rate"] = result["output_tokens"] / result["seconds"]
+            result["spec"] = stats.spec_decode
+            result["blocks_held_after"] = stats.num_blocks_used
+            rows[method].append(result)
+    return rows
+
+
+def summary(runs: list[dict], off: list[dict]) -> dict[str, object]:
+    """One method's figures over its runs, against plain decoding's runs of the same
+    rounds."""
+    spec = runs[-1]["spec"]
+    ratios = [r["rate"] / o["rate"] for r, o in zip(runs, off, strict=True)]
+    return {
+        "output_tokens_per_s": statistics.median(r["rate"] for r in runs),
+        "ratio": statistics.median(ratios),
+        "single_ratios": [round(x, 3) for x in ratios],
+        "acceptance_rate": None if spec is None else spec.acceptance_rate,
+        "mean_acceptance_length": None if spec is None else spec.mean_acceptance_length,
+        "draft_tokens": None if spec is None else spec.num_draft_tokens,
+        "identical": all(r["tokens"] == o["tokens"] for r, o in zip(runs, off, strict=True)),
+        "blocks_held_after": max(r["blocks_held_after"] for r in runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--workloads", default="grounded,agentic,bench")
+    parser.add_argument("--single", type=int, default=16, help="requests run one by one")
+    parser.add_argument("--requests", type=int, default=64, help="requests run at once")
+    parser.add_argument("--tokens", type=int, default=5, help="num_speculative_tokens")
+    args = parser.parse_args()
+    print(json.dumps(machine_record()), flush=True)
+    loaded = load_model_for(EngineConfig(model=args.model, dtype=args.dtype))
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    methods = ["off", *args.methods.split(",")]
+    all_workloads = workloads(loaded.tokenizer, args.requests)
+    for name in args.workloads.split(","):
+        prompts, params = all_workloads[name]
+        for load, count in (("one", args.single), ("all", args.requests)):
+            rows = measure(loaded, args, methods, prompts[:count], params[:count], load == "one")
+            for method in methods:
+                record = {
+                    "measure": "speculative",
+                    "workload": name,
+                    "load": load,
+                    "requests": count,
+                    "method": method,
+                    "num_speculative_tokens": 0 if method == "off" else args.tokens,
+                    "dtype": dtype,
+                    **summary(rows[method], rows["off"]),
+                }
+                print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

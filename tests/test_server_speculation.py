@@ -1,0 +1,62 @@
+"""The server with speculative decoding: started with ``--speculative-config``, it
+answers the openai SDK with the tokens an engine without guesses gives, publishes
+vLLM's speculative decoding metrics, and refuses at start a method it does not build."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_chat_model import write_tiny_chat_llama
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.server.launcher import ServerProcess
+
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "adaptive_draft_length": False,
+}
+SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-stats-interval", "0"]
+PROMPT = "one two three four five one two three four five one two three four five one two"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return write_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-spec"))
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    args = ["--model", str(model_folder), *SERVE_ARGS, "--speculative-config", json.dumps(SPEC)]
+    with ServerProcess(args) as process:
+        yield process
+
+
+def test_completions_equal_decoding_without_guesses(client, http, model_name, model_folder):
+    reply = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=40, temperature=0.0, logprobs=2
+    )
+    llm = LLM(model=str(model_folder), dtype="float32", kv_cache_memory="16MiB")
+    plain = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    assert reply.choices[0].text == plain[0].outputs[0].text
+    assert len(reply.choices[0].logprobs.tokens) == len(plain[0].outputs[0].token_ids)
+    metrics = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in http.get("/metrics").text.splitlines()
+        if line.startswith("vllm:spec_decode") and "_created" not in line
+    }
+    assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+    assert (
+        metrics["vllm:spec_decode_num_draft_tokens_total"]
+        >= metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    )
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+
+
+def test_a_method_not_built_stops_the_server_at_start(model_folder):
+    config = {"method": "draft_model", "model": "x", "num_speculative_tokens": 2}
+    args = ["--model", str(model_folder), *SERVE_ARGS, "--speculative-config", json.dumps(config)]
+    with pytest.raises(RuntimeError, match="not implemented yet"):
+        ServerProcess(args, startup_timeout_s=120).start()
