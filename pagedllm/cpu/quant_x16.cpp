@@ -17,10 +17,14 @@
 // float32 per block, times the block's scale, plus offset * (the chunk's sum of x), one
 // rounding at the end. Up to kMaxDotRows rows each group is decoded in registers and
 // multiplied into kDotRows rows at a time (its bytes read from memory once, decoded once
-// per pass); more rows decode two groups at a time into a panel (quant_panel.h). Within
-// each path a row's result does not depend on the other rows (every pass runs kChains
-// sums per row). Measured on a 2-core Zen 4, the weights of a whole Q4_1 decode step
-// streamed from memory: 16 rows 13-16 ms in passes against 17-19 ms in panels.
+// per pass); more rows decode two groups at a time into a panel (quant_panel.h) and run
+// against it kChainedRows rows at a time. Both paths sum a block's pair products in the
+// same order (kChains chains, each pair's chain given by its place in the block, the
+// chains added in turn), so a row's result depends neither on the other rows nor on
+// the path: the engine's tokens do not change with the number of rows in a step (a
+// speculative step's verification rows give the logits of one-token steps). Measured
+// on a 2-core Zen 4, the weights of a whole Q4_1 decode step streamed from memory: 16
+// rows 13-16 ms in passes against 17-19 ms in panels.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -47,6 +51,8 @@ constexpr int64_t kDotRows = 4;      // rows per pass of a group decoded in regi
 static_assert(kDotRows == 4, "dot_groups dispatches 1 to 4 rows");
 constexpr int kChains = 4;           // running sums per row: the same for every pass size
 constexpr int64_t kMaxDotRows = 16;  // up to this many rows, the register path
+constexpr int kChainedRows = 4;      // rows per panel tile: 6 vectors per row in registers
+static_assert(kChainedRows == 4, "chained_rows dispatches 1 to 4 rows");
 
 // Exact bfloat16 pairs of 16 features from one 32-byte unit row of an x16 block column.
 template <typename B>
@@ -196,6 +202,85 @@ void decode_panel(const QuantLinearBf16Problem& p, int64_t index, Panel& panel) 
   }
 }
 
+// y[m, n0 .. n0 + kPanel) for MR rows of x against a decoded panel (two groups), summing
+// each block's pair products exactly as dot_group does: chain c holds the pairs at
+// places c, c + kChains, ... of the block's (unit, pair) order, and the chains are added
+// in turn before the block's scale (and offset) apply.
+template <typename B, int MR>
+void chained_tile(const QuantLinearBf16Problem& p, const Panel& panel, const uint16_t* x,
+                  const float* sums, uint16_t* y, int64_t n0) {
+  using X = X16Codes<B>;
+  constexpr int kPairs = X::kUnits * X::kPairsPerUnit;  // pairs per block: 16
+  const int64_t blocks = p.K / B::kValues;
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t* codes = panel.codes.data() + b * kPairs * kPanel;
+    __m512 sum[MR][2];
+    for (int c = 0; c < kChains; ++c) {
+      __m512 part[MR][2];
+      for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int place = c; place < kPairs; place += kChains) {
+        const int pair = X::pair_index(place / X::kPairsPerUnit, place % X::kPairsPerUnit);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(codes + pair * kPanel);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(codes + pair * kPanel + 16);
+        for (int m = 0; m < MR; ++m) {
+          const __m512bh xv = (__m512bh)pair_of(x + m * p.K + b * 32 + 2 * pair);
+          part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
+          part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 2; ++v)
+          sum[m][v] = c == 0 ? part[m][v] : _mm512_add_ps(sum[m][v], part[m][v]);
+    }
+    const float* scales = panel.scales.data() + b * kPanel;
+    const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = _mm512_fmadd_ps(sum[m][0], s0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(sum[m][1], s1, acc[m][1]);
+    }
+    if constexpr (X::kOffset) {
+      const float* offsets = panel.offsets.data() + b * kPanel;
+      const __m512 o0 = _mm512_loadu_ps(offsets), o1 = _mm512_loadu_ps(offsets + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 chunk = _mm512_set1_ps(sums[m * blocks + b]);
+        acc[m][0] = _mm512_fmadd_ps(o0, chunk, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(o1, chunk, acc[m][1]);
+      }
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    const int64_t left = p.N - n0 - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask =
+        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bias =
+        p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      bf16::store_sums(p, y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
+  }
+}
+
+// Every row of x against one decoded panel, kChainedRows rows at a time.
+template <typename B>
+void chained_rows(const QuantLinearBf16Problem& p, const Panel& panel, const float* sums,
+                  int64_t n0) {
+  const int64_t blocks = p.K / B::kValues;
+  for (int64_t m = 0; m < p.M; m += kChainedRows) {
+    const uint16_t* x = p.x + m * p.K;
+    uint16_t* y = p.y + m * p.N;
+    const float* s = X16Codes<B>::kOffset ? sums + m * blocks : sums;
+    switch (std::min<int64_t>(kChainedRows, p.M - m)) {
+      case 1: chained_tile<B, 1>(p, panel, x, s, y, n0); break;
+      case 2: chained_tile<B, 2>(p, panel, x, s, y, n0); break;
+      case 3: chained_tile<B, 3>(p, panel, x, s, y, n0); break;
+      default: chained_tile<B, 4>(p, panel, x, s, y, n0); break;  // kChainedRows = 4
+    }
+  }
+}
+
 template <typename B>
 void multiply(const QuantLinearBf16Problem& p) {
   const std::vector<float> sums = X16Codes<B>::kOffset ? chunk_sums(p) : std::vector<float>();
@@ -217,7 +302,7 @@ void multiply(const QuantLinearBf16Problem& p) {
 #pragma omp for schedule(static)
     for (int64_t index = 0; index < panels; ++index) {
       decode_panel<B>(p, index, panel);
-      panel_rows<B>(p, panel, sums.data(), index * kPanel);
+      chained_rows<B>(p, panel, sums.data(), index * kPanel);
     }
   }
 }
