@@ -100,7 +100,9 @@ def chat_prompts(tokenizer, contents: list[str]) -> list[list[int]]:
     ]
 
 
-def workloads(tokenizer, count: int) -> dict[str, tuple[list[list[int]], list[SamplingParams]]]:
+def workloads(
+    tokenizer, vocab_size: int, count: int
+) -> dict[str, tuple[list[list[int]], list[SamplingParams]]]:
     """Prompt token ids and sampling params of each workload, ``count`` requests."""
     grounded = []
     for i in range(count):
@@ -111,7 +113,7 @@ def workloads(tokenizer, count: int) -> dict[str, tuple[list[list[int]], list[Sa
         TOOL_PROMPT.format(city=CITIES[i % len(CITIES)], days=1 + i % 7) for i in range(count)
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=160)
-    bench = synthetic_workload(count, vocab_size=tokenizer.vocab_size)
+    bench = synthetic_workload(count, vocab_size=vocab_size)
     return {
         "grounded": (chat_prompts(tokenizer, grounded), [greedy] * count),
         "agentic": (chat_prompts(tokenizer, agentic), [greedy] * count),
@@ -199,15 +201,18 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=16, help="requests run one by one")
     parser.add_argument("--requests", type=int, default=64, help="requests run at once")
     parser.add_argument("--tokens", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--loads", default="one,all", help="one (one by one), all (at once)")
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
     loaded = load_model_for(EngineConfig(model=args.model, dtype=args.dtype))
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     methods = ["off", *args.methods.split(",")]
-    all_workloads = workloads(loaded.tokenizer, args.requests)
+    all_workloads = workloads(loaded.tokenizer, loaded.config.vocab_size, args.requests)
     for name in args.workloads.split(","):
         prompts, params = all_workloads[name]
-        for load, count in (("one", args.single), ("all", args.requests)):
+        counts = {"one": args.single, "all": args.requests}
+        for load in args.loads.split(","):
+            count = counts[load]
             rows = measure(loaded, args, methods, prompts[:count], params[:count], load == "one")
             for method in methods:
                 record = {

@@ -96,21 +96,34 @@ def feed(policy: DraftLengthPolicy, fixed: float, per_token: float, sizes) -> No
 def test_policy_guesses_when_steps_cost_their_weights_and_not_when_they_cost_tokens():
     cheap = DraftLengthPolicy(4)
     feed(cheap, 0.010, 0.0001, [1, 5, 1, 5, 1, 40])
-    cheap.observe_acceptance(40, 28)
+    cheap.observe_acceptance(5, 4)
+    cheap.observe_acceptance(5, 5)
+    assert cheap.most_worth_guessing(1, 1) == (4, False)
     assert cheap.choose([4], 1, 1) == 4
+    assert cheap.choose([2], 1, 1) == 2  # a shorter proposal runs whole
     costly = DraftLengthPolicy(4)
     feed(costly, 0.001, 0.002, [64, 320, 64, 320, 64, 512])
-    costly.observe_acceptance(40, 12)
-    assert [costly.choose([4] * 64, 64, 64) for _ in range(5)] == [0] * 5
-    # it measures again now and then, guessing fully
-    assert 4 in [costly.choose([4] * 64, 64, 64) for _ in range(64)]
+    costly.observe_acceptance(5, 2)
+    # nothing is proposed, until a one-token guess measures again
+    asked = [costly.most_worth_guessing(64, 64) for _ in range(64)]
+    assert asked[:63] == [(0, False)] * 63 and asked[63] == (1, True)
+    assert costly.choose([4] * 64, 64, 64) == 0
 
 
-def test_policy_explores_before_it_can_fit_a_cost():
+def test_policy_measures_with_one_token_before_it_can_fit_a_cost():
     policy = DraftLengthPolicy(3)
     assert policy.step_cost(10) is None
-    assert policy.choose([2, 3], 2, 2) == 3
-    assert policy.choose([], 2, 2) == 0
+    assert policy.most_worth_guessing(2, 2) == (1, True)
+    assert policy.choose([1, 1], 2, 2) == 1
+    assert policy.most_worth_guessing(0, 0) == (0, False)
+
+
+def test_acceptance_is_the_geometric_estimate():
+    policy = DraftLengthPolicy(4)
+    for _ in range(200):
+        policy.observe_acceptance(4, 4)  # four successes, no failure
+        policy.observe_acceptance(4, 1)  # one success, then a failure
+    assert policy.acceptance == pytest.approx(5 / 6, abs=0.01)
 
 
 # -- rejection sampling ------------------------------------------------------------------

@@ -210,7 +210,8 @@ class LLMEngine:
         if plan.is_empty:
             return []
         outputs = self.run_plan(plan)
-        if self.speculator is not None:
+        if self.speculator is not None and all(i.num_known_tokens == 1 for i in plan.scheduled):
+            # decoding steps only: the rule chooses among them (prefill rows cost less)
             self.speculator.policy.observe_step(plan.num_batched_tokens, time.perf_counter() - t0)
         return outputs
 

@@ -106,18 +106,25 @@ class Speculator:
         """Offer guesses to ``candidates``: (decoding sequence, most guesses its limits
         allow). ``num_batched_tokens``: the next step's tokens without guesses, as far
         as known."""
+        most, measuring = self.config.num_speculative_tokens, True
+        if self.config.adaptive_draft_length:
+            most, measuring = self.policy.most_worth_guessing(len(candidates), num_batched_tokens)
         proposals = []
-        for seq, limit in candidates:
+        wanted = None
+        if measuring and self.config.adaptive_draft_length:
+            wanted = self.policy.measuring_sequences(len(candidates))
+        for seq, limit in candidates if most else ():
+            if len(proposals) == wanted:
+                break
             if limit <= 0 or not self._may_guess(seq):
                 continue
-            guess = self.proposer.propose(seq, min(limit, self.config.num_speculative_tokens))
+            guess = self.proposer.propose(seq, min(limit, most))
             if guess:
                 proposals.append((seq, guess))
         lengths = [len(guess) for _, guess in proposals]
-        if self.config.adaptive_draft_length:
+        k = max(lengths, default=0)
+        if not measuring:
             k = self.policy.choose(lengths, num_batched_tokens, len(candidates))
-        else:
-            k = max(lengths, default=0)
         for seq, guess in proposals:
             seq.draft_token_ids = guess[:k]
 

@@ -3,9 +3,11 @@ most output tokens per second, down to none.
 
 Two measurements, both kept as exponentially decaying sums so they follow the load:
 
-- acceptance ``a``: the share of guessed tokens the model accepted (each accepted only if
-  those before it were). A sequence guessing ``k`` tokens then emits on average
-  ``1 + a + a^2 + ... + a^k`` tokens per step instead of 1.
+- acceptance ``a``: the chance that a guess is kept given that the guesses before it
+  were. Each verified guess is a run of trials: its kept tokens are successes and the
+  first rejected one (if any) a failure; ``a`` is successes / trials (the maximum
+  likelihood estimate of a geometric run). A sequence guessing ``k`` tokens then emits
+  on average ``1 + a + a^2 + ... + a^k`` tokens per step instead of 1.
 - step cost: the seconds of a whole step as a straight line in its batched tokens,
   ``t(T) = fixed + per_token * T``, fitted by least squares over recent steps. On a CPU
   decoding a few sequences, ``fixed`` (reading the weights once) dominates and guesses
@@ -13,17 +15,19 @@ Two measurements, both kept as exponentially decaying sums so they follow the lo
   pay when nearly all are accepted.
 
 For each ``k`` the rule compares (tokens emitted by the batch) / t(batched tokens with
-the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing. Until
-the fit has seen steps of different sizes (and once every ``EXPLORE_EVERY`` steps that
-chose none), it guesses fully, so the measurements cover the sizes it chooses among
-and the acceptance keeps being measured.
+the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing. Before
+any proposal is made it asks whether even full proposals could pay, and proposes
+nothing when not. Until the fit has seen steps of different sizes, and once every
+``EXPLORE_EVERY`` steps without guesses, it guesses one token for some sequences
+(one in ``MEASURING_SHARE``), every other step while the fit has no two sizes, so the
+acceptance keeps being measured and the fit covers more than one size, at little cost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-MIN_GAIN = 1.03
+MIN_GAIN = 1.05
 """A guess length must promise at least this much more throughput than none."""
 
 EXPLORE_EVERY = 64
@@ -32,9 +36,14 @@ EXPLORE_EVERY = 64
 DECAY = 0.98
 """Weight kept by past observations at each new one (about 50 observations' memory)."""
 
+MEASURING_SHARE = 4
+"""A measuring step guesses one token for one decoding sequence in this many (at
+least one): enough to measure acceptance and give the cost fit two step sizes apart,
+cheap beside a full batch."""
+
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 8.0
-"""The acceptance estimate starts as ``PRIOR_ACCEPTANCE`` worth this many tokens."""
+"""The acceptance estimate starts as ``PRIOR_ACCEPTANCE`` worth this many trials."""
 
 
 class DraftLengthPolicy:
@@ -44,22 +53,25 @@ class DraftLengthPolicy:
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._drafted = PRIOR_WEIGHT
+        self._trials = PRIOR_WEIGHT
         self._accepted = PRIOR_WEIGHT * PRIOR_ACCEPTANCE
         # decayed sums for the least-squares line t = fixed + per_token * T
         self._w = self._t = self._tt = self._y = self._ty = 0.0
         self._steps_without = 0
+        self._unfitted_steps = 0
 
     @property
     def acceptance(self) -> float:
-        """The measured share of guessed tokens accepted (0..1)."""
-        return self._accepted / self._drafted
+        """The measured chance (0..1) that a guess is kept after kept ones."""
+        return self._accepted / self._trials
 
     def observe_acceptance(self, num_drafted: int, num_accepted: int) -> None:
-        """A step verified ``num_drafted`` guessed tokens; ``num_accepted`` were kept."""
+        """A sequence's ``num_drafted`` guessed tokens were verified; the first
+        ``num_accepted`` were kept."""
         if num_drafted:
-            scale = DECAY**num_drafted
-            self._drafted = self._drafted * scale + num_drafted
+            trials = num_accepted + (num_accepted < num_drafted)
+            scale = DECAY**trials
+            self._trials = self._trials * scale + trials
             self._accepted = self._accepted * scale + num_accepted
 
     def observe_step(self, num_batched_tokens: int, seconds: float) -> None:
@@ -81,34 +93,62 @@ class DraftLengthPolicy:
         fixed = max(0.0, (self._y - per_token * self._t) / self._w)
         return fixed + per_token * num_batched_tokens
 
+    def most_worth_guessing(self, num_emitting: int, num_batched_tokens: int) -> tuple[int, bool]:
+        """Asked before any proposal is made (proposing costs host time too): the most
+        tokens a sequence may usefully guess next step, and whether that is a measuring
+        step (run whatever was proposed). 0 when even a full proposal for every one of
+        the ``num_emitting`` decoding sequences would not pay (fewer proposals cannot
+        pay when all of them would not: the rate moves monotonically between none and
+        all); (1, True) every other step until the cost fit has seen two step sizes, and
+        once every ``EXPLORE_EVERY`` steps without guesses: a one-token guess for
+        :meth:`measuring_sequences` sequences measures acceptance and widens the fit at
+        little cost."""
+        if num_emitting == 0:
+            return 0, False
+        if self.step_cost(num_batched_tokens) is None:
+            self._unfitted_steps += 1
+            return (1, True) if self._unfitted_steps % 2 else (0, False)
+        best = self._best([self.max_tokens] * num_emitting, num_batched_tokens, num_emitting)
+        if best > 0:
+            self._steps_without = 0
+            return self.max_tokens, False
+        self._steps_without += 1
+        if self._steps_without >= EXPLORE_EVERY:
+            self._steps_without = 0
+            return 1, True
+        return 0, False
+
+    @staticmethod
+    def measuring_sequences(num_emitting: int) -> int:
+        """How many sequences guess in a measuring step."""
+        return max(1, num_emitting // MEASURING_SHARE)
+
     def choose(
         self, proposal_lengths: Sequence[int], num_batched_tokens: int, num_emitting: int
     ) -> int:
-        """The guess length for this step: at most ``max_tokens``; a sequence whose
-        proposal is shorter guesses its whole proposal. ``proposal_lengths``: per
-        decoding sequence with a proposal; ``num_batched_tokens``: the step's tokens
-        without guesses (one per decoding sequence, plus prefill chunks);
-        ``num_emitting``: the sequences that get a token from it without guesses."""
-        longest = min(self.max_tokens, max(proposal_lengths, default=0))
-        if longest == 0:
-            return 0
-        base_cost = self.step_cost(num_batched_tokens)
-        if base_cost is None:
-            return longest
+        """The guess length for this step, for proposals made within
+        :meth:`most_worth_guessing`: at most ``max_tokens``; a sequence whose proposal
+        is shorter guesses its whole proposal. ``proposal_lengths``: per decoding
+        sequence with a proposal; ``num_batched_tokens``: the step's tokens without
+        guesses (one per decoding sequence, plus prefill chunks); ``num_emitting``: the
+        sequences that get a token from it without guesses."""
+        if not proposal_lengths or self.step_cost(num_batched_tokens) is None:
+            return min(1, max(proposal_lengths, default=0))
+        return self._best(proposal_lengths, num_batched_tokens, num_emitting)
+
+    def _best(
+        self, proposal_lengths: Sequence[int], num_batched_tokens: int, num_emitting: int
+    ) -> int:
+        """The length with the highest fitted rate of emitted tokens, 0 unless it beats
+        no guesses by ``MIN_GAIN``."""
         a = min(self.acceptance, 0.999)
-        best, best_rate = 0, num_emitting / base_cost
+        best, best_rate = 0, num_emitting / self.step_cost(num_batched_tokens)
         floor = best_rate * MIN_GAIN
+        longest = min(self.max_tokens, max(proposal_lengths, default=0))
         for k in range(1, longest + 1):
             extra = sum(min(k, length) for length in proposal_lengths)
             gained = sum(a * (1 - a ** min(k, length)) / (1 - a) for length in proposal_lengths)
             rate = (num_emitting + gained) / self.step_cost(num_batched_tokens + extra)
             if rate >= floor and rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0:
-            self._steps_without += 1
-            if self._steps_without >= EXPLORE_EVERY:
-                self._steps_without = 0
-                return longest
-        else:
-            self._steps_without = 0
         return best
