@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="grounded,agentic,bench")
     parser.add_argument("--single", type=int, default=16, help="requests run one by one")
     parser.add_argument("--requests", type=int, default=64, help="requests run at once")
-    parser.add_argument("--tokens", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--tokens", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--loads", default="one,all", help="one (one by one), all (at once)")
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
