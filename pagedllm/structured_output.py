@@ -163,8 +163,12 @@ class GrammarMatchers:
     """The matchers of one request's sequences, keyed by the output ids each consumed.
 
     A matcher's state is a function of the tokens it consumed, so sequences with equal
-    outputs share one, and a sequence whose matcher is gone gets a new one fed its
-    output. Lives as long as the request's ``SamplingParams``.
+    outputs share one. A matcher moves forward with its output: the one for an output
+    less its last token is taken and fed that token. When that one is gone, a matcher
+    that went further down the same output (a speculative step's rows extend an output
+    by guesses, and the step keeps only some of them) is rolled back to it; failing
+    that, a new one is fed the whole output. Lives as long as the request's
+    ``SamplingParams``.
     """
 
     def __init__(self, compiled, vocab_size: int) -> None:
@@ -176,11 +180,32 @@ class GrammarMatchers:
         """Write the allowed next tokens after ``output`` into row ``index`` of ``bitmask``."""
         self._matcher(tuple(output)).fill_next_token_bitmask(bitmask, index)
 
+    def num_accepted(self, output: Sequence[int], tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in order, the grammar allows after ``output`` before
+        one it refuses or one that ends it (a guess is cut there: no token may follow
+        the end, and the model can propose the stop token itself); the matcher is left
+        as it was."""
+        matcher = self._matcher(tuple(output))
+        fed = allowed = 0
+        for token_id in tokens:
+            if not matcher.accept_token(token_id):
+                break
+            fed += 1
+            if matcher.is_terminated():
+                break
+            allowed = fed
+        if fed:
+            matcher.rollback(fed)
+        return allowed
+
     def _matcher(self, output: tuple[int, ...]):
         matcher = self._by_output.get(output)
         if matcher is not None:
             return matcher
-        matcher = self._by_output.pop(output[:-1], None) if output else None
+        parent = output[:-1]
+        matcher = self._by_output.pop(parent, None) if output else None
+        if matcher is None and output:
+            matcher = self._rolled_back_to(parent)
         fed = output[-1:] if matcher is not None else output
         if matcher is None:
             import xgrammar
@@ -194,6 +219,16 @@ class GrammarMatchers:
                 )
         self._by_output[output] = matcher
         return matcher
+
+    def _rolled_back_to(self, output: tuple[int, ...]):
+        """A matcher that consumed ``output`` and more, taken and rolled back to
+        ``output``; None when there is none."""
+        for key in self._by_output:
+            if len(key) > len(output) and key[: len(output)] == output:
+                matcher = self._by_output.pop(key)
+                matcher.rollback(len(key) - len(output))
+                return matcher
+        return None
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ block back in the pool, and the rollback of rejected guesses."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -200,7 +201,7 @@ def _top(engine, prompt: list[int], k: int) -> dict[int, float]:
 def test_beam_search_is_refused_with_speculation(tiny_model):
     llm = LLM.from_engine(tiny_engine(tiny_model, 64, speculative_config=FIXED))
     with pytest.raises(ValueError, match="beam search does not run with speculative"):
-        llm.beam_search([{"prompt_token_ids": [1, 2, 3]}], BeamSearchParams(beam_width=2, max_tokens=4))
+        llm.beam_search([{"prompt_token_ids": [1, 2, 3]}], BeamSearchParams(2, max_tokens=4))
 
 
 def test_a_method_not_built_is_refused_at_start(tiny_model):
@@ -236,3 +237,47 @@ def test_ngram_on_the_default_model_repeats_a_passage_exactly(default_model):
     spec = engine.get_stats().spec_decode
     assert spec.acceptance_rate > 0.5, spec
     assert spec.mean_acceptance_length > 2.0, spec
+
+
+def test_structured_outputs_cut_guesses_at_the_grammar(default_model):
+    """Guesses for a constrained sequence stop where the grammar refuses a token; the
+    verified rows are masked as one-token steps would be: greedy JSON is the JSON
+    without guesses, and sampled JSON still validates."""
+    import jsonschema
+    from test_structured_outputs import SCHEMAS
+
+    from pagedllm import EngineConfig, LLMEngine
+    from pagedllm.structured_output import StructuredOutputsParams
+
+    tokenizer = default_model.tokenizer
+    schemas = SCHEMAS[:8]
+    prompts = [
+        {"prompt_token_ids": tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Reply with JSON matching this schema: {s}"}],
+            add_generation_prompt=True)}
+        for s in schemas
+    ]  # fmt: skip
+
+    def params(temperature: float) -> list[SamplingParams]:
+        made = [
+            SamplingParams(temperature=temperature, seed=i, max_tokens=80,
+                           structured_outputs=StructuredOutputsParams(json=s))
+            for i, s in enumerate(schemas)
+        ]  # fmt: skip
+        for p in made:  # each request compiles its grammar (as LLM and the server do)
+            p.check_for_model(default_model.config.vocab_size, tokenizer)
+        return made
+
+    def engine(**settings) -> LLMEngine:
+        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", log_stats_interval=0,
+                              **settings)  # fmt: skip
+        return LLMEngine(config, default_model)
+
+    expected = run_stepwise(engine(), prompts, params(0.0))
+    guessing = engine(speculative_config=FIXED)
+    guessing.speculator.proposer = OracleGuesses(continuations(prompts, expected), seed=3)
+    assert samples(run_stepwise(guessing, prompts, params(0.0))) == samples(expected)
+    assert guessing.get_stats().spec_decode.num_accepted_tokens > 0
+    sampled = run_stepwise(guessing, prompts, params(1.0))
+    for out, schema in zip((sampled[str(i)] for i in range(len(schemas))), schemas, strict=True):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)

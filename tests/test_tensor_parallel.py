@@ -475,3 +475,23 @@ def test_an_engine_failing_at_start_stops_its_ranks(folders, monkeypatch):
     with pytest.raises(ValueError, match="exceeds the model's limit"):
         make_engine(folders["kv2"], 2, max_model_len=100_000)
     assert started and wait_gone(started, timeout_s=30)
+
+
+def test_speculation_across_ranks_keeps_the_tokens(folders):
+    """Guessed tokens run on every rank; verification and rollback on rank 0 give the
+    tokens one rank gives without guesses."""
+    from test_engine_speculation import FIXED, OracleGuesses
+
+    prompts = [list(range(2, 20 + i)) for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+    plain = outputs_of(make_engine(folders["kv2"], 1), prompts, params)
+    truth = {
+        (rid, s.index): list(prompts[int(rid)]) + list(s.token_ids)
+        for rid, out in plain.items()
+        for s in out.outputs
+    }
+    engine = make_engine(folders["kv2"], 2, speculative_config=FIXED)
+    engine.speculator.proposer = OracleGuesses(truth)
+    guessed = outputs_of(engine, prompts, params)
+    assert_same(plain, guessed)
+    assert engine.get_stats().spec_decode.num_accepted_tokens > 0

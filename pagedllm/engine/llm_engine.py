@@ -33,12 +33,18 @@ from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompt_logprobs import score_prompt_positions
 from pagedllm.engine.request_state import RequestState
 from pagedllm.engine.request_validator import PromptInput, RequestValidator
-from pagedllm.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, make_generator
+from pagedllm.engine.sampler import Sampler, SamplerOutput, make_generator
 from pagedllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
-from pagedllm.engine.speculation import Speculator
-from pagedllm.engine.stats import EngineStats, StatsLogger, StepTimes
+from pagedllm.engine.speculation import Speculator, StepRows, merged_rows
+from pagedllm.engine.stats import (
+    EngineStats,
+    StatsLogger,
+    StepTimes,
+    TokenCounters,
+    gather_stats,
+)
 from pagedllm.engine.step_sampling import sample_isolated, verify_isolated
 from pagedllm.engine.tensor_parallel.worker import StepWork
 from pagedllm.kv_storage.block_copies import BlockCopies
@@ -86,10 +92,7 @@ class LLMEngine:
         self.speculator = Speculator(spec) if spec is not None else None
         self._requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._last_batched_tokens = 0
-        self._max_concurrent = 0
+        self.counters = TokenCounters()
         self.step_times = StepTimes()
         self._stats_logger = StatsLogger(config.log_stats_interval)
 
@@ -210,9 +213,8 @@ class LLMEngine:
         if plan.is_empty:
             return []
         outputs = self.run_plan(plan)
-        if self.speculator is not None and all(i.num_known_tokens == 1 for i in plan.scheduled):
-            # decoding steps only: the rule chooses among them (prefill rows cost less)
-            self.speculator.policy.observe_step(plan.num_batched_tokens, time.perf_counter() - t0)
+        if self.speculator is not None:
+            self.speculator.observe_step(plan, time.perf_counter() - t0)
         return outputs
 
     def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -224,7 +226,7 @@ class LLMEngine:
         drafts = {i.seq.seq_id: i.draft_token_ids for i in plan.scheduled if i.draft_token_ids}
         if drafts:
             outputs = self._sample_with_drafts(ending, logits, drafts)
-            t2 = t1  # verification and processing are counted together, as sampling
+            t2 = time.perf_counter()  # verifying and recording, counted as sampling
         else:
             sampling, logits = self._fork_parallel_samples(ending, logits)
             sampled, failures = sample_isolated(self.sampler, sampling, logits, self.stop_token_ids)
@@ -235,8 +237,10 @@ class LLMEngine:
             self._offer_guesses()
         times.postprocess += time.perf_counter() - t2
         times.steps += 1
-        self._last_batched_tokens = plan.num_batched_tokens
-        self._max_concurrent = max(self._max_concurrent, len(plan.scheduled))
+        self.counters.last_batched_tokens = plan.num_batched_tokens
+        self.counters.max_concurrent_seqs = max(
+            self.counters.max_concurrent_seqs, len(plan.scheduled)
+        )
         if self._stats_logger.due():
             self._stats_logger.log(self.get_stats())
         return outputs
@@ -273,58 +277,26 @@ class LLMEngine:
         """Sample the plain rows, verify the guessing sequences' rows, record both, then
         settle each guessing sequence (commit the kept guesses, roll back the rest).
         Sequences that guess only decode, so none of them forks here."""
-        plain, plain_rows, guessing, guessing_rows = [], [], [], []
-        row = 0
-        for seq in ending:
-            guesses = drafts.get(seq.seq_id, [])
-            if guesses:
-                guessing.append(seq)
-                guessing_rows.extend(range(row, row + len(guesses) + 1))
-            else:
-                plain.append(seq)
-                plain_rows.append(row)
-            row += len(guesses) + 1
-        plain, plain_logits = self._fork_parallel_samples(plain, logits[plain_rows])
+        split = StepRows.split(ending, drafts)
+        plain, plain_logits = self._fork_parallel_samples(split.plain, logits[split.plain_rows])
         sampled, failures = sample_isolated(self.sampler, plain, plain_logits, self.stop_token_ids)
-        guess_lists = [drafts[seq.seq_id] for seq in guessing]
         verified, verify_failures = verify_isolated(
-            guessing, guess_lists, logits[guessing_rows], self.stop_token_ids
+            split.guessing, split.guesses, logits[split.guessing_rows], self.stop_token_ids
         )
         failures.update(verify_failures)
-        rows = list(plain)
-        token_ids: list[int | None] = list(sampled.token_ids) if sampled else []
-        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
-        if sampled is not None and sampled.logprobs is not None:
-            logprobs = list(sampled.logprobs)
-        for seq, result in zip(guessing, verified, strict=True):
-            if result is None:
-                continue
-            rows.extend([seq] * len(result.token_ids))
-            token_ids.extend(result.token_ids)
-            logprobs.extend(result.logprobs or [None] * len(result.token_ids))
-        outputs = self._process(rows, SamplerOutput(token_ids, logprobs), failures)
-        speculator = self.speculator
-        for seq, guesses, result in zip(guessing, guess_lists, verified, strict=True):
-            if result is None:
-                continue
-            speculator.record(len(guesses), result.num_accepted)
-            speculator.num_blocks_rolled_back += self.scheduler.settle_drafts(
-                seq, result.num_accepted
-            )
+        rows, merged = merged_rows(plain, sampled, split.guessing, verified)
+        outputs = self._process(rows, merged, failures)
+        self.speculator.settle(self.scheduler, split, verified)
         return outputs
 
     def _offer_guesses(self) -> None:
-        """Let the speculator offer guesses to the decoding sequences for the next step,
-        each within its ``max_tokens``."""
-        candidates, num_batched_tokens = [], 0
-        for seq in self.scheduler.running:
-            num_batched_tokens += seq.num_uncomputed_tokens
-            if seq.num_uncomputed_tokens != 1:
-                continue
-            out = self._requests[seq.request_id].sequences[seq.index]
-            candidates.append((seq, out.max_tokens - seq.num_output_tokens - 1))
-        budget = self.config.max_num_batched_tokens
-        self.speculator.propose(candidates, min(num_batched_tokens, budget))
+        """Let the speculator offer guesses for the next step, each sequence's within
+        its ``max_tokens``."""
+        self.speculator.offer(
+            self.scheduler.running,
+            lambda seq: self._requests[seq.request_id].sequences[seq.index].max_tokens,
+            self.config.max_num_batched_tokens,
+        )
 
     def _record_prompt_logprobs(
         self, spans: list[tuple[TokenSequence, range]], hidden: torch.Tensor
@@ -384,12 +356,12 @@ class LLMEngine:
                 failures[seq.request_id] = error
                 touched.pop(seq.request_id, None)
                 continue
-            self._generation_tokens_total += 1
+            self.counters.generation_tokens_total += 1
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 # vLLM's prompt_tokens_total: each request's whole prompt, once, when
                 # its first token comes (cached tokens count, recomputed ones do not)
-                self._prompt_tokens_total += len(state.prompt_token_ids)
+                self.counters.prompt_tokens_total += len(state.prompt_token_ids)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if status is not None:
@@ -424,32 +396,10 @@ class LLMEngine:
     # ---- monitoring ------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager.stats()
-        pool = bm.pool
-        return EngineStats(
-            # requests, as vLLM counts them (an n > 1 request runs several sequences)
-            num_running=len({seq.request_id for seq in self.scheduler.running}),
-            num_waiting=len({seq.request_id for seq in self.scheduler.waiting}),
-            num_preempted_waiting=self.scheduler.num_preempted_waiting,
-            num_preemptions_total=self.scheduler.num_preemptions,
-            num_blocks_total=pool.num_blocks,
-            num_blocks_used=pool.used,
-            num_blocks_free=pool.free,
-            num_blocks_reserved=pool.reserved,
-            peak_blocks_used=pool.peak_used,
-            kv_cache_usage=pool.usage,
-            internal_fragmentation_slots=bm.fragmentation.internal_fragmentation_slots,
-            slots_saved_by_sharing=bm.fragmentation.slots_saved_by_sharing,
-            num_blocks_shared=pool.shared,
-            num_blocks_cached=pool.cached,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
-            num_batched_tokens=self._last_batched_tokens,
-            max_concurrent_seqs=self._max_concurrent,
-            step_times=self.step_times,
-            num_swapped=len(self.scheduler.swapped),
-            swap=self.swap_space.stats() if self.swap_space is not None else None,
-            spec_decode=self.speculator.stats.copy() if self.speculator is not None else None,
+        return gather_stats(
+            self.scheduler,
+            self.counters,
+            self.step_times,
+            self.swap_space.stats() if self.swap_space is not None else None,
+            self.speculator.stats.copy() if self.speculator is not None else None,
         )

@@ -2,9 +2,10 @@
 guessed tokens for the next one; after the next one's pass, settle what the model kept.
 
 Which sequences guess: those decoding (one known token left to compute) with room for
-at least two more output tokens (a guess is useless without a token after it), and
-without ``structured_outputs`` (their guesses are not checked against the grammar;
-they decode as before) or owed prompt logprobs. A sequence guesses at most
+at least two more output tokens (a guess is useless without a token after it), and no
+owed prompt logprobs. Under ``structured_outputs`` a guess is cut where the grammar
+refuses a token (verification then masks each row as a one-token step would). A
+sequence guesses at most
 ``max_tokens - outputs - 1`` tokens, so a fully accepted guess never passes its
 ``max_tokens`` and never needs more blocks than its admitted worst case.
 
@@ -15,10 +16,14 @@ length for the step from the proposals and its measurements (down to none), unle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+from pagedllm.engine.sampler import SamplerOutput, TokenLogprobs
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import TokenSequence
+from pagedllm.engine.spec_verify import Verified
 from pagedllm.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from pagedllm.spec_decode.draft_length import DraftLengthPolicy
 from pagedllm.spec_decode.ngram import NgramProposer
@@ -98,6 +103,22 @@ class Speculator:
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.num_blocks_rolled_back = 0
 
+    def offer(
+        self,
+        running: Sequence[TokenSequence],
+        max_tokens_of: Callable[[TokenSequence], int],
+        token_budget: int,
+    ) -> None:
+        """Offer guesses for the next step to the decoding sequences among ``running``
+        (each within ``max_tokens_of(seq)`` output tokens; ``token_budget``: the step's
+        ``max_num_batched_tokens``)."""
+        candidates, num_batched_tokens = [], 0
+        for seq in running:
+            num_batched_tokens += seq.num_uncomputed_tokens
+            if seq.num_uncomputed_tokens == 1:
+                candidates.append((seq, max_tokens_of(seq) - seq.num_output_tokens - 1))
+        self.propose(candidates, min(num_batched_tokens, token_budget))
+
     def propose(
         self,
         candidates: Sequence[tuple[TokenSequence, int]],
@@ -119,6 +140,9 @@ class Speculator:
             if limit <= 0 or not self._may_guess(seq):
                 continue
             guess = self.proposer.propose(seq, min(limit, most))
+            matchers = seq.params.grammar_matchers
+            if guess and matchers is not None:  # cut where the grammar refuses a guess
+                guess = guess[: matchers.num_accepted(seq.output_token_ids, guess)]
             if guess:
                 proposals.append((seq, guess))
         lengths = [len(guess) for _, guess in proposals]
@@ -130,17 +154,78 @@ class Speculator:
 
     @staticmethod
     def _may_guess(seq: TokenSequence) -> bool:
-        return (
-            seq.num_uncomputed_tokens == 1
-            and seq.params.structured_outputs is None
-            and not seq.owes_prompt_logprobs
-        )
+        return seq.num_uncomputed_tokens == 1 and not seq.owes_prompt_logprobs
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        """One sequence's guesses were verified."""
-        self.stats.record(num_drafted, num_accepted)
-        self.policy.observe_acceptance(num_drafted, num_accepted)
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A whole step of ``plan`` took ``seconds``: decoding steps feed the cost line
+        (the rule chooses among them; prefill rows cost less per token)."""
+        if all(item.num_known_tokens == 1 for item in plan.scheduled):
+            self.policy.observe_step(plan.num_batched_tokens, seconds)
+
+    def settle(
+        self, scheduler: Scheduler, rows: StepRows, verified: Sequence[Verified | None]
+    ) -> None:
+        """Count each guessing sequence's kept guesses and let the scheduler commit them
+        and roll the rest back (a sequence whose verification failed was aborted)."""
+        for seq, guesses, result in zip(rows.guessing, rows.guesses, verified, strict=True):
+            if result is None:
+                continue
+            self.stats.record(len(guesses), result.num_accepted)
+            self.policy.observe_acceptance(len(guesses), result.num_accepted)
+            self.num_blocks_rolled_back += scheduler.settle_drafts(seq, result.num_accepted)
 
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         """``seq`` ended (``completed``: its output is whole, not aborted or failed)."""
         self.proposer.finished(seq, completed)
+
+
+@dataclass
+class StepRows:
+    """A step's sequences that reached their end, split by whether they ran guesses,
+    with their rows of the step's logits: one row each for ``plain``, ``len(guesses)
+    + 1`` rows each for ``guessing`` (its guesses in ``guesses``), in plan order."""
+
+    plain: list[TokenSequence]
+    plain_rows: list[int]
+    guessing: list[TokenSequence]
+    guesses: list[list[int]]
+    guessing_rows: list[int]
+
+    @classmethod
+    def split(cls, ending: Sequence[TokenSequence], drafts: dict[int, list[int]]) -> StepRows:
+        """``ending``'s rows (plan order; ``drafts``: the guesses run, by sequence id)."""
+        rows = cls([], [], [], [], [])
+        row = 0
+        for seq in ending:
+            guesses = drafts.get(seq.seq_id, [])
+            if guesses:
+                rows.guessing.append(seq)
+                rows.guesses.append(guesses)
+                rows.guessing_rows.extend(range(row, row + len(guesses) + 1))
+            else:
+                rows.plain.append(seq)
+                rows.plain_rows.append(row)
+            row += len(guesses) + 1
+        return rows
+
+
+def merged_rows(
+    plain: Sequence[TokenSequence],
+    sampled: SamplerOutput | None,
+    guessing: Sequence[TokenSequence],
+    verified: Sequence[Verified | None],
+) -> tuple[list[TokenSequence], SamplerOutput]:
+    """One row per token to record: each plain sequence's sampled token, then each
+    guessing sequence's kept guesses and the model's token, in order (a sequence whose
+    verification failed has none)."""
+    rows = list(plain)
+    token_ids: list[int | None] = list(sampled.token_ids) if sampled else []
+    logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+    if sampled is not None and sampled.logprobs is not None:
+        logprobs = list(sampled.logprobs)
+    for seq, result in zip(guessing, verified, strict=True):
+        if result is not None:
+            rows.extend([seq] * len(result.token_ids))
+            token_ids.extend(result.token_ids)
+            logprobs.extend(result.logprobs or [None] * len(result.token_ids))
+    return rows, SamplerOutput(token_ids, logprobs)

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv_storage.swap_space import SwapStats
 from pagedllm.spec_decode.stats import SpecDecodeStats
 
@@ -31,6 +32,21 @@ class StepTimes:
     def overhead_fraction(self) -> float:
         """Share of step time outside the model forward pass."""
         return 0.0 if self.total == 0 else 1.0 - self.forward / self.total
+
+
+@dataclass
+class TokenCounters:
+    """The engine's own counts: tokens since start-up, and figures of the steps.
+
+    ``prompt_tokens_total``: vLLM's, each request's whole prompt once, when its first
+    token comes; ``generation_tokens_total``: tokens recorded in outputs;
+    ``last_batched_tokens``: the last step's; ``max_concurrent_seqs``: the most
+    sequences one step ran."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    last_batched_tokens: int = 0
+    max_concurrent_seqs: int = 0
 
 
 @dataclass
@@ -71,6 +87,45 @@ class EngineStats:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+def gather_stats(
+    scheduler: Scheduler,
+    counters: TokenCounters,
+    step_times: StepTimes,
+    swap: SwapStats | None,
+    spec_decode: SpecDecodeStats | None,
+) -> EngineStats:
+    """A snapshot of the scheduler's queues and pool with the engine's counters."""
+    bm = scheduler.block_manager.stats()
+    pool = bm.pool
+    return EngineStats(
+        # requests, as vLLM counts them (an n > 1 request runs several sequences)
+        num_running=len({seq.request_id for seq in scheduler.running}),
+        num_waiting=len({seq.request_id for seq in scheduler.waiting}),
+        num_preempted_waiting=scheduler.num_preempted_waiting,
+        num_preemptions_total=scheduler.num_preemptions,
+        num_blocks_total=pool.num_blocks,
+        num_blocks_used=pool.used,
+        num_blocks_free=pool.free,
+        num_blocks_reserved=pool.reserved,
+        peak_blocks_used=pool.peak_used,
+        kv_cache_usage=pool.usage,
+        internal_fragmentation_slots=bm.fragmentation.internal_fragmentation_slots,
+        slots_saved_by_sharing=bm.fragmentation.slots_saved_by_sharing,
+        num_blocks_shared=pool.shared,
+        num_blocks_cached=pool.cached,
+        prefix_cache_queries=bm.prefix_cache_queries,
+        prefix_cache_hits=bm.prefix_cache_hits,
+        prompt_tokens_total=counters.prompt_tokens_total,
+        generation_tokens_total=counters.generation_tokens_total,
+        num_batched_tokens=counters.last_batched_tokens,
+        max_concurrent_seqs=counters.max_concurrent_seqs,
+        step_times=step_times,
+        num_swapped=len(scheduler.swapped),
+        swap=swap,
+        spec_decode=spec_decode,
+    )
 
 
 class StatsLogger:
