@@ -218,6 +218,15 @@ def test_only_outputs_join_the_global_tree() -> None:
     assert proposer.propose("c", [7, 1, 2], 1, 5) == [3]
 
 
+def test_an_output_added_without_a_tree_serves_like_a_finished_one() -> None:
+    """add_output: a request never proposed for joins the global tree by its output
+    alone (no per-request tree is built for it)."""
+    proposer = SuffixProposer(SuffixConfig())
+    proposer.add_output([1, 2, 3, 4, 5])
+    assert proposer.num_tracked_requests == 0
+    assert proposer.propose("b", [9, 9, 1, 2], 2, 3) == [3, 4]  # match 2: at most 2
+
+
 def test_abort_keeps_nothing_and_unknown_ids_are_ignored() -> None:
     proposer = SuffixProposer(SuffixConfig())
     proposer.propose("a", [1, 2, 3, 4, 5], 1, 0)

@@ -73,12 +73,9 @@ class SuffixGuesses:
         return self.suffix.propose(key, seq.all_token_ids, seq.num_prompt_tokens, limit)
 
     def finished(self, seq: TokenSequence, completed: bool) -> None:
-        key = str(seq.seq_id)
-        if completed:  # the tree takes the last tokens first: it stores them on finish
-            self.suffix.propose(key, seq.all_token_ids, seq.num_prompt_tokens, 0)
-            self.suffix.finish(key)
-        else:
-            self.suffix.abort(key)
+        self.suffix.abort(str(seq.seq_id))  # its own tree goes; its output joins the global
+        if completed:
+            self.suffix.add_output(seq.output_token_ids)
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:

@@ -448,11 +448,15 @@ class SuffixProposer:
         least recently finished requests' outputs beyond max_cached_requests. Unknown
         ids are ignored."""
         request = self._requests.pop(request_id, None)
-        if request is None or self._global is None:
+        if request is not None:
+            self.add_output(request.tokens[request.num_prompt_tokens :])
+
+    def add_output(self, output: Sequence[int]) -> None:
+        """Add a finished request's output tokens to the global tree (as :meth:`finish`
+        does), for a request never proposed for: no per-request tree is built."""
+        if self._global is None or not output:
             return
-        output = request.tokens[request.num_prompt_tokens :]
-        if not output:
-            return
+        output = [int(t) for t in output]
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         self._global.insert(seq_id, output)
