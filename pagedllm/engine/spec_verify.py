@@ -41,6 +41,7 @@ from pagedllm.engine.sampler import (
     sampling_probabilities,
     token_logprobs,
 )
+from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.sequence import TokenSequence
 
 
@@ -77,10 +78,14 @@ def verify(
     float32: sequence ``i``'s ``len(drafts[i]) + 1`` rows in order, sequences in order."""
     params, prompts, histories, owners = [], [], [], []
     for seq, guesses in zip(sequences, drafts, strict=True):
+        reads_history = _reads_history(seq.params)
         for j in range(len(guesses) + 1):
             params.append(seq.params)
             prompts.append(seq.prompt_token_ids)
-            histories.append([*seq.output_token_ids, *guesses[:j]])
+            # a row whose processing reads no history shares the output list, uncopied
+            histories.append(
+                [*seq.output_token_ids, *guesses[:j]] if reads_history else seq.output_token_ids
+            )
             owners.append(seq)
     if len(owners) != len(logits):
         raise ValueError(f"{len(owners)} verification rows, {len(logits)} logits rows")
@@ -111,6 +116,17 @@ def verify(
         results.append(Verified(tokens, logprobs))
         first += len(guesses) + 1
     return results
+
+
+def _reads_history(params: SamplingParams) -> bool:
+    """Whether processing a row of ``params`` reads its output history: penalties,
+    ``min_tokens`` bans, bad words or a grammar."""
+    return bool(
+        params.has_penalties
+        or params.min_tokens > 0
+        or params.bad_words
+        or params.structured_outputs is not None
+    )
 
 
 def _greedy(guesses: Sequence[int], argmaxes: list[int]) -> list[int]:
