@@ -35,6 +35,23 @@ inline __m512i pair_of(const uint16_t* x) {
   return _mm512_set1_epi32(static_cast<int>(pair));
 }
 
+// The float32 sums acc[m][v] (MR rows, two vectors of a panel) plus the bias, stored
+// into y[m, n0 .. n0 + kPanel) (features past N left alone).
+template <int MR>
+void store_panel_sums(const QuantLinearBf16Problem& p, const __m512 (&acc)[MR][2], uint16_t* y,
+                      int64_t n0) {
+  for (int v = 0; v < 2; ++v) {
+    const int64_t left = p.N - n0 - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask =
+        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bias =
+        p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      bf16::store_sums(p, y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
+  }
+}
+
 // y[m, n0 .. n0 + kPanel) for the MR rows of x starting at x; chunk_sums holds each
 // row's sum of x per chunk ([MR][K / 32], only read for formats with offsets).
 template <typename B, int MR>
@@ -77,16 +94,7 @@ void tile(const QuantLinearBf16Problem& p, const Panel& panel, const uint16_t* x
       }
     }
   }
-  for (int v = 0; v < 2; ++v) {
-    const int64_t left = p.N - n0 - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask =
-        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 bias =
-        p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      bf16::store_sums(p, y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
-  }
+  store_panel_sums<MR>(p, acc, y, n0);
 }
 
 template <typename B>

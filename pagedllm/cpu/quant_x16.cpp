@@ -251,16 +251,7 @@ void chained_tile(const QuantLinearBf16Problem& p, const Panel& panel, const uin
       }
     }
   }
-  for (int v = 0; v < 2; ++v) {
-    const int64_t left = p.N - n0 - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask =
-        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 bias =
-        p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      bf16::store_sums(p, y + m * p.N + n0 + 16 * v, _mm512_add_ps(acc[m][v], bias), mask);
-  }
+  store_panel_sums<MR>(p, acc, y, n0);
 }
 
 // Every row of x against one decoded panel, kChainedRows rows at a time.
