@@ -60,3 +60,25 @@ def test_a_method_not_built_stops_the_server_at_start(model_folder):
     args = ["--model", str(model_folder), *SERVE_ARGS, "--speculative-config", json.dumps(config)]
     with pytest.raises(RuntimeError, match="not implemented yet"):
         ServerProcess(args, startup_timeout_s=120).start()
+
+
+def test_streamed_chat_with_a_stop_string_equals_decoding_without_guesses(
+    client, model_name, model_folder
+):
+    """Several tokens may arrive in one step: the stream's pieces add up to the text
+    plain decoding gives, cut at the same stop string."""
+    messages = [{"role": "user", "content": PROMPT}]
+    llm = LLM(model=str(model_folder), dtype="float32", kv_cache_memory="16MiB")
+    whole = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    text = whole[0].outputs[0].text
+    assert len(text) > 20
+    for stop in (None, [text[len(text) // 2 : len(text) // 2 + 3]]):  # a stop met midway
+        stream = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=40, temperature=0.0, stream=True,
+            stop=stop,
+        )  # fmt: skip
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop=stop or [])
+        plain = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        assert "".join(pieces) == plain.text
+        assert (plain.finish_reason == "stop") == (stop is not None)
