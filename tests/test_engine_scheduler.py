@@ -266,14 +266,7 @@ def test_computed_counts_follow_the_block_manager_through_every_path(
     forks: list[int] = []  # asked for, made after the next step that ends a sequence
 
     def fork(parent: TokenSequence) -> TokenSequence:
-        child = TokenSequence(
-            request_id=parent.request_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            params=parent.params,
-            arrival_time=parent.arrival_time,
-        )
-        child.output_token_ids = list(parent.output_token_ids)
-        child.all_token_ids = list(parent.all_token_ids)
+        child = parent.branch()
         scheduler.fork(parent, child)
         live.append(child)
         seen.add("fork")

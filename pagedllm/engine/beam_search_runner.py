@@ -204,14 +204,7 @@ class BeamSearchRunner:
 
         Called before ``parent`` itself is extended, so the child copies its tokens so far.
         """
-        child = TokenSequence(
-            request_id=parent.request_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            params=parent.params,
-            arrival_time=parent.arrival_time,
-        )
-        child.output_token_ids = list(parent.output_token_ids)
-        child.all_token_ids = list(parent.all_token_ids)
+        child = parent.branch()
         self.engine.scheduler.fork(parent, child)
         child.append_token(token_id)
         return child

@@ -160,6 +160,19 @@ class TokenSequence:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def branch(self) -> TokenSequence:
+        """A new sequence of the same request holding this one's tokens so far (and no
+        computed state): the child :meth:`Scheduler.fork` starts from it."""
+        child = TokenSequence(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            arrival_time=self.arrival_time,
+        )
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        return child
+
     def reset_for_recompute(self) -> None:
         """Forget the cache: every token (prompt and output so far) is prefilled again."""
         self.num_computed_tokens = 0
