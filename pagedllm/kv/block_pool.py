@@ -14,6 +14,10 @@ Prefix caching: a full block may carry a :class:`~pagedllm.kv.prefix_hash.BlockK
 (its content identity). Such a block stays findable by its key while referenced and, once
 free, while it waits in the free queue (evictable, least recently freed first); it is
 evicted (forgets its key) when allocation takes it from the head of the queue.
+
+Listeners (:class:`~pagedllm.kv.block_events.PoolListener`, added with
+:meth:`BlockPool.add_listener`) hear every change after it is made; the pool never
+walks its blocks for them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedllm.kv.block_events import PoolListener
 from pagedllm.kv.free_queue import FreeBlockQueue
 from pagedllm.kv.prefix_hash import BlockKey
 
@@ -103,6 +108,14 @@ class BlockPool:
         self._num_allocations = 0
         self._num_frees = 0
         self._num_evictions = 0
+        self._listeners: tuple[PoolListener, ...] = ()
+
+    def add_listener(self, listener: PoolListener) -> None:
+        """Tell ``listener`` about every change from now on."""
+        self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: PoolListener) -> None:
+        self._listeners = tuple(known for known in self._listeners if known is not listener)
 
     @property
     def num_free(self) -> int:
@@ -126,6 +139,11 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """The free queue from head (allocated next) to tail; O(num_blocks), for inspection."""
         return list(self._free_queue)
+
+    def reserved_block_ids(self) -> list[int]:
+        """The free blocks only high-priority requests may take now: the last
+        ``num_reserved`` of the free queue (fewer when fewer are free); O(num_reserved)."""
+        return self._free_queue.tail(self.num_reserved)
 
     def num_available(self, high_priority: bool = False) -> int:
         """Blocks an allocation of this priority may take now."""
@@ -151,6 +169,9 @@ class BlockPool:
                 self._evict(block_id)
         self._num_allocations += num_blocks
         self._peak_used = max(self._peak_used, self.num_used)
+        if block_ids:
+            for listener in self._listeners:
+                listener.blocks_taken(block_ids)
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -160,6 +181,9 @@ class BlockPool:
         hit) leaves the free queue from wherever it is. Callers check the priority's
         allowance (:meth:`can_allocate`) for such blocks first, as they leave the free pool.
         """
+        listeners = self._listeners
+        if listeners:
+            block_ids = list(block_ids)
         for block_id in block_ids:
             count = self._ref_counts[block_id]
             if count == 0:
@@ -171,13 +195,21 @@ class BlockPool:
             elif count == 1:
                 self._num_shared += 1
             self._ref_counts[block_id] = count + 1
+        if listeners and block_ids:
+            for listener in listeners:
+                listener.blocks_referenced(block_ids)
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Iterable[int], by_window: bool = False) -> None:
         """Drop one reference from each block, in order.
 
         A block whose count reaches zero goes to the tail of the free queue.
-        Freeing a block that is already free raises ValueError.
+        Freeing a block that is already free raises ValueError. ``by_window``: the
+        references are dropped because a sliding window moved past the blocks (told to
+        listeners; nothing else differs).
         """
+        listeners = self._listeners
+        if listeners:
+            block_ids = list(block_ids)
         for block_id in block_ids:
             count = self._ref_counts[block_id]
             if count == 0:
@@ -190,6 +222,9 @@ class BlockPool:
                 self._num_frees += 1
                 if self._block_keys[block_id] is not None:
                     self._num_evictable += 1
+        if listeners and block_ids:
+            for listener in listeners:
+                listener.blocks_released(block_ids, by_window)
 
     def block_key(self, block_id: int) -> BlockKey | None:
         """The content identity ``block_id`` is cached under, if any."""
@@ -212,6 +247,8 @@ class BlockPool:
             return False
         self._block_keys[block_id] = key
         self._cached_blocks[key.digest] = block_id
+        for listener in self._listeners:
+            listener.block_stored(block_id, key)
         return True
 
     def lookup(self, key: BlockKey) -> int | None:
@@ -228,6 +265,23 @@ class BlockPool:
         self._block_keys[block_id] = None
         self._num_evictable -= 1
         self._num_evictions += 1
+        for listener in self._listeners:
+            listener.block_removed(block_id, key)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key, if no cached block is referenced (else change
+        nothing and return False). The blocks stay free; nothing is evicted by
+        allocation later. Listeners hear ``cache_cleared``."""
+        if len(self._cached_blocks) != self._num_evictable:
+            return False
+        block_ids = list(self._cached_blocks.values())
+        for block_id in block_ids:
+            self._block_keys[block_id] = None
+        self._cached_blocks.clear()
+        self._num_evictable = 0
+        for listener in self._listeners:
+            listener.cache_cleared(block_ids)
+        return True
 
     def stats(self) -> BlockPoolStats:
         return BlockPoolStats(

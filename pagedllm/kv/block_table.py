@@ -153,7 +153,7 @@ class BlockTable:
         end = min(live_from, len(self._block_ids))
         released = range(self.num_null, end)
         if released:
-            self._pool.free(self._block_ids[released.start : released.stop])
+            self._pool.free(self._block_ids[released.start : released.stop], by_window=True)
             self._block_ids[released.start : released.stop] = [self._pool.null_block] * len(
                 released
             )

@@ -43,6 +43,15 @@ class FreeBlockQueue:
             yield block_id
             block_id = self._next[block_id]
 
+    def tail(self, count: int) -> list[int]:
+        """The last ``count`` block ids (fewer if fewer are queued), tail first; O(count)."""
+        block_ids = []
+        block_id = self._prev[self._sentinel]
+        while block_id != self._sentinel and len(block_ids) < count:
+            block_ids.append(block_id)
+            block_id = self._prev[block_id]
+        return block_ids
+
     def popleft(self) -> int:
         """Remove and return the head block. Raises IndexError when empty."""
         if self._size == 0:
