@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.kv.block_manager import AllocationTimes
 from pagedllm.kv_storage.swap_space import SwapStats
 from pagedllm.spec_decode.stats import SpecDecodeStats
 
@@ -54,7 +55,12 @@ class EngineStats:
     """A snapshot. Blocks are KV pool blocks; tokens are counted since start-up.
 
     ``prefix_cache_queries``/``hits``: prompt tokens looked up in / found in the prefix
-    cache (vLLM's counters); ``num_blocks_shared``: blocks held by more than one sequence.
+    cache (vLLM's counters); ``num_blocks_shared``: blocks held by more than one sequence;
+    ``num_blocks_evictable``: cached blocks nobody holds (counted in ``num_blocks_free``);
+    ``block_table_lookups``/``hits``: token slots, as
+    :class:`~pagedllm.kv.block_manager.BlockManagerStats` counts them;
+    ``num_preemptions_swap``: the preemptions (of ``num_preemptions_total``) that
+    swapped, the rest recomputed.
     """
 
     num_running: int
@@ -78,6 +84,11 @@ class EngineStats:
     num_batched_tokens: int
     max_concurrent_seqs: int
     step_times: StepTimes = field(default_factory=StepTimes)
+    num_blocks_evictable: int = 0
+    block_table_lookups: int = 0
+    block_table_hits: int = 0
+    allocation: AllocationTimes = AllocationTimes(0, 0.0)
+    num_preemptions_swap: int = 0
     num_swapped: int = 0
     swap: SwapStats | None = None
     spec_decode: SpecDecodeStats | None = None
@@ -122,6 +133,11 @@ def gather_stats(
         num_batched_tokens=counters.last_batched_tokens,
         max_concurrent_seqs=counters.max_concurrent_seqs,
         step_times=step_times,
+        num_blocks_evictable=pool.evictable,
+        block_table_lookups=bm.block_table_lookups,
+        block_table_hits=bm.block_table_hits,
+        allocation=scheduler.block_manager.allocation_times(),
+        num_preemptions_swap=0 if swap is None else swap.swap_outs,
         num_swapped=len(scheduler.swapped),
         swap=swap,
         spec_decode=spec_decode,

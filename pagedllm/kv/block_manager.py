@@ -49,6 +49,7 @@ chain.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,7 +90,12 @@ class BlockManagerStats:
     """Monitoring figures: pool counters, fragmentation of the live tables, prefix cache.
 
     ``prefix_cache_queries``/``prefix_cache_hits`` count prompt tokens looked up and found
-    (cumulative, once per sequence started with a prefix).
+    (cumulative, once per sequence started with a prefix). ``block_table_lookups``/
+    ``block_table_hits`` count token slots (cumulative): a lookup is a slot
+    :meth:`BlockManager.allocate_slots` reserved or a prefix hit supplied; it hits when
+    the block holding it was in the sequence's table already (a partly filled last block,
+    or a cached block of the prefix) and misses when the block was newly taken from the
+    pool.
     """
 
     num_seqs: int
@@ -97,12 +103,29 @@ class BlockManagerStats:
     fragmentation: FragmentationStats
     prefix_cache_queries: int
     prefix_cache_hits: int
+    block_table_lookups: int = 0
+    block_table_hits: int = 0
+
+    @property
+    def block_table_hit_rate(self) -> float:
+        if self.block_table_lookups == 0:
+            return 0.0
+        return self.block_table_hits / self.block_table_lookups
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class AllocationTimes:
+    """``calls`` of :meth:`BlockManager.allocate_slots` (failed ones included) and the
+    ``seconds`` they took, cumulative."""
+
+    calls: int
+    seconds: float
 
 
 @dataclass
@@ -141,6 +164,11 @@ class BlockManager:
         self._seqs: dict[SeqId, _Sequence] = {}
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        self._table_lookups = 0
+        self._table_hits = 0
+        self._allocation_calls = 0
+        self._allocation_seconds = 0.0
+        self._slowest_allocation = 0.0
 
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
@@ -297,8 +325,24 @@ class BlockManager:
         window, blocks outside the window of the first computed token are null entries
         (slots ``-1``), never allocated. The result's ``first_changed`` is 0 for a sequence
         created here. Raises ValueError on misuse: a prefix for an existing sequence, or a
-        stale prefix.
+        stale prefix. Counts its block-table lookups and its time (:meth:`stats`).
         """
+        start = time.perf_counter()
+        result = self._allocate_slots(seq_id, num_new_tokens, high_priority, prefix, num_restored)
+        elapsed = time.perf_counter() - start
+        self._allocation_calls += 1
+        self._allocation_seconds += elapsed
+        self._slowest_allocation = max(self._slowest_allocation, elapsed)
+        return result
+
+    def _allocate_slots(
+        self,
+        seq_id: SeqId,
+        num_new_tokens: int,
+        high_priority: bool,
+        prefix: CachedPrefix | None,
+        num_restored: int,
+    ) -> AppendResult | None:
         seq = self._seqs.get(seq_id)
         started = seq is None
         if started:
@@ -308,13 +352,26 @@ class BlockManager:
         elif prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
         live_from = self.live_from(self._first_query(seq, num_restored))
+        table = seq.table
+        room = len(table.block_ids) * self.block_size - table.num_tokens  # slots held, unused
         try:
-            result = seq.table.append_slots(num_new_tokens, high_priority, live_from)
+            result = table.append_slots(num_new_tokens, high_priority, live_from)
         except OutOfBlocksError:
             return None
+        self._table_lookups += num_new_tokens
+        self._table_hits += min(num_new_tokens, room)
         if started:  # every entry is new to the caller
             result.first_changed = 0
+            if prefix is not None:
+                self._table_lookups += prefix.num_tokens
+                self._table_hits += prefix.num_tokens
         return result
+
+    def take_slowest_allocation(self) -> float:
+        """Seconds of the slowest :meth:`allocate_slots` call since the last time this
+        was asked (0.0 if none); for a monitor that samples it."""
+        slowest, self._slowest_allocation = self._slowest_allocation, 0.0
+        return slowest
 
     @staticmethod
     def _first_query(seq: _Sequence, num_restored: int) -> int:
@@ -512,4 +569,10 @@ class BlockManager:
             fragmentation=self.fragmentation(),
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
+            block_table_lookups=self._table_lookups,
+            block_table_hits=self._table_hits,
         )
+
+    def allocation_times(self) -> AllocationTimes:
+        """Calls of :meth:`allocate_slots` and the seconds they took, since start-up."""
+        return AllocationTimes(self._allocation_calls, self._allocation_seconds)
