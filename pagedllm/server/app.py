@@ -17,6 +17,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
+from pagedllm.server.dashboard.routes import install_dashboard
 from pagedllm.server.errors import install_error_handlers
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.middleware import BodyLimit, Gate
@@ -46,8 +47,9 @@ class ServerSettings:
     ``max_logprob_entries``: the most logprob entries one request may ask for (400
     beyond; :mod:`pagedllm.server.reply_size`);
     ``api_key_scope``: ``"v1"`` (the key guards ``/v1/`` only) or ``"all"`` (every
-    path but ``/health``); ``max_stored_responses``: responses kept for the Responses
-    API's ``previous_response_id`` (the least recently used dropped first)."""
+    path but ``/health`` and the dashboard's page); ``max_stored_responses``:
+    responses kept for the Responses API's ``previous_response_id`` (the least recently
+    used dropped first)."""
 
     model_name: str
     api_key: str | None = None
@@ -57,6 +59,8 @@ class ServerSettings:
     max_stored_responses: int = DEFAULT_CAPACITY
     read_timeout_s: float = 30.0
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    kv_cache_metrics_sample: float | None = None
+    """Sample rate of the block-lifetime histograms; None: not collected."""
 
 
 @dataclass
@@ -99,6 +103,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         engine.max_model_len,
     )
     started = int(time.time())
+    if settings.kv_cache_metrics_sample is not None:
+        metrics.follow_block_lifetimes(engine.block_manager.pool, settings.kv_cache_metrics_sample)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -177,6 +183,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    install_dashboard(app, async_engine, settings.model_name, lambda: lifecycle.draining)
 
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s

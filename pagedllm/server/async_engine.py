@@ -6,7 +6,8 @@ them between steps, runs ``step()`` while anything is unfinished, and hands outp
 back to the event loop, where one ``asyncio.Queue`` per HTTP request feeds its
 handler. With nothing to run, the loop thread blocks on the command queue (no
 polling). Chat templates and tokenization also run on the loop thread, so the
-tokenizer never encodes on two threads at once.
+tokenizer never encodes on two threads at once. Other work on engine state (the
+dashboard's feed, a prefix-cache reset) goes the same way: :meth:`AsyncEngine.call`.
 
 Failures, from the smallest to the largest:
 - A request the engine refuses (bad field, too long, worst case beyond the pool) gets
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from jinja2 import TemplateError
 
@@ -104,6 +106,25 @@ class _Stop:
     """Abort whatever is still running and end the loop thread."""
 
 
+@dataclass
+class _Call:
+    """Run ``function`` in the loop thread; ``done(result)`` then runs on the event
+    loop, if given."""
+
+    function: Callable[[], object]
+    done: Callable[[object], None] | None = None
+
+
+class LoopObserver(Protocol):
+    """Follows the loop thread: ``after_pass(stepped)`` after every pass (a step, or
+    commands applied while idle); an idle loop waits at most ``wait_timeout()``
+    seconds for a command (None: as long as it takes)."""
+
+    def after_pass(self, stepped: bool) -> None: ...
+
+    def wait_timeout(self) -> float | None: ...
+
+
 _ACCEPTED = object()
 
 
@@ -134,7 +155,8 @@ class AsyncEngine:
         self.max_logprob_entries = max_logprob_entries
         self._on_loop_death = on_loop_death
         self.loop_died = False  # set once, by the loop thread
-        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Stop | _Call] = queue.Queue()
+        self.observer: LoopObserver | None = None  # set before start()
         self._groups: dict[str, RequestGroup] = {}  # loop thread only
         self._num_pending = 0  # event loop only
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -294,6 +316,19 @@ class AsyncEngine:
 
     # ---- the loop thread --------------------------------------------------------------
 
+    def call(self, function: Callable[[], object]) -> None:
+        """Run ``function`` in the loop thread, between steps (event loop)."""
+        self._commands.put(_Call(function))
+
+    async def call_and_wait(self, function: Callable[[], object]) -> object:
+        """Run ``function`` in the loop thread and return its result (event loop);
+        raises the 503 of :meth:`unavailable` when the loop is not running."""
+        if not self.is_running:
+            raise self.unavailable()
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(function, future.set_result))
+        return await future
+
     def _run(self) -> None:
         try:
             self._serve()
@@ -306,10 +341,13 @@ class AsyncEngine:
         engine = self.engine
         last_metrics = 0.0
         was_idle = True
+        observer = self.observer
         while True:
-            if not self._apply_commands(block=not engine.has_unfinished_requests()):
+            idle_wait = None if observer is None else observer.wait_timeout()
+            if not self._apply_commands(not engine.has_unfinished_requests(), idle_wait):
                 return
-            if engine.has_unfinished_requests():
+            stepped = engine.has_unfinished_requests()
+            if stepped:
                 try:
                     outputs = engine.step()
                 except WorkerFailedError:
@@ -327,6 +365,8 @@ class AsyncEngine:
                     self._check_clean()
                     continue
                 self._dispatch(outputs)
+            if observer is not None:
+                observer.after_pass(stepped)
             now = time.monotonic()
             idle = not engine.has_unfinished_requests()
             if idle or was_idle or now - last_metrics >= METRICS_INTERVAL_S:
@@ -365,10 +405,11 @@ class AsyncEngine:
         if self._on_loop_death is not None and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._on_loop_death)
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands, waiting for one if ``block``; False once stopped."""
+    def _apply_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued commands, waiting for one (at most ``timeout`` seconds) if
+        ``block``; False once stopped."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return True
         while True:
@@ -378,6 +419,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self._abort(command.request_id)
             try:
@@ -418,6 +461,12 @@ class AsyncEngine:
         self._groups[command.request_id] = command.group
         self.metrics.request_added(command.request_id)
         self._send([(command.group, command.request_id, _ACCEPTED)])
+
+    def _call(self, command: _Call) -> None:
+        result = command.function()
+        loop = self._event_loop
+        if command.done is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(command.done, result)
 
     def _charge_logprobs(self, command: _Add, prompt_len: int) -> None:
         """Add the request's worst-case logprob entries to its group's; raises

@@ -45,7 +45,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default="v1",
         choices=["v1", "all"],
         help="what --api-key guards: the /v1/ routes (default), or every path but /health "
-        "(/metrics, /docs and /openapi.json too)",
+        "and the /dashboard page (/metrics, /dashboard/events, /kv_events, /docs and "
+        "/openapi.json too)",
     )
     serve.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: from path)"
@@ -93,6 +94,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="record the KV block pool after every engine step and draw it to PNG at shutdown "
         "(costs 4 bytes per block per step)",
     )
+    serve.add_argument(
+        "--kv-cache-metrics",
+        action="store_true",
+        help="collect vLLM's sampled KV block lifetime histograms (lifetime, idle time before "
+        "eviction, reuse gap) for /metrics",
+    )
+    serve.add_argument(
+        "--kv-cache-metrics-sample",
+        type=float,
+        default=0.01,
+        help="fraction of allocated blocks --kv-cache-metrics follows (default 0.01)",
+    )
     add_config_flags(serve)
     serve.set_defaults(func=run_server)
 
@@ -113,6 +126,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-stored-responses must be >= 1, got {args.max_stored_responses}")
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    if not 0.0 < args.kv_cache_metrics_sample <= 1.0:
+        raise ValueError(
+            f"--kv-cache-metrics-sample must be in (0, 1], got {args.kv_cache_metrics_sample}"
+        )
     timeouts = {"--read-timeout": args.read_timeout, "--shutdown-timeout": args.shutdown_timeout}
     for flag, value in timeouts.items():
         if not value >= 0:
@@ -126,6 +143,7 @@ def run_server(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout,
         max_logprob_entries=args.max_logprob_entries,
         max_stored_responses=args.max_stored_responses,
+        kv_cache_metrics_sample=args.kv_cache_metrics_sample if args.kv_cache_metrics else None,
     )
     engine = LLMEngine(config_from_flags(args))
     tracer = PoolTracer(engine).attach() if args.trace_pool else None

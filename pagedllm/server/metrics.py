@@ -19,6 +19,17 @@ Meanings:
 - ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``
   and ``..._num_accepted_tokens_per_pos`` (label ``position``, 0-based): speculative
   decoding's verified guesses (:mod:`pagedllm.spec_decode.stats`), when it is on.
+- ``pagedllm:kv_blocks_shared``/``_cached``/``_evictable``: blocks held by more than one
+  sequence / findable in the prefix cache / cached and held by nobody (counted free).
+- ``pagedllm:kv_block_table_lookups``/``_hits``: token slots reserved or supplied by a
+  prefix hit, and those whose block was in the sequence's table already (the
+  block-table hit rate is their ratio; docs/dashboard.md).
+- ``pagedllm:kv_allocations``/``pagedllm:kv_allocation_seconds``: calls of the block
+  manager's slot allocation and the seconds they took (mean latency = their ratio).
+- ``pagedllm:num_preemptions_by_mode`` (label ``mode``: ``recompute``, ``swap``).
+- ``vllm:kv_block_lifetime_seconds``, ``vllm:kv_block_idle_before_evict_seconds``,
+  ``vllm:kv_block_reuse_gap_seconds``: sampled block lifetimes
+  (:mod:`pagedllm.kv.block_lifetimes`), only with ``--kv-cache-metrics``.
 - ``pagedllm:num_requests_failed``: requests the engine failed alone (an error inside
   the step for that request); ``pagedllm:engine_step_failures``: steps that raised for
   no single request and so failed every request in flight. Both stay 0 in health.
@@ -30,12 +41,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
+from pagedllm.kv.block_lifetimes import BlockLifetimes
+from pagedllm.kv.block_pool import BlockPool
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
 """Histogram bucket bounds in seconds: from a fast decode step to a long CPU request."""
+
+BLOCK_LIFETIME_BUCKETS = (
+    0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1800.0, 3600.0, 7200.0,
+)  # fmt: skip
+"""Bounds in seconds for block lifetimes: from a block evicted at once to hours."""
 
 
 class ServerMetrics:
@@ -71,6 +90,32 @@ class ServerMetrics:
         self.blocks_total = gauge("pagedllm:kv_blocks_total", "KV cache blocks in the pool.")
         self.fragmentation = gauge(
             "pagedllm:kv_internal_fragmentation_slots", "Allocated, unwritten KV slots."
+        )
+        self.blocks_shared = gauge(
+            "pagedllm:kv_blocks_shared", "KV cache blocks held by more than one sequence."
+        )
+        self.blocks_cached = gauge(
+            "pagedllm:kv_blocks_cached", "KV cache blocks in the prefix cache."
+        )
+        self.blocks_evictable = gauge(
+            "pagedllm:kv_blocks_evictable", "Cached KV blocks nobody holds (counted free)."
+        )
+        self.swapped = gauge("pagedllm:num_requests_swapped", "Sequences swapped out.")
+        self.table_lookups = counter(
+            "pagedllm:kv_block_table_lookups", "Token slots looked up through block tables."
+        )
+        self.table_hits = counter(
+            "pagedllm:kv_block_table_hits", "Token slots found in a block the table held."
+        )
+        self.allocations = counter("pagedllm:kv_allocations", "Slot allocations of the KV pool.")
+        self.allocation_seconds = counter(
+            "pagedllm:kv_allocation_seconds", "Seconds spent in slot allocations."
+        )
+        self._preemptions_by_mode = Counter(
+            "pagedllm:num_preemptions_by_mode",
+            "Preemptions since start-up, by what was done with the blocks.",
+            ["model_name", "mode"],
+            registry=self.registry,
         )
         self.preemptions = counter("vllm:num_preemptions", "Preemptions since start-up.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
@@ -126,9 +171,15 @@ class ServerMetrics:
                 "spec_drafts",
                 "spec_draft_tokens",
                 "spec_accepted_tokens",
+                "table_lookups",
+                "table_hits",
+                "allocations",
+                "preemptions_recompute",
+                "preemptions_swap",
             ),
             0,
         )
+        self._last_allocation_seconds = 0.0
         self._last_token_time: dict[str, float | None] = {}
 
     def record_step(self, stats: EngineStats) -> None:
@@ -141,6 +192,24 @@ class ServerMetrics:
         self.blocks_free.set(stats.num_blocks_free)
         self.blocks_total.set(stats.num_blocks_total)
         self.fragmentation.set(stats.internal_fragmentation_slots)
+        self.blocks_shared.set(stats.num_blocks_shared)
+        self.blocks_cached.set(stats.num_blocks_cached)
+        self.blocks_evictable.set(stats.num_blocks_evictable)
+        self.swapped.set(stats.num_swapped)
+        self._advance(self.table_lookups, "table_lookups", stats.block_table_lookups)
+        self._advance(self.table_hits, "table_hits", stats.block_table_hits)
+        self._advance(self.allocations, "allocations", stats.allocation.calls)
+        self.allocation_seconds.inc(
+            max(0.0, stats.allocation.seconds - self._last_allocation_seconds)
+        )
+        self._last_allocation_seconds = stats.allocation.seconds
+        swaps = stats.num_preemptions_swap
+        for mode, total in (
+            ("recompute", stats.num_preemptions_total - swaps),
+            ("swap", swaps),
+        ):
+            by_mode = self._preemptions_by_mode.labels(self._model_name, mode)
+            self._advance(by_mode, f"preemptions_{mode}", total)
         self._advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries)
         self._advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits)
         self._advance(self.preemptions, "preemptions", stats.num_preemptions_total)
@@ -159,6 +228,29 @@ class ServerMetrics:
             ):
                 self._spec_per_position.labels(self._model_name, str(position)).inc(total - before)
             self._last_spec_per_position = list(spec.accepted_per_position)
+
+    def follow_block_lifetimes(self, pool: BlockPool, sample_rate: float) -> None:
+        """Add vLLM's sampled block-lifetime histograms, fed by a listener on ``pool``
+        (call before the engine loop starts)."""
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                name, doc, ["model_name"], buckets=BLOCK_LIFETIME_BUCKETS, registry=self.registry
+            ).labels(self._model_name)
+
+        lifetime = histogram(
+            "vllm:kv_block_lifetime_seconds", "Sampled KV block lifetime, allocation to eviction."
+        )
+        idle = histogram(
+            "vllm:kv_block_idle_before_evict_seconds",
+            "Sampled idle time of a KV block, last access to eviction.",
+        )
+        reuse = histogram(
+            "vllm:kv_block_reuse_gap_seconds", "Sampled time between accesses of a cached block."
+        )
+        pool.add_listener(
+            BlockLifetimes(pool, sample_rate, lifetime.observe, idle.observe, reuse.observe)
+        )
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         counter.inc(max(0, total - self._last_totals[key]))

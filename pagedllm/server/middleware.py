@@ -17,11 +17,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm.server.errors import APIError
 
 API_PREFIX = "/v1/"
-UNGUARDED_PATHS = ("/health",)
-"""Paths open without the API key whatever the scope: supervisors probe them."""
+UNGUARDED_PATHS = ("/health", "/dashboard")
+"""Paths open without the API key whatever the scope: supervisors probe ``/health``;
+``/dashboard`` is a page holding no data (its feed, ``/dashboard/events``, is guarded
+like ``/metrics``, and the page asks for the key)."""
 API_KEY_SCOPES = ("v1", "all")
-"""What ``--api-key`` guards: the ``/v1/`` routes, or every path but ``/health``
-(``/metrics``, ``/docs``, ``/openapi.json`` too)."""
+"""What ``--api-key`` guards: the ``/v1/`` routes, or every path but the unguarded ones
+(``/metrics``, ``/dashboard/events``, ``/kv_events``, ``/docs``, ``/openapi.json`` too)."""
 
 
 class Gate:
