@@ -9,6 +9,8 @@ whatever other sequences wrote, forked, evicted or freed meanwhile (or guessed a
 rolled back: a speculative step writes guesses it may not keep). With a sliding
 window, each sequence reads back only the positions its next query can see, holds no
 block before them, and prefix hits need only the cached blocks inside the window.
+Listeners on the pool (the events the dashboard and kv-events stream are built from)
+must see every change: a mirror kept from the events alone equals the pool.
 """
 
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from hypothesis.stateful import (
 
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.fragmentation import fragmentation_stats
+from pagedllm.server.dashboard.recorder import PoolRecorder
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=12)
 SYSTEM_PROMPTS = ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1] * 12)
@@ -36,6 +39,37 @@ PROMPTS = st.builds(
     TOKENS,
 )
 SALTS = st.sampled_from(["tenant-a", "tenant-b"])
+
+
+class MirrorListener:
+    """Reference counts and content keys kept from pool events alone."""
+
+    def __init__(self, num_blocks):
+        self.ref_counts = [0] * num_blocks
+        self.keys = {}
+
+    def blocks_taken(self, block_ids):
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] == 0
+            self.ref_counts[block_id] = 1
+
+    def blocks_referenced(self, block_ids):
+        for block_id in block_ids:
+            self.ref_counts[block_id] += 1
+
+    def blocks_released(self, block_ids, by_window):
+        for block_id in block_ids:
+            self.ref_counts[block_id] -= 1
+
+    def block_stored(self, block_id, key):
+        self.keys[block_id] = key
+
+    def block_removed(self, block_id, key):
+        assert self.keys.pop(block_id) == key
+
+    def cache_cleared(self, block_ids):
+        for block_id in block_ids:
+            del self.keys[block_id]
 
 
 @dataclass
@@ -81,6 +115,13 @@ class KVManagerMachine(RuleBasedStateMachine):
             sliding_window,
         )
         self.pool = self.manager.pool
+        self.mirror = MirrorListener(num_blocks)
+        self.pool.add_listener(self.mirror)
+        self.recorder = PoolRecorder(self.pool, "CPU")
+        self.recorder.kv_events = True
+        self.pool.add_listener(self.recorder)
+        self.page_view: dict[int, tuple] = {}  # what a page knows from the recorder
+        self.stored_hashes: set[str] = set()  # what a kv-events reader knows
         self.block_size = block_size
         self.memory: dict[int, tuple] = {}
         self.cached_content: dict[bytes, tuple] = {}
@@ -294,7 +335,47 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.manager.free(seq_id)
         del self.seqs[seq_id]
 
+    @rule()
+    def reset_prefix_cache(self):
+        """Done only when no cached block is held; otherwise nothing changes."""
+        held = any(
+            self.pool.ref_count(b) and self.pool.block_key(b) is not None
+            for b in range(self.pool.num_blocks)
+        )
+        assert self.pool.reset_prefix_cache() is not held
+        if not held:
+            assert self.pool.stats().cached == 0
+
     # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def listeners_see_every_change(self):
+        """The events alone rebuild the pool's reference counts and keys; the blocks
+        the recorder names as changed bring a page's view up to date; the kv events
+        bring a reader's set of stored hashes up to date."""
+        pool = self.pool
+        blocks = range(pool.num_blocks)
+        assert self.mirror.ref_counts == [pool.ref_count(b) for b in blocks]
+        cached = {b: pool.block_key(b) for b in blocks if pool.block_key(b) is not None}
+        assert self.mirror.keys == cached
+        for block_id in self.recorder.take_changed():
+            self.page_view[block_id] = (pool.ref_count(block_id), pool.block_key(block_id))
+        for block_id in blocks:
+            state = (pool.ref_count(block_id), pool.block_key(block_id))
+            assert self.page_view.get(block_id, (0, None)) == state
+        for kv_event in self.recorder.take_kv_events():
+            if kv_event["type"] == "BlockStored":
+                self.stored_hashes.update(kv_event["block_hashes"])
+            elif kv_event["type"] == "BlockRemoved":
+                self.stored_hashes.difference_update(kv_event["block_hashes"])
+            else:
+                self.stored_hashes.clear()
+        assert self.stored_hashes == {key.digest.hex() for key in cached.values()}
+        for block_id in blocks:
+            if self.recorder.flags(block_id):
+                event("a block released by the window")
+                assert self.manager.sliding_window is not None
+                assert pool.ref_count(block_id) == 0
 
     @invariant()
     def blocks_are_free_xor_referenced_and_counted_by_holders(self):
