@@ -9,7 +9,7 @@ PROMPT ?= Explain paged memory in one sentence.
 
 PORT ?= 8000
 
-.PHONY: setup run generate test lint clean
+.PHONY: setup run generate test lint clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/pagedllm generate --prompt "$(PROMPT)" --max-tokens 64
 
-test: $(STAMP)
+# The dashboard's browser tests drive Debian's chromium; installed here when it is
+# missing and apt-get can (as root), else those tests skip.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  >/dev/null; } || echo "chromium not installed: the dashboard's browser tests will skip"
+
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
