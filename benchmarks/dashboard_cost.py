@@ -1,0 +1,208 @@
+"""What watching the pool costs: 64 requests with no dashboard, with a feed reader
+connected, and with the dashboard open in a headless browser; and how far the page
+lags the pool.
+
+Starts ``pagedllm serve`` once (default model unless ``--model``), then runs rounds;
+each round sends the synthetic workload (64 requests, prompts 32-512 tokens, outputs
+16-256, all at once, greedy with ``ignore_eos``) once per mode, in an order that
+rotates from round to round:
+
+- ``none``: nobody watches (the pool has no listener);
+- ``feed``: a client reads ``/dashboard/events`` (the server's whole cost: listening,
+  building and sending the messages);
+- ``page``: ``/dashboard`` open in Debian's chromium driven by Playwright (the
+  server's cost plus the browser's drawing, on the same cores).
+
+Prints one JSON line per run (output tokens/s; for ``page``, the page's worst
+staleness while the requests ran: seconds since the last message it drew, sampled
+every 0.1 s, the most a change of the pool waits to be shown), then a summary: the
+median of each mode and its ratio to ``none``, and the idle lag: from a request's reply
+to the page showing its blocks cached (``--probes`` short requests with new prompts).
+
+Example:
+    python benchmarks/dashboard_cost.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from pagedllm.bench.workload import synthetic_workload
+from pagedllm.server.launcher import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from browser import CHROMIUM_ARGS, chromium_path  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+MODES = ("none", "feed", "page")
+
+
+async def send_all(base_url: str, model: str, requests) -> int:
+    """Send every request at once; the output tokens generated."""
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as http:
+
+        async def send(request) -> int:
+            body = {
+                "model": model,
+                "prompt": request.prompt_token_ids,
+                "max_tokens": request.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            reply = await http.post("/v1/completions", json=body)
+            reply.raise_for_status()
+            return reply.json()["usage"]["completion_tokens"]
+
+        return sum(await asyncio.gather(*(send(request) for request in requests)))
+
+
+def send_all_blocking(base_url: str, model: str, requests) -> int:
+    """:func:`send_all` on a thread of its own (Playwright's sync API holds an event
+    loop in this one)."""
+    result = []
+    thread = threading.Thread(
+        target=lambda: result.append(asyncio.run(send_all(base_url, model, requests)))
+    )
+    thread.start()
+    thread.join()
+    if not result:
+        raise RuntimeError("the requests failed (see the traceback above)")
+    return result[0]
+
+
+class FeedReader:
+    """Reads ``/dashboard/events`` in a thread, as a page would, without drawing."""
+
+    def __init__(self, base_url: str) -> None:
+        self.messages = 0
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=None))
+        self._thread = threading.Thread(target=self._read, args=(base_url,), daemon=True)
+        self._thread.start()
+        while self.messages == 0:
+            time.sleep(0.05)
+
+    def _read(self, base_url: str) -> None:
+        try:
+            with self._client.stream("GET", f"{base_url}/dashboard/events") as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        json.loads(line[len("data: ") :])
+                        self.messages += 1
+        except (httpx.HTTPError, RuntimeError):
+            pass
+
+    def close(self) -> None:
+        self._client.close()
+
+
+STALENESS_SAMPLER = """() => {
+  window.benchStaleness = [];
+  window.benchTimer = setInterval(() => {
+    const d = window.pagedllmDashboard;
+    window.benchStaleness.push(Date.now() / 1000 - d.lastServerTs);
+  }, 100);
+}"""
+
+
+def run_once(server, browser, mode: str, requests, model: str) -> dict:
+    reader = page = None
+    if mode == "feed":
+        reader = FeedReader(server.base_url)
+    elif mode == "page":
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server.base_url}/dashboard")
+        page.wait_for_function("window.pagedllmDashboard && window.pagedllmDashboard.connected")
+        page.evaluate(STALENESS_SAMPLER)
+    start = time.perf_counter()
+    tokens = send_all_blocking(server.base_url, model, requests)
+    elapsed = time.perf_counter() - start
+    record = {"mode": mode, "output_tokens": tokens, "seconds": round(elapsed, 2)}
+    record["output_tokens_per_s"] = round(tokens / elapsed, 1)
+    if reader is not None:
+        record["messages"] = reader.messages
+        reader.close()
+    if page is not None:
+        staleness = page.evaluate("clearInterval(window.benchTimer) || window.benchStaleness")
+        record["page_messages"] = page.evaluate("window.pagedllmDashboard.messages")
+        record["page_staleness_max_s"] = round(max(staleness), 3)
+        record["page_staleness_median_s"] = round(statistics.median(staleness), 3)
+        page.close()
+    return record
+
+
+def idle_lag(server, browser, probes: int) -> list[float]:
+    """Seconds from a reply to the page showing the request's prompt blocks cached."""
+    page = browser.new_page()
+    page.goto(f"{server.base_url}/dashboard")
+    page.wait_for_function("window.pagedllmDashboard && window.pagedllmDashboard.connected")
+    lags = []
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for index in range(probes):
+            before = page.evaluate("window.pagedllmDashboard.counts.evictable")
+            prompt = f"Probe {index}: " + " ".join(f"word{index}x{i}" for i in range(40))
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            http.post("/v1/completions", json=body).raise_for_status()
+            replied = time.time()
+            page.wait_for_function(
+                f"window.pagedllmDashboard.counts.evictable > {before}", polling=5
+            )
+            lags.append(time.time() - replied)
+            time.sleep(0.3)
+    page.close()
+    return lags
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model path (default: the default model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--probes", type=int, default=10)
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    from playwright.sync_api import sync_playwright
+
+    serve_args = ["--log-stats-interval", "0"]
+    if args.model:
+        serve_args += ["--model", args.model]
+    model = MODEL if args.model is None else Path(args.model.rstrip("/")).stem
+    requests = synthetic_workload(args.num_requests, seed=0)
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    with ServerProcess(serve_args) as server, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+        send_all_blocking(server.base_url, model, requests[:8])  # warm-up
+        for round_index in range(args.rounds):
+            shift = round_index % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                record = run_once(server, browser, mode, requests, model)
+                record["round"] = round_index
+                print(json.dumps({"benchmark": "dashboard_cost", **record}), flush=True)
+                rates[mode].append(record["output_tokens_per_s"])
+        lags = idle_lag(server, browser, args.probes) if args.probes else []
+        browser.close()
+    medians = {mode: statistics.median(values) for mode, values in rates.items()}
+    summary = {"benchmark": "dashboard_cost_summary", "rounds": args.rounds}
+    for mode, median in medians.items():
+        summary[f"{mode}_tokens_per_s"] = median
+        if "none" in medians and mode != "none":
+            summary[f"{mode}_ratio"] = round(median / medians["none"], 4)
+    if lags:
+        summary["idle_lag_median_s"] = round(statistics.median(lags), 3)
+        summary["idle_lag_max_s"] = round(max(lags), 3)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
