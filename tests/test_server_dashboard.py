@@ -144,3 +144,43 @@ def test_block_lifetimes_are_observed_when_blocks_are_evicted(server, http):
     metrics = metric_values(http)
     assert metrics["vllm:kv_block_lifetime_seconds_count"] > before
     assert metrics["vllm:kv_block_idle_before_evict_seconds_count"] > before
+
+
+def test_swapping_shows_in_the_feed_and_by_mode_in_metrics(tmp_path):
+    """A pool too small for the load preempts by swapping: the feed carries the swap
+    space and counts the swaps as /metrics does (by mode)."""
+    import threading
+
+    from tiny_chat_model import write_tiny_chat_llama
+
+    folder = write_tiny_chat_llama(tmp_path / "tiny-chat")
+    args = ["--model", str(folder), "--dtype", "float32", "--block-size", "4"]
+    args += ["--kv-cache-memory", "320KiB", "--swap-space", "1MiB"]
+    args += ["--preemption-mode", "swap", "--max-model-len", "256", "--log-stats-interval", "0"]
+    with ServerProcess(args) as server, FeedReader(f"{server.base_url}/dashboard/events") as feed:
+        swap = feed.last("snapshot")["swap"]
+        assert swap is not None and swap["num_blocks"] > 0 and swap["used"] == []
+
+        def run(index):
+            body = {"model": folder.name, "prompt": f"{index} " * 20, "max_tokens": 120}
+            body["ignore_eos"] = True
+            httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        feed.wait_for(lambda: feed.last()["stats"]["num_running"] == 0)
+        feed.wait_for(lambda: feed.last()["stats"]["preemptions_swap"] > 0)
+        stats = feed.last()["stats"]
+        text = httpx.get(f"{server.base_url}/metrics").text
+        swaps = next(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "pagedllm:num_preemptions_by_mode_total"
+            and sample.labels["mode"] == "swap"
+        )
+        assert stats["preemptions_swap"] == swaps > 0
+        assert feed.last()["swap"]["used"] == []
