@@ -1,9 +1,10 @@
 """The dashboard in a real browser (headless Chromium from Debian, driven by
 Playwright) against a live server on the default model, with requests sent by the
 openai client: the page loads with no console errors, draws one cell per block, shows
-the prompt's blocks shared by n=4 samples and cached-evictable once they finish (the
-counts equal /metrics), and frees a stream's blocks when its client disconnects.
-Screenshots go to ``test-artifacts/``."""
+the prompt's blocks shared by n=4 samples (in the pixels of the grid, and in the
+tooltip of a hovered cell) and cached-evictable once they finish (the counts equal
+/metrics), and frees a stream's blocks when its client disconnects. Screenshots go to
+``test-artifacts/``."""
 
 from __future__ import annotations
 
@@ -75,12 +76,41 @@ def count(page, state: str) -> int:
     return int(page.text_content(f"#count-{state}"))
 
 
+CELL_PIXEL = """(id) => {
+  const canvas = document.querySelector('#pool');
+  const rect = canvas.getBoundingClientRect();
+  const {x, y} = window.pagedllmDashboard.cellCenter(id);
+  const px = Math.floor((x - rect.left) * canvas.width / rect.width);
+  const py = Math.floor((y - rect.top) * canvas.height / rect.height);
+  const [r, g, b] = canvas.getContext('2d').getImageData(px, py, 1, 1).data;
+  return '#' + [r, g, b].map((v) => v.toString(16).padStart(2, '0')).join('');
+}"""
+"""The colour drawn at the centre of block ``id``'s cell, as ``#rrggbb``."""
+
+
+def cells_in(page, state: str) -> list[int]:
+    """Blocks whose cell the page last drew in ``state``."""
+    return page.evaluate(
+        """(state) => {
+          const d = window.pagedllmDashboard;
+          const n = Number(document.querySelector('#pool').dataset.cells);
+          const ids = [];
+          for (let id = 0; id < n; id++) if (d.cellState(id) === state) ids.push(id);
+          return ids;
+        }""",
+        state,
+    )
+
+
 def test_the_page_draws_one_cell_per_block(page, server):
     num_blocks = metric(server, "pagedllm:kv_blocks_total")
-    assert page.locator("#pool rect.block").count() == num_blocks
-    assert count(page, "free") + count(page, "used") + count(page, "evictable") + count(
-        page, "window"
-    ) + count(page, "reserved") == num_blocks
+    assert int(page.get_attribute("canvas#pool", "data-cells")) == num_blocks
+    states = ("free", "held", "shared", "evictable", "window", "reserved")
+    assert sum(len(cells_in(page, state)) for state in states) == num_blocks
+    assert sum(count(page, state) for state in states) == num_blocks
+    free = cells_in(page, "free")
+    colors = page.evaluate("window.pagedllmDashboard.stateColor")
+    assert page.evaluate(CELL_PIXEL, free[0]) == colors["free"]
     assert page.locator("#charts .chart").count() >= 8
 
 
@@ -97,9 +127,17 @@ def test_n4_shares_the_prompts_blocks_then_leaves_them_cached(page, server, clie
             done.set()
 
     threading.Thread(target=run, daemon=True).start()
-    page.wait_for_selector("#pool rect.block.shared", timeout=60_000)
-    shared = page.locator("#pool rect.block.shared").count()
-    assert shared >= len(PROMPT.split()) // 16  # the prompt's full blocks, at least
+    page.wait_for_function("window.pagedllmDashboard.counts.shared > 0", timeout=60_000)
+    shared = cells_in(page, "shared")
+    assert len(shared) >= len(PROMPT.split()) // 16  # the prompt's full blocks, at least
+    # four holders: the shade of a reference count of 4
+    four = page.evaluate("window.pagedllmDashboard.sharedColors[4 - 2]")
+    assert {page.evaluate(CELL_PIXEL, block_id) for block_id in shared} == {four}
+    center = page.evaluate("(id) => window.pagedllmDashboard.cellCenter(id)", shared[0])
+    page.mouse.move(center["x"], center["y"])
+    page.wait_for_selector("#tooltip", state="visible")
+    tooltip = page.text_content("#tooltip")
+    assert str(shared[0]) in tooltip and "cmpl-" in tooltip
     page.wait_for_selector("#requests tr.request", timeout=10_000)
     page.locator("#requests tr.request").first.click()
     page.wait_for_function(
@@ -116,7 +154,10 @@ def test_n4_shares_the_prompts_blocks_then_leaves_them_cached(page, server, clie
     assert count(page, "evictable") == metric(server, "pagedllm:kv_blocks_evictable") > 0
     assert count(page, "used") == metric(server, "pagedllm:kv_blocks_used") == 0
     assert int(page.text_content("#stat-evictable")) == count(page, "evictable")
-    assert page.locator("#pool rect.block.evictable").count() == count(page, "evictable")
+    evictable = cells_in(page, "evictable")
+    assert len(evictable) == count(page, "evictable")
+    color = page.evaluate("window.pagedllmDashboard.stateColor.evictable")
+    assert {page.evaluate(CELL_PIXEL, block_id) for block_id in evictable} == {color}
     screenshot(page, "dashboard-after-n4")
 
 
