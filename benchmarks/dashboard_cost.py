@@ -24,8 +24,14 @@ a round (the runs closest in time), and the lag on an idle server (``--probes``
 streamed requests): from a request's first token to the page showing its blocks in
 use, and from the client leaving to the page showing them free.
 
+``--in-process`` measures the server's own share without HTTP, clients or browser on
+the cores: the same workload through one ``LLMEngine``, stepped with and without the
+feed following its pool (messages built and JSON-encoded at the same bounded rate),
+alternating, in one process.
+
 Example:
     python benchmarks/dashboard_cost.py --rounds 3
+    python benchmarks/dashboard_cost.py --in-process --rounds 5
 """
 
 from __future__ import annotations
@@ -196,6 +202,60 @@ def idle_lag(server, browser, probes: int) -> tuple[list[float], list[float]]:
     return shown, freed
 
 
+def engine_run(engine, requests, feed) -> float:
+    """Seconds to run ``requests`` to completion on ``engine``, the feed (if any)
+    following the pool after every step as the server's loop does."""
+    from pagedllm import SamplingParams
+
+    for index, request in enumerate(requests):
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0)
+        engine.add_request(f"r{index}", {"prompt_token_ids": request.prompt_token_ids}, params)
+    start = time.perf_counter()
+    if feed is not None:
+        feed.watch(1, 0, True, False)
+    while engine.has_unfinished_requests():
+        engine.step()
+        if feed is not None:
+            feed.after_pass(True)
+    if feed is not None:
+        feed.watch(0, 0, False, False)
+    return time.perf_counter() - start
+
+
+def in_process(args) -> int:
+    from pagedllm import LLM
+    from pagedllm.server.dashboard.feed import PoolFeed
+    from pagedllm.server.dashboard.hub import encode
+
+    llm = LLM(model=args.model) if args.model else LLM()
+    engine = llm.llm_engine
+    requests = synthetic_workload(args.num_requests, seed=0)
+    messages = []
+    feed = PoolFeed(engine, MODEL, lambda kind, message: messages.append(encode(kind, message)))
+    engine_run(engine, requests, None)  # warm-up
+    tokens = sum(request.output_len for request in requests)
+    ratios = []
+    for round_index in range(args.rounds):
+        order = (None, feed) if round_index % 2 == 0 else (feed, None)
+        seconds = {}
+        for watcher in order:
+            messages.clear()
+            mode = "none" if watcher is None else "feed"
+            seconds[mode] = engine_run(engine, requests, watcher)
+            record = {"benchmark": "dashboard_cost_in_process", "mode": mode, "round": round_index}
+            record["output_tokens_per_s"] = round(tokens / seconds[mode], 1)
+            if watcher is not None:
+                record["messages"] = len(messages)
+                record["message_bytes"] = sum(len(message) for message in messages)
+            print(json.dumps(record), flush=True)
+        ratios.append(seconds["none"] / seconds["feed"])
+    summary = {"benchmark": "dashboard_cost_in_process_summary", "rounds": args.rounds}
+    summary["feed_paired_ratio_median"] = round(statistics.median(ratios), 4)
+    summary["feed_paired_ratios"] = [round(ratio, 4) for ratio in ratios]
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the default model)")
@@ -203,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--probes", type=int, default=10)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--in-process", action="store_true", help="the engine alone, no HTTP")
     args = parser.parse_args(argv)
+    if args.in_process:
+        return in_process(args)
     modes = args.modes.split(",")
     from playwright.sync_api import sync_playwright
 
