@@ -1,5 +1,5 @@
-"""The dashboard's routes: the page, its event feed, the kv-events stream and the
-prefix-cache reset (docs/dashboard.md)."""
+"""The dashboard's routes: the page, its event feed, the kv-events stream, how blocks
+are keyed and the prefix-cache reset (docs/dashboard.md)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,19 @@ def install_dashboard(
         """JSON lines of vLLM-shaped block events, the cached blocks first."""
         stream = _watch(request, hub, "kv", is_draining)
         return StreamingResponse(stream, media_type="application/x-ndjson", headers=_STREAM_HEADERS)
+
+    @app.get("/kv_cache_config")
+    async def kv_cache_config() -> JSONResponse:
+        """How this server keys its cached blocks: a router computes a prompt's keys
+        with it and matches them against ``/kv_events`` (docs/data_parallel.md)."""
+        return JSONResponse(
+            {
+                "block_size": engine.block_manager.block_size,
+                "num_blocks": engine.block_manager.pool.num_blocks,
+                "extra_keys": [engine.scheduler.cache_key],
+                "enable_prefix_caching": engine.block_manager.enable_prefix_caching,
+            }
+        )
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
