@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate | chat | bench | serve | plan."""
+"""The ``pagedllm`` command: generate | chat | bench | serve | router | plan."""
 
 from __future__ import annotations
 
@@ -135,12 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     # imported here: these modules build on the engine options defined above
     from pagedllm.bench.cli import add_bench_args, run_bench
     from pagedllm.plan.cli import add_plan_parser
+    from pagedllm.router.cli import add_router_parser
     from pagedllm.server.cli import add_serve_parser
 
     bench = commands.add_parser("bench", help="throughput benchmark (JSON lines)")
     add_bench_args(bench)
     bench.set_defaults(func=run_bench)
     add_serve_parser(commands)
+    add_router_parser(commands)
     add_plan_parser(commands)
 
     export = commands.add_parser(
@@ -155,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what a command that starts others passes on
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -35,6 +35,7 @@ EXIT_ENGINE_DIED = 70
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``serve`` with its HTTP options and the shared engine options."""
     from pagedllm.config_flags import add_config_flags
+    from pagedllm.router.cli import add_routing_options
 
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local)")
@@ -106,6 +107,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.01,
         help="fraction of allocated blocks --kv-cache-metrics follows (default 0.01)",
     )
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="run this many replicas of the engine on this machine, each on its own CPUs, "
+        "behind a router on --host/--port (docs/data_parallel.md)",
+    )
+    add_routing_options(serve)
     add_config_flags(serve)
     serve.set_defaults(func=run_server)
 
@@ -120,6 +129,12 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.server.app import ServerSettings, build_app, served_model_name
     from pagedllm.server.http_protocol import guarded_protocol
 
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        from pagedllm.router.cli import run_data_parallel
+
+        return run_data_parallel(args)
     if args.max_logprob_entries < 0:
         raise ValueError(f"--max-logprob-entries must be >= 0, got {args.max_logprob_entries}")
     if args.max_stored_responses < 1:
