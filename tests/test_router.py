@@ -192,3 +192,39 @@ def test_a_replica_killed_mid_run_loses_only_its_streams(router, model_folder):
     wait_until(lambda: healthy_replicas(router) == REPLICAS)
     reply = client.completions.create(model=model_folder.name, prompt="After.", max_tokens=3)
     assert reply.choices[0].text is not None
+
+
+def test_replicas_on_other_machines_join_through_the_rendezvous(model_folder):
+    """Two "machines" on one: a router hosting the rendezvous, and two replicas started
+    on their own that join it; a replica killed and started again on its port is taken
+    back."""
+    from pagedllm.engine.tensor_parallel.launch import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    router = ServerProcess(["--rendezvous", address], subcommand="router")
+    started = threading.Thread(target=router.start)
+    started.start()  # healthy once a replica has joined
+    join = [*ENGINE_ARGS, "--model", str(model_folder), "--join-router", address]
+    first, second = ServerProcess(join).start(), ServerProcess(join).start()
+    try:
+        started.join()
+        wait_until(lambda: healthy_replicas(router) == 2)
+        client = client_of(router)
+        for index in range(4):
+            reply = client.completions.create(
+                model=model_folder.name, prompt=f"{index} - a replica that joined.", max_tokens=4
+            )
+            assert reply.usage.completion_tokens == 4
+        assert all(count > 0 for count in requests_by_replica(router)[:2])
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait()
+        wait_until(lambda: healthy_replicas(router) == 1)
+        again = ServerProcess(join, port=first.port).start()  # the same URL registers again
+        wait_until(lambda: healthy_replicas(router) == 2)
+        metrics = router_metrics(router)
+        assert ("pagedllm_router:replica_healthy", "2") not in metrics  # not a third replica
+        again.stop()
+    finally:
+        second.stop()
+        first.stop()
+        router.stop()

@@ -19,7 +19,10 @@ logger = logging.getLogger("pagedllm.router")
 
 RESTART_DELAY_S = 1.0
 
-_ROUTER_OPTIONS = ("--host", "--port", "--data-parallel-size", "--routing-policy", "--max-share")
+_ROUTER_OPTIONS = (
+    "--host", "--port", "--data-parallel-size", "--routing-policy", "--max-share",
+    "--rendezvous", "--join-router", "--advertise-url",
+)  # fmt: skip
 """``serve`` options that belong to the router, not to the replicas."""
 
 

@@ -17,7 +17,8 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pagedllm.router.policy import DEFAULT_MAX_SHARE, ReplicaView, RoutingPolicy, choose
-from pagedllm.router.replica import Replica
+from pagedllm.router.rendezvous import POLL_INTERVAL_S, RendezvousHost
+from pagedllm.router.replica import Replica, logger
 
 DEFAULT_OUTPUT_ESTIMATE = 256
 """Output tokens charged for a request that sets no ``max_tokens``."""
@@ -91,8 +92,14 @@ class Router:
         policy: RoutingPolicy,
         max_share: float = DEFAULT_MAX_SHARE,
         replica_headers: dict[str, str] | None = None,
+        rendezvous: RendezvousHost | None = None,
     ) -> None:
-        self.replicas = [Replica(index, url.rstrip("/")) for index, url in enumerate(urls)]
+        """``rendezvous``: where replicas on other machines register (they join the
+        list as they do)."""
+        self.replicas: list[Replica] = []
+        for url in urls:
+            self.add_replica(url)
+        self._rendezvous = rendezvous
         self.policy = policy
         self.max_share = max_share
         self.metrics = RouterMetrics()
@@ -112,6 +119,26 @@ class Router:
         self._tasks = [
             asyncio.create_task(replica.follow(self._own_http)) for replica in self.replicas
         ]
+        if self._rendezvous is not None:
+            self._tasks.append(asyncio.create_task(self._watch_rendezvous()))
+
+    def add_replica(self, url: str) -> Replica | None:
+        """Follow the replica at ``url`` (from :meth:`start` on); None if known already."""
+        url = url.rstrip("/")
+        if any(replica.base_url == url for replica in self.replicas):
+            return None
+        replica = Replica(len(self.replicas), url)
+        self.replicas.append(replica)
+        return replica
+
+    async def _watch_rendezvous(self) -> None:
+        while True:
+            for url in await asyncio.to_thread(self._rendezvous.new_urls):
+                replica = self.add_replica(url)
+                if replica is not None:
+                    logger.info("replica %d joined at %s", replica.index, url)
+                    self._tasks.append(asyncio.create_task(replica.follow(self._own_http)))
+            await asyncio.sleep(POLL_INTERVAL_S)
 
     async def stop(self) -> None:
         for task in self._tasks:

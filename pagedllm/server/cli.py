@@ -35,7 +35,7 @@ EXIT_ENGINE_DIED = 70
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``serve`` with its HTTP options and the shared engine options."""
     from pagedllm.config_flags import add_config_flags
-    from pagedllm.router.cli import add_routing_options
+    from pagedllm.router.cli import add_join_options, add_routing_options
 
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local)")
@@ -115,6 +115,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "behind a router on --host/--port (docs/data_parallel.md)",
     )
     add_routing_options(serve)
+    add_join_options(serve)
     add_config_flags(serve)
     serve.set_defaults(func=run_server)
 
@@ -126,6 +127,7 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.config_flags import config_from_flags
     from pagedllm.engine.frozen_gc import frozen_startup_objects
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.router.cli import join_router
     from pagedllm.server.app import ServerSettings, build_app, served_model_name
     from pagedllm.server.http_protocol import guarded_protocol
 
@@ -206,6 +208,7 @@ def run_server(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     lifecycle.request_exit = exit_after_engine_death
+    join_router(args)
     with frozen_startup_objects():
         server.run()
     if tracer is not None and tracer.trace.snapshots:

@@ -23,7 +23,7 @@ class ServerProcess:
 
     ``serve_args``: options after ``serve`` (engine and HTTP options, not host/port).
     ``entry``: the command that runs pagedllm's CLI (default: this Python with
-    ``-m pagedllm.cli``). The child's output goes to a temporary log, shown when
+    ``-m pagedllm.cli``); ``subcommand``: ``serve``, or ``router``. The child's output goes to a temporary log, shown when
     start-up fails.
     """
 
@@ -32,8 +32,12 @@ class ServerProcess:
         serve_args: list[str],
         startup_timeout_s: float = 300.0,
         entry: list[str] | None = None,
+        subcommand: str = "serve",
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        """``port``: the local port to serve on (default: a free one)."""
+        self.port = free_port() if port is None else port
+        self._subcommand = subcommand
         self.base_url = f"http://{LOCALHOST}:{self.port}"
         self._args = serve_args
         self._entry = entry or [sys.executable, "-m", "pagedllm.cli"]
@@ -42,7 +46,7 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
-        command = [*self._entry, "serve", "--host", LOCALHOST]
+        command = [*self._entry, self._subcommand, "--host", LOCALHOST]
         command += ["--port", str(self.port), *self._args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         self.process = subprocess.Popen(
