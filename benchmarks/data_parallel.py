@@ -15,7 +15,10 @@ One JSON line per policy:
 - ``requests_per_replica`` and ``max_over_mean_load``: how the router spread them.
 
 On one small machine replicas add no compute: the prompt tokens computed and the hit
-rate are the figures that carry over to larger machines. Example (scaled down):
+rate are the figures that carry over to larger machines. ``--kv-cache-memory`` sizes
+each replica's pool: one that holds every tenant's prompt lets even round robin hit
+once each replica has seen each tenant; one that holds a quarter of them is where
+routing decides. Example (scaled down):
     python benchmarks/data_parallel.py --replicas 4 --tenants 8 --system-tokens 512 \\
         --requests 96 --rate 4
 """
@@ -107,6 +110,8 @@ def healthy_replicas(router: ServerProcess) -> int:
 def run_policy(policy: str, prompts: list[list[int]], args) -> dict:
     serve_args = ["--data-parallel-size", str(args.replicas), "--routing-policy", policy]
     serve_args += ["--log-stats-interval", "0", "--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory:
+        serve_args += ["--kv-cache-memory", args.kv_cache_memory]
     with ServerProcess(serve_args, startup_timeout_s=600) as router:
         urls = replica_urls(router)
         deadline = time.monotonic() + 300
@@ -149,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--kv-cache-memory", default=None,
+        help="each replica's KV pool, e.g. 96MiB (default: the engine's); a pool that "
+        "holds only some tenants' prompts is where routing decides the hit rate",
+    )  # fmt: skip
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -132,3 +132,17 @@ def test_the_prefix_index_follows_block_events_and_matches_leading_blocks():
     assert len(index) == 0
     with pytest.raises(ValueError, match="unknown block event"):
         index.apply([{"type": "BlockMoved"}])
+
+
+def test_a_routed_prompt_counts_as_held_until_its_events_come_or_it_lapses():
+    now = [0.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    hashes = prompt_block_hashes(list(range(40)), 16, ())
+    index.expect(hashes)
+    assert index.matched_blocks(hashes) == 2  # before the replica's events say so
+    now[0] = 11.0
+    assert index.matched_blocks(hashes) == 0  # the expectation lapsed
+    index.expect(hashes)
+    index.apply([{"type": "BlockStored", "block_hashes": hashes}])
+    now[0] = 100.0
+    assert index.matched_blocks(hashes) == 2  # confirmed: held until removed

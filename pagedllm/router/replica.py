@@ -46,13 +46,18 @@ class Replica:
     routed: int = 0
     returns: int = 0  # times it came back after being lost
 
-    def hit_tokens(self, token_ids: list[int], salt: str | None) -> int:
-        """Prompt tokens of ``token_ids`` this replica's prefix cache holds now."""
-        if not self.healthy or not self.block_size:
-            return 0
+    def block_hashes(self, token_ids: list[int], salt: str | None) -> list[str]:
+        """The keys ``token_ids``' cacheable blocks have on this replica."""
+        if not self.block_size:
+            return []
         extra = self.extra_keys if salt is None else (*self.extra_keys, salt)
-        hashes = prompt_block_hashes(token_ids, self.block_size, extra)
-        return self.prefix.matched_blocks(hashes) * self.block_size
+        return prompt_block_hashes(token_ids, self.block_size, extra)
+
+    def hit_tokens(self, block_hashes: list[str]) -> int:
+        """Prompt tokens of a prompt with these keys this replica holds now."""
+        if not self.healthy:
+            return 0
+        return self.prefix.matched_blocks(block_hashes) * self.block_size
 
     def lost(self) -> None:
         if self.healthy:

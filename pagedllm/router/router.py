@@ -183,9 +183,10 @@ class Router:
         """The replica for a request and the tokens it is charged there."""
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         num_prompt = len(token_ids) if token_ids else 0
-        views = []
+        views, hashes = [], []
         for replica in self.replicas:
-            hit = replica.hit_tokens(token_ids, salt) if token_ids else 0
+            hashes.append(replica.block_hashes(token_ids, salt) if token_ids else [])
+            hit = replica.hit_tokens(hashes[-1])
             views.append(
                 ReplicaView(
                     healthy=replica.healthy and replica.index not in exclude,
@@ -197,6 +198,7 @@ class Router:
         index = choose(self.policy, views, num_prompt, self._last_choice, self.max_share)
         self._last_choice = index
         replica = self.replicas[index]
+        replica.prefix.expect(hashes[index])
         hit = views[index].hit_tokens
         samples = body.get("n") if isinstance(body.get("n"), int) else 1
         output = body.get("max_tokens") or body.get("max_completion_tokens")
