@@ -23,8 +23,8 @@ class ServerProcess:
 
     ``serve_args``: options after ``serve`` (engine and HTTP options, not host/port).
     ``entry``: the command that runs pagedllm's CLI (default: this Python with
-    ``-m pagedllm.cli``); ``subcommand``: ``serve``, or ``router``. The child's output goes to a temporary log, shown when
-    start-up fails.
+    ``-m pagedllm.cli``); ``subcommand``: ``serve``, or ``router``. The child's output
+    goes to a temporary log, shown when start-up fails.
     """
 
     def __init__(
