@@ -70,3 +70,25 @@ def test_a_kv_events_client_gets_the_cached_blocks_parents_first(engine):
         seen.add(event["block_hashes"][0])
     assert len(seen) == engine.block_manager.pool.stats().cached
     feed.watch(0, 0, snapshot=False, kv_snapshot=False)
+
+
+def test_a_failing_call_in_the_engine_loop_reaches_its_caller_not_the_loop(engine):
+    """The feed's and the reset's work runs in the loop thread through
+    ``AsyncEngine.call``; an error there is the caller's, and the loop serves on."""
+    import asyncio
+
+    from pagedllm.server.async_engine import AsyncEngine
+    from pagedllm.server.metrics import ServerMetrics
+
+    async def scenario():
+        loop = AsyncEngine(engine, ServerMetrics("tiny"), max_pending_requests=8)
+        loop.start()
+        try:
+            with pytest.raises(ZeroDivisionError):
+                await loop.call_and_wait(lambda: 1 / 0)
+            assert loop.is_running
+            assert await loop.call_and_wait(lambda: 42) == 42
+        finally:
+            await loop.stop()
+
+    asyncio.run(scenario())

@@ -108,11 +108,11 @@ class _Stop:
 
 @dataclass
 class _Call:
-    """Run ``function`` in the loop thread; ``done(result)`` then runs on the event
-    loop, if given."""
+    """Run ``function`` in the loop thread; its result (or error) then settles
+    ``future`` on the event loop, if given. An error never reaches the loop itself."""
 
     function: Callable[[], object]
-    done: Callable[[object], None] | None = None
+    future: asyncio.Future | None = None
 
 
 class LoopObserver(Protocol):
@@ -314,8 +314,6 @@ class AsyncEngine:
             self._num_pending -= len(group.request_ids)
             group.items = None
 
-    # ---- the loop thread --------------------------------------------------------------
-
     def call(self, function: Callable[[], object]) -> None:
         """Run ``function`` in the loop thread, between steps (event loop)."""
         self._commands.put(_Call(function))
@@ -326,8 +324,10 @@ class AsyncEngine:
         if not self.is_running:
             raise self.unavailable()
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(_Call(function, future.set_result))
+        self._commands.put(_Call(function, future))
         return await future
+
+    # ---- the loop thread --------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -463,10 +463,15 @@ class AsyncEngine:
         self._send([(command.group, command.request_id, _ACCEPTED)])
 
     def _call(self, command: _Call) -> None:
-        result = command.function()
+        result, error = None, None
+        try:
+            result = command.function()
+        except Exception as raised:
+            logger.exception("a call run in the engine loop failed")
+            error = raised
         loop = self._event_loop
-        if command.done is not None and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(command.done, result)
+        if command.future is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_settle, command.future, result, error)
 
     def _charge_logprobs(self, command: _Add, prompt_len: int) -> None:
         """Add the request's worst-case logprob entries to its group's; raises
@@ -527,6 +532,15 @@ async def _get_until(items: asyncio.Queue, deadline: float) -> tuple[str, object
         return await asyncio.wait_for(items.get(), max(deadline - time.monotonic(), 0.0))
     except asyncio.TimeoutError:
         return None
+
+
+def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _deliver(deliveries: list[tuple[RequestGroup, str, object]]) -> None:
