@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -53,6 +54,7 @@ from pagedllm.server.launcher import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from browser import CHROMIUM_ARGS, chromium_path  # noqa: E402
+from feed_reader import FeedReader  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 MODES = ("none", "feed", "page")
@@ -92,31 +94,6 @@ def send_all_blocking(base_url: str, model: str, requests) -> int:
     return result[0]
 
 
-class FeedReader:
-    """Reads ``/dashboard/events`` in a thread, as a page would, without drawing."""
-
-    def __init__(self, base_url: str) -> None:
-        self.messages = 0
-        self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=None))
-        self._thread = threading.Thread(target=self._read, args=(base_url,), daemon=True)
-        self._thread.start()
-        while self.messages == 0:
-            time.sleep(0.05)
-
-    def _read(self, base_url: str) -> None:
-        try:
-            with self._client.stream("GET", f"{base_url}/dashboard/events") as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        json.loads(line[len("data: ") :])
-                        self.messages += 1
-        except (httpx.HTTPError, RuntimeError):
-            pass
-
-    def close(self) -> None:
-        self._client.close()
-
-
 STALENESS_SAMPLER = """() => {
   window.benchStaleness = [];
   window.benchTimer = setInterval(() => {
@@ -144,35 +121,36 @@ def browser_processes() -> list[psutil.Process]:
 
 
 def run_once(server, browser, mode: str, requests, model: str) -> dict:
-    reader = page = None
-    if mode == "feed":
-        reader = FeedReader(server.base_url)
-    elif mode == "page":
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{server.base_url}/dashboard")
-        page.wait_for_function("window.pagedllmDashboard && window.pagedllmDashboard.connected")
-        page.evaluate(STALENESS_SAMPLER)
-    server_process = [psutil.Process(server.process.pid)]
-    watchers = browser_processes() if page is not None else []
-    server_cpu, browser_cpu = cpu_seconds(server_process), cpu_seconds(watchers)
-    start = time.perf_counter()
-    tokens = send_all_blocking(server.base_url, model, requests)
-    elapsed = time.perf_counter() - start
-    record = {"mode": mode, "output_tokens": tokens, "seconds": round(elapsed, 2)}
-    record["output_tokens_per_s"] = round(tokens / elapsed, 1)
-    record["server_cpu_s"] = round(cpu_seconds(server_process) - server_cpu, 2)
-    if page is not None:
-        record["browser_cpu_s"] = round(cpu_seconds(watchers) - browser_cpu, 2)
-    if reader is not None:
-        record["messages"] = reader.messages
-        reader.close()
-    if page is not None:
-        staleness = page.evaluate("clearInterval(window.benchTimer) || window.benchStaleness")
-        record["page_messages"] = page.evaluate("window.pagedllmDashboard.messages")
-        record["page_staleness_max_s"] = round(max(staleness), 3)
-        record["page_staleness_median_s"] = round(statistics.median(staleness), 3)
-        page.close()
-    return record
+    with contextlib.ExitStack() as watching:
+        reader = page = None
+        if mode == "feed":
+            reader = watching.enter_context(FeedReader(f"{server.base_url}/dashboard/events"))
+        elif mode == "page":
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            watching.callback(page.close)
+            page.goto(f"{server.base_url}/dashboard")
+            page.wait_for_function(
+                "window.pagedllmDashboard && window.pagedllmDashboard.connected"
+            )
+            page.evaluate(STALENESS_SAMPLER)
+        server_process = [psutil.Process(server.process.pid)]
+        watchers = browser_processes() if page is not None else []
+        server_cpu, browser_cpu = cpu_seconds(server_process), cpu_seconds(watchers)
+        start = time.perf_counter()
+        tokens = send_all_blocking(server.base_url, model, requests)
+        elapsed = time.perf_counter() - start
+        record = {"mode": mode, "output_tokens": tokens, "seconds": round(elapsed, 2)}
+        record["output_tokens_per_s"] = round(tokens / elapsed, 1)
+        record["server_cpu_s"] = round(cpu_seconds(server_process) - server_cpu, 2)
+        if reader is not None:
+            record["messages"] = len(reader.messages)
+        if page is not None:
+            record["browser_cpu_s"] = round(cpu_seconds(watchers) - browser_cpu, 2)
+            staleness = page.evaluate("clearInterval(window.benchTimer) || window.benchStaleness")
+            record["page_messages"] = page.evaluate("window.pagedllmDashboard.messages")
+            record["page_staleness_max_s"] = round(max(staleness), 3)
+            record["page_staleness_median_s"] = round(statistics.median(staleness), 3)
+        return record
 
 
 def idle_lag(server, browser, probes: int) -> tuple[list[float], list[float]]:
