@@ -33,7 +33,8 @@ RECONNECT_INTERVAL_S = 0.5
 
 @dataclass
 class Replica:
-    """``index``: its place in the router's list; counts are since the router started."""
+    """``index``: its place in the router's list; ``in_flight``/``pending_tokens``:
+    the requests routed here and not finished, and their tokens."""
 
     index: int
     base_url: str
@@ -43,8 +44,6 @@ class Replica:
     block_size: int = 0
     extra_keys: tuple[str, ...] = ()
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
-    routed: int = 0
-    returns: int = 0  # times it came back after being lost
 
     def block_hashes(self, token_ids: list[int], salt: str | None) -> list[str]:
         """The keys ``token_ids``' cacheable blocks have on this replica."""
@@ -86,8 +85,6 @@ class Replica:
             self.prefix.clear()
             self.prefix.apply(json.loads(first)["events"])
             if not self.healthy:
-                if self.routed or self.returns:
-                    self.returns += 1
                 logger.info("replica %d (%s) is serving", self.index, self.base_url)
             self.healthy = True
             reader = asyncio.create_task(self._read_events(lines))

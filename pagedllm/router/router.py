@@ -206,7 +206,6 @@ class Router:
         charge = num_prompt - hit + output * max(samples, 1)
         replica.in_flight += 1
         replica.pending_tokens += charge
-        replica.routed += 1
         self.metrics.requests.labels(str(index)).inc()
         self.metrics.prompt_tokens.inc(num_prompt)
         self.metrics.hit_tokens.inc(hit)
