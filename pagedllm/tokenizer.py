@@ -144,6 +144,10 @@ class Tokenizer:
         vocab = self._hf.get_vocab()
         return any(text in vocab for text in FIM_PREFIX_TEXTS)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text (as the tokenizer spells it) and id, added tokens included."""
+        return self._hf.get_vocab()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it."""
         return self._hf.encode(text, add_special_tokens=add_special_tokens)

@@ -22,6 +22,12 @@ from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig, KVAllocation, PreemptionMode, same_device
 from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pagedllm.engine.draft_worker import (
+    DraftWorker,
+    draft_block_bytes,
+    load_draft,
+    scratch_blocks_per_sequence,
+)
 from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
@@ -35,9 +41,13 @@ from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.loader import LoadedModel, load_model_for
 from pagedllm.models.weight_bytes import describe_weight_bytes
+from pagedllm.spec_decode.config import SpeculativeMethod
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
+
+DRAFT_GROUP_SIZE = 64
+"""Sequences one draft pass runs at most (a larger batch drafts in several groups)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class EngineParts:
     block_manager: BlockManager
     worker: ModelWorker
     scheduler: Scheduler
+    drafter: DraftWorker | None  # draft_model speculation's model and K/V
 
 
 def start_executor(
@@ -90,8 +101,23 @@ def build_engine(
     # cache keeps one block more than the pool for the tables' null entries.
     contiguous = config.kv_allocation is KVAllocation.CONTIGUOUS
     window = None if contiguous else model.layer_config.kv_window
+    draft = _load_draft(config, loaded, window)
     block_bytes = _block_bytes(config, model)
-    num_blocks = pool_blocks(kv_budget, block_bytes, window is not None)
+    pool_budget, num_scratch = kv_budget, 0
+    if draft is not None:  # the draft's K/V ride in the same blocks, scratch beside them
+        draft_bytes = draft_block_bytes(draft, config.block_size)
+        num_scratch = _draft_scratch_blocks(config)
+        pool_budget -= num_scratch * draft_bytes
+        block_bytes += draft_bytes
+        logger.info(
+            "Draft K/V: %d of each block's %d bytes, in the pool's blocks; %d scratch "
+            "blocks for guessed positions (%d bytes)",
+            draft_bytes,
+            block_bytes,
+            num_scratch,
+            num_scratch * draft_bytes,
+        )
+    num_blocks = pool_blocks(pool_budget, block_bytes, window is not None)
     model_limit = loaded.config.max_position_embeddings
     max_model_len = _max_model_len(config, model_limit, num_blocks, kv_budget)
     block_manager = BlockManager(
@@ -106,6 +132,9 @@ def build_engine(
     cache_blocks = num_blocks + (window is not None)
     swap_blocks = _swap_blocks(config, block_bytes)
     worker = ModelWorker(config, model, cache_blocks, max_model_len, swap_blocks)
+    drafter = None
+    if draft is not None:
+        drafter = DraftWorker(config, draft, cache_blocks, num_scratch, max_model_len, swap_blocks)
     if executor is not None:
         largest = None
         if not config.disable_custom_all_reduce:  # the embedding's rows, in float32 at most
@@ -135,7 +164,33 @@ def build_engine(
         block_manager,
         worker,
         scheduler,
+        drafter,
     )
+
+
+def _load_draft(
+    config: EngineConfig, target: LoadedModel, window: int | None
+) -> LoadedModel | None:
+    """The draft model of ``draft_model`` speculation (None for other methods or none);
+    ValueError where the target slides (its released blocks would hold draft K/V the
+    draft still reads)."""
+    spec = config.speculative_config
+    if spec is None or spec.method is not SpeculativeMethod.DRAFT_MODEL:
+        return None
+    if window is not None:
+        raise ValueError(
+            "speculative_config: method 'draft_model' does not run with a model whose "
+            "every layer slides (its out-of-window blocks leave the pool); use 'ngram' or "
+            "'suffix', or kv_allocation='contiguous'"
+        )
+    return load_draft(config, target)
+
+
+def _draft_scratch_blocks(config: EngineConfig) -> int:
+    """Scratch blocks of the draft's cache: enough for the guesses of 64 sequences (or
+    ``max_num_seqs``) at a time; more sequences draft in groups."""
+    per_sequence = scratch_blocks_per_sequence(config.speculative_config, config.block_size)
+    return min(config.max_num_seqs, DRAFT_GROUP_SIZE) * per_sequence
 
 
 def _load(

@@ -27,6 +27,7 @@ from contextlib import nullcontext
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.draft_proposer import DraftGuesses
 from pagedllm.engine.engine_builder import build_engine, start_executor
 from pagedllm.engine.output_state import SequenceDetokenizer
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
@@ -77,7 +78,7 @@ class LLMEngine:
         self.kv_budget, self.block_bytes = parts.kv_budget, parts.block_bytes
         self.num_blocks, self.max_model_len = parts.num_blocks, parts.max_model_len
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
-        self.worker = parts.worker
+        self.worker, self.drafter = parts.worker, parts.drafter
         self.kv_cache, self.runner = self.worker.kv_cache, self.worker.runner
         self.swap_space = self.worker.swap_space
         self.validator = RequestValidator(
@@ -89,7 +90,18 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         spec = config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = None
+        if spec is not None:
+            drafts = None
+            if self.drafter is not None:
+                drafts = DraftGuesses(
+                    spec,
+                    self.drafter,
+                    self.block_manager,
+                    self.stop_token_ids,
+                    config.max_num_batched_tokens,
+                )
+            self.speculator = Speculator(spec, drafts)
         self._requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self.counters = TokenCounters()
@@ -261,6 +273,8 @@ class LLMEngine:
         with executor.guard() if executor else nullcontext():
             if executor is not None:
                 executor.send_step(StepWork.of(copies, batch))
+            if self.drafter is not None:
+                self.drafter.apply(copies)
             output = self.worker.execute(copies, batch)
             if batch.prompt_spans:
                 self._record_prompt_logprobs(batch.prompt_spans, output.prompt_hidden)
@@ -281,7 +295,11 @@ class LLMEngine:
         plain, plain_logits = self._fork_parallel_samples(split.plain, logits[split.plain_rows])
         sampled, failures = sample_isolated(self.sampler, plain, plain_logits, self.stop_token_ids)
         verified, verify_failures = verify_isolated(
-            split.guessing, split.guesses, logits[split.guessing_rows], self.stop_token_ids
+            split.guessing,
+            split.guesses,
+            logits[split.guessing_rows],
+            self.stop_token_ids,
+            [self.speculator.draft_probs.get(seq.seq_id) for seq in split.guessing],
         )
         failures.update(verify_failures)
         rows, merged = merged_rows(plain, sampled, split.guessing, verified)

@@ -118,10 +118,10 @@ class ModelRunner:
         max_seq_len = max(seq_lens)
         block_tables = tables.gather(seq_ids, cdiv(max_seq_len, self.block_size))
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
-            block_tables=self._to_device(torch.from_numpy(block_tables)),
-            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            query_start_loc=self._to_device(torch.from_numpy(query_start_loc)),
+            slot_mapping=self.to_device(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=self.to_device(torch.from_numpy(block_tables)),
+            seq_lens=self.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=self.to_device(torch.from_numpy(query_start_loc)),
             max_query_len=max(query_lens),
             max_seq_len=max_seq_len,
         )
@@ -132,15 +132,15 @@ class ModelRunner:
             for guess in range(len(item.draft_token_ids), -1, -1)
         ]
         return ModelInput(
-            self._to_device(torch.tensor(token_ids, dtype=torch.int64)),
-            self._to_device(torch.tensor(positions, dtype=torch.int64)),
+            self.to_device(torch.tensor(token_ids, dtype=torch.int64)),
+            self.to_device(torch.tensor(positions, dtype=torch.int64)),
             metadata,
-            self._to_device(torch.tensor(sample_rows, dtype=torch.int64)),
-            self._to_device(torch.tensor(prompt_rows, dtype=torch.int64)),
+            self.to_device(torch.tensor(sample_rows, dtype=torch.int64)),
+            self.to_device(torch.tensor(prompt_rows, dtype=torch.int64)),
             prompt_spans,
         )
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` itself on the CPU; elsewhere a copy made from pinned memory without
         waiting (the step's kernels are queued behind it on the same stream)."""
         if self.device.type == "cpu":

@@ -165,7 +165,7 @@ class SamplingBatch:
             edits=_token_edits(params, device),
             grammar=_grammar_rows(params, output_token_ids, device),
             penalties=_penalty_inputs(params, prompt_token_ids, output_token_ids, device),
-            random=_random_rows(params, generators, device),
+            random=random_rows(params, generators, device),
         )
 
     @property
@@ -288,11 +288,12 @@ def _penalty_inputs(
     )
 
 
-def _random_rows(
+def random_rows(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     device: torch.device | str,
 ) -> RandomRows | None:
+    """The rows of ``params`` that are not greedy, with their settings (None: none)."""
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         return None

@@ -11,12 +11,14 @@ in the row's guesses), so:
   after the last kept guess is that row's argmax. The output is token for token what
   decoding without guesses gives (the model's logits are batch invariant).
 - a random row runs rejection sampling. The guess ``d`` at a row with distribution
-  ``p`` (tempered and truncated as the sampler would draw) came from a proposal that
-  put all its mass on ``d``, so it is kept with probability ``p(d)``; on rejection the
-  token is drawn from the residual ``max(p - q, 0)`` renormalised, which for a point
-  proposal ``q`` is ``p`` without ``d``; with every guess kept, the next token is drawn
-  from the last row's ``p``. Each emitted token is then distributed exactly as plain
-  sampling would give it (Leviathan et al., 2023; Chen et al., 2023).
+  ``p`` (tempered and truncated as the sampler would draw, normalised) was drawn from
+  the proposal's ``q`` at that row; it is kept with probability ``min(1, p(d) / q(d))``,
+  and on rejection the token is drawn from the residual ``max(p - q, 0)``
+  renormalised. A point proposal (n-grams, suffix trees, a draft's argmax) puts all of
+  ``q`` on ``d``: ``d`` is kept with probability ``p(d)`` and the residual is ``p``
+  without ``d``. With every guess kept, the next token is drawn from the last row's
+  ``p``. Each emitted token is then distributed exactly as plain sampling would give
+  it (Leviathan et al., 2023; Chen et al., 2023).
 
 Logprobs of emitted tokens are the model's raw ones at their rows, as without guesses.
 Seeded rows draw their uniforms from the sequence's generator, unseeded ones from the
@@ -59,10 +61,15 @@ class Verified:
         return len(self.token_ids) - 1
 
 
-def residual_distribution(probs: torch.Tensor, draft_token: int) -> torch.Tensor:
-    """What to draw from after rejecting ``draft_token`` proposed with certainty:
-    ``max(p - q, 0)`` for the point mass ``q`` at it, i.e. ``probs`` without it
-    (unnormalised; :func:`draw_from` scales by the total)."""
+def residual_distribution(
+    probs: torch.Tensor, draft_token: int, draft_probs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What to draw from after rejecting ``draft_token``: ``max(p - q, 0)`` for ``p`` the
+    normalised ``probs`` and ``q`` the proposal's ``draft_probs`` (normalised), or for a
+    point mass ``q`` at the token (None): ``probs`` without it. Unnormalised
+    (:func:`draw_from` scales by the total)."""
+    if draft_probs is not None:
+        return (probs / probs.sum() - draft_probs).clamp_(min=0.0)
     residual = probs.clone()
     residual[draft_token] = 0.0
     return residual
@@ -73,9 +80,13 @@ def verify(
     drafts: Sequence[Sequence[int]],
     logits: torch.Tensor,
     stop_token_ids: Collection[int],
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[Verified]:
     """Each sequence's kept guesses and next token. ``logits`` ``[sum(len(d) + 1), vocab]``
-    float32: sequence ``i``'s ``len(drafts[i]) + 1`` rows in order, sequences in order."""
+    float32: sequence ``i``'s ``len(drafts[i]) + 1`` rows in order, sequences in order.
+    ``draft_probs[i]``: the distributions ``[>= len(drafts[i]), vocab]`` sequence ``i``'s
+    guesses were drawn from, None (or no list) for guesses proposed with certainty."""
+    draft_probs = draft_probs or [None] * len(sequences)
     params, prompts, histories, owners = [], [], [], []
     for seq, guesses in zip(sequences, drafts, strict=True):
         reads_history = _reads_history(seq.params)
@@ -101,12 +112,12 @@ def verify(
         random_index = {row: i for i, row in enumerate(batch.random.rows.tolist())}
     raw = None if batch.max_num_logprobs is None else logits.log_softmax(dim=-1)
     results, first = [], 0
-    for seq, guesses in zip(sequences, drafts, strict=True):
+    for seq, guesses, q in zip(sequences, drafts, draft_probs, strict=True):
         if seq.params.is_greedy:
             tokens = _greedy(guesses, greedy_tokens[first : first + len(guesses) + 1])
         else:
             rows = [random_index[first + j] for j in range(len(guesses) + 1)]
-            tokens = _rejection(guesses, probs[rows], seq.generator)
+            tokens = _rejection(guesses, probs[rows], seq.generator, q)
         logprobs = None
         if raw is not None and seq.params.logprobs is not None:
             rows_used = torch.arange(first, first + len(tokens))
@@ -138,18 +149,26 @@ def _greedy(guesses: Sequence[int], argmaxes: list[int]) -> list[int]:
 
 
 def _rejection(
-    guesses: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None
+    guesses: Sequence[int],
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None,
 ) -> list[int]:
-    """Rejection sampling of point-mass guesses against rows ``probs`` ``[k + 1, vocab]``
-    (unnormalised: each row's total is its mass)."""
+    """Rejection sampling of guesses against rows ``probs`` ``[k + 1, vocab]``
+    (unnormalised: each row's total is its mass); ``draft_probs`` ``[>= k, vocab]``: the
+    distributions the guesses were drawn from (None: point masses)."""
     tokens: list[int] = []
     for j, guess in enumerate(guesses):
         row = probs[j]
+        q = None if draft_probs is None else draft_probs[j]
         u = float(draw_uniforms([generator], row.device)[0])
-        if u * float(row.sum()) < float(row[guess]):
+        proposed = 1.0 if q is None else float(q[guess])
+        if u * proposed * float(row.sum()) < float(row[guess]):
             tokens.append(guess)
             continue
-        residual = residual_distribution(row, guess)
+        residual = residual_distribution(row, guess, q)
+        if float(residual.sum()) <= 0.0:  # p equals q up to rounding: p itself
+            residual = row
         u = draw_uniforms([generator], row.device)
         tokens.append(int(draw_from(residual[None], u)[0]))
         return tokens

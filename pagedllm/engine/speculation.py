@@ -20,12 +20,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from pagedllm.engine.draft_proposer import DraftGuesses
 from pagedllm.engine.sampler import SamplerOutput, TokenLogprobs
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import TokenSequence
 from pagedllm.engine.spec_verify import Verified
 from pagedllm.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from pagedllm.spec_decode.draft_length import DraftLengthPolicy
+from pagedllm.spec_decode.guess import Guess
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.stats import SpecDecodeStats
 from pagedllm.spec_decode.suffix import SuffixConfig, SuffixProposer
@@ -34,14 +38,36 @@ from pagedllm.spec_decode.suffix import SuffixConfig, SuffixProposer
 class Proposer(Protocol):
     """Where guesses come from, seen by the engine."""
 
-    def propose(self, seq: TokenSequence, limit: int) -> list[int]:
-        """Up to ``limit`` (>= 1) tokens to follow ``seq.all_token_ids``."""
+    def propose_all(
+        self, requests: Sequence[tuple[TokenSequence, int]], wanted: int | None
+    ) -> list[tuple[TokenSequence, Guess]]:
+        """Non-empty guesses of up to ``limit`` (>= 1) tokens to follow each request's
+        ``seq.all_token_ids``, for at most ``wanted`` sequences (None: all), in order."""
 
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         """``seq`` ended, having completed its output or not (aborted, failed)."""
 
 
-class NgramGuesses:
+class PerSequence:
+    """A proposer that guesses for one sequence at a time (``propose``)."""
+
+    def propose(self, seq: TokenSequence, limit: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_all(
+        self, requests: Sequence[tuple[TokenSequence, int]], wanted: int | None
+    ) -> list[tuple[TokenSequence, Guess]]:
+        proposals = []
+        for seq, limit in requests:
+            if len(proposals) == wanted:
+                break
+            tokens = self.propose(seq, limit)
+            if tokens:
+                proposals.append((seq, Guess(tokens)))
+        return proposals
+
+
+class NgramGuesses(PerSequence):
     """:class:`~pagedllm.spec_decode.ngram.NgramProposer` over each sequence's tokens."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -54,7 +80,7 @@ class NgramGuesses:
         pass  # stateless
 
 
-class SuffixGuesses:
+class SuffixGuesses(PerSequence):
     """:class:`~pagedllm.spec_decode.suffix.SuffixProposer`, one tree per sequence
     (samples of one request diverge); completed outputs join its global tree."""
 
@@ -78,27 +104,29 @@ class SuffixGuesses:
             self.suffix.add_output(seq.output_token_ids)
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer ``config.method`` names; ValueError for one not built yet."""
+def make_proposer(config: SpeculativeConfig, drafter: DraftGuesses | None) -> Proposer:
+    """The proposer ``config.method`` names (``drafter``: the draft model's, built with
+    the engine for ``draft_model``)."""
     if config.method is SpeculativeMethod.NGRAM:
         return NgramGuesses(config)
     if config.method is SpeculativeMethod.SUFFIX:
         return SuffixGuesses(config)
-    raise ValueError(
-        f"speculative_config: method {config.method.value!r} is not implemented yet; use "
-        "'ngram' or 'suffix'"
-    )
+    if drafter is None:
+        raise ValueError("speculative_config: method 'draft_model' needs its draft model")
+    return drafter
 
 
 class Speculator:
-    """Owns the proposer, the length policy and the counters of one engine."""
+    """Owns the proposer, the length policy and the counters of one engine, and the
+    distributions of the guesses offered for the next step (sampled draft tokens)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: DraftGuesses | None = None) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, drafter)
         self.policy = DraftLengthPolicy(config.num_speculative_tokens)
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.num_blocks_rolled_back = 0
+        self.draft_probs: dict[int, torch.Tensor] = {}
 
     def offer(
         self,
@@ -127,27 +155,33 @@ class Speculator:
         most, measuring = self.config.num_speculative_tokens, True
         if self.config.adaptive_draft_length:
             most, measuring = self.policy.most_worth_guessing(len(candidates), num_batched_tokens)
-        proposals = []
+        self.draft_probs.clear()  # guesses live one step
         wanted = None
         if measuring and self.config.adaptive_draft_length:
             wanted = self.policy.measuring_sequences(len(candidates))
-        for seq, limit in candidates if most else ():
-            if len(proposals) == wanted:
-                break
-            if limit <= 0 or not self._may_guess(seq):
-                continue
-            guess = self.proposer.propose(seq, min(limit, most))
+        requests = [
+            (seq, min(limit, most))
+            for seq, limit in (candidates if most else ())
+            if limit > 0 and self._may_guess(seq)
+        ]
+        proposals = []
+        for seq, guess in self.proposer.propose_all(requests, wanted) if requests else ():
             matchers = seq.params.grammar_matchers
-            if guess and matchers is not None:  # cut where the grammar refuses a guess
-                guess = guess[: matchers.num_accepted(seq.output_token_ids, guess)]
-            if guess:
+            if matchers is not None:  # cut where the grammar refuses a guess
+                guess = guess.truncated(
+                    matchers.num_accepted(seq.output_token_ids, guess.token_ids)
+                )
+            if guess.token_ids:
                 proposals.append((seq, guess))
-        lengths = [len(guess) for _, guess in proposals]
+        lengths = [len(guess.token_ids) for _, guess in proposals]
         k = max(lengths, default=0)
         if not measuring:
             k = self.policy.choose(lengths, num_batched_tokens, len(candidates))
         for seq, guess in proposals:
-            seq.draft_token_ids = guess[:k]
+            guess = guess.truncated(k)
+            seq.draft_token_ids = guess.token_ids
+            if guess.probs is not None:
+                self.draft_probs[seq.seq_id] = guess.probs
 
     @staticmethod
     def _may_guess(seq: TokenSequence) -> bool:

@@ -76,6 +76,7 @@ def verify_isolated(
     drafts: list[list[int]],
     logits: torch.Tensor,
     stop_token_ids: Collection[int],
+    draft_probs: list[torch.Tensor | None],
 ) -> tuple[list[Verified | None], dict[str, Exception]]:
     """:func:`~pagedllm.engine.spec_verify.verify` of the whole batch; if it raises,
     each sequence again on its own (seeded generators rewound), leaving out (None) and
@@ -84,7 +85,7 @@ def verify_isolated(
         return [], {}
     seeded = [(seq.generator, seq.generator.get_state()) for seq in sequences if seq.generator]
     try:
-        return list(verify(sequences, drafts, logits, stop_token_ids)), {}
+        return list(verify(sequences, drafts, logits, stop_token_ids, draft_probs)), {}
     except Exception:
         logger.exception("verifying %d sequences' guesses failed; verifying apart", len(sequences))
     for generator, state in seeded:
@@ -92,13 +93,13 @@ def verify_isolated(
     results: list[Verified | None] = []
     failures: dict[str, Exception] = {}
     first = 0
-    for seq, guesses in zip(sequences, drafts, strict=True):
+    for seq, guesses, q in zip(sequences, drafts, draft_probs, strict=True):
         rows = logits[first : first + len(guesses) + 1]
         first += len(guesses) + 1
         one = None
         if seq.request_id not in failures:
             try:
-                one = verify([seq], [guesses], rows, stop_token_ids)[0]
+                one = verify([seq], [guesses], rows, stop_token_ids, [q])[0]
             except Exception as error:
                 failures[seq.request_id] = error
         results.append(one)

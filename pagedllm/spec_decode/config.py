@@ -35,7 +35,7 @@ _KEYS = {
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
     },
-    SpeculativeMethod.DRAFT_MODEL: {"model", "quantization"},
+    SpeculativeMethod.DRAFT_MODEL: {"model", "quantization", "dtype", "activation_quantization"},
 }
 _COMMON_KEYS = {"method", "num_speculative_tokens", "adaptive_draft_length"}
 
@@ -50,8 +50,11 @@ class SpeculativeConfig:
     guessed per sequence and step (the engine may guess fewer, down to none, when its
     measurements say a step would not pay; :mod:`pagedllm.spec_decode.draft_length`).
     ``prompt_lookup_min``/``max``: n-gram lengths (tokens) the ``ngram`` method matches;
-    ``suffix_*``: the ``suffix`` method's tree bounds; ``model``/``quantization``: the
-    ``draft_model`` method's checkpoint and how its weights are kept.
+    ``suffix_*``: the ``suffix`` method's tree bounds; ``model``: the ``draft_model``
+    method's checkpoint (``"default"`` or a path; the target's own checkpoint too), with
+    its ``quantization`` (``auto``, ``none``, ``int8``: as the engine's knob), ``dtype``
+    (``auto``, ``float32``, ``bfloat16``) and ``activation_quantization`` (``none``,
+    ``int8``); unset: ``auto``, ``auto`` and ``none``, whatever the target's are.
     ``adaptive_draft_length`` (on by default; not a vLLM key): off, every proposal is
     run in full whatever it costs, as vLLM does."""
 
@@ -66,6 +69,8 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None
     quantization: str | None = None
+    dtype: str | None = None
+    activation_quantization: str | None = None
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens

@@ -1,0 +1,233 @@
+"""Guesses from a draft model (``draft_model`` speculation), run over the paged cache.
+
+After a step, a decoding sequence has ``C`` computed tokens and one known token ``t``
+at position ``C``. The draft first catches up: one pass over the tokens whose draft K/V
+are not yet in the sequence's blocks, ending with ``t`` (for a sequence that just
+finished its prompt, the whole prompt: the draft's prefill). That pass gives the first
+guess; each further pass feeds the last guess and gives the next. Sequences run
+batched, each pass one forward of the draft.
+
+Where the draft writes (:mod:`~pagedllm.engine.draft_worker`): committed positions
+(``< C``) into the sequence's own pool blocks, in the draft's cache; every sharer of a
+block computes the same draft K/V from the same tokens there. Positions ``>= C`` are
+guesses: they go into the sequence's last pool block when it holds it alone (a block
+shared with a sibling sample makes the sequence skip guessing for the step), and past
+it into scratch blocks. Nothing the draft writes touches the target's K/V.
+
+What the proposer remembers per sequence (:class:`_DraftKV`): how many leading positions
+hold right draft K/V, and the tokens it fed into the last pool block; those that the
+sequence kept are right too, so the next catch-up starts after them (usually one or two
+tokens). A recompute (the sequence's blocks were freed) or a new sequence starts over
+at 0; a cached prefix is recomputed once by the draft, not trusted.
+
+Guesses are the draft's argmax for greedy sequences; sampled sequences draw them from
+the draft's tempered, truncated distribution, which verification needs
+(:class:`~pagedllm.engine.speculation.Guess.probs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.engine.draft_worker import DraftPass, DraftWorker, scratch_blocks_per_sequence
+from pagedllm.engine.sampler import draw_from, draw_uniforms, random_rows, sampling_probabilities
+from pagedllm.engine.sequence import TokenSequence
+from pagedllm.kv.block_manager import BlockManager
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.guess import Guess
+
+
+@dataclass
+class _DraftKV:
+    """Draft K/V of one sequence in its pool blocks: positions ``0 .. num_valid - 1`` are
+    right; ``fed`` are the tokens written at ``fed_from ..`` (its guesses' positions in
+    its own last block), right as far as the sequence kept them. ``num_preemptions``:
+    the sequence's count when recorded (a recompute frees the blocks)."""
+
+    num_valid: int
+    num_preemptions: int
+    fed_from: int
+    fed: list[int]
+
+    def valid_for(self, seq: TokenSequence) -> int:
+        """Leading positions of ``seq`` whose draft K/V are right now."""
+        if seq.num_preemptions != self.num_preemptions:
+            return 0
+        valid = min(self.num_valid, seq.num_computed_tokens)
+        if valid != self.fed_from:
+            return valid
+        tokens = seq.all_token_ids
+        for token in self.fed:
+            if valid >= seq.num_computed_tokens or tokens[valid] != token:
+                break
+            valid += 1
+        return valid
+
+
+@dataclass
+class _Drafting:
+    """One sequence while the draft runs: its pool table extended by scratch blocks,
+    its computed count ``start`` (its known token's position), the first position the
+    catch-up feeds, and the guesses (with their distributions) so far."""
+
+    seq: TokenSequence
+    limit: int
+    table: list[int]
+    start: int
+    catch_up_from: int
+    num_pool_blocks: int
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    done: bool = False
+
+    def slot(self, position: int, block_size: int) -> int:
+        return self.table[position // block_size] * block_size + position % block_size
+
+
+class DraftGuesses:
+    """Guesses from ``worker``'s draft model for sequences of ``block_manager``'s pool.
+    ``stop_token_ids``: the engine's stop set (a guess that ends the sequence ends the
+    guessing); ``max_tokens_per_pass``: the most tokens one draft pass runs (a longer
+    catch-up is split)."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        worker: DraftWorker,
+        block_manager: BlockManager,
+        stop_token_ids: Collection[int],
+        max_tokens_per_pass: int,
+    ) -> None:
+        self.worker = worker
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.max_tokens_per_pass = max_tokens_per_pass
+        self.scratch_per_sequence = scratch_blocks_per_sequence(config, self.block_size)
+        self.group_size = max(1, worker.num_scratch_blocks // self.scratch_per_sequence)
+        self._kv: dict[int, _DraftKV] = {}
+
+    def propose_all(
+        self, requests: Sequence[tuple[TokenSequence, int]], wanted: int | None
+    ) -> list[tuple[TokenSequence, Guess]]:
+        """Up to ``limit`` guesses for each decoding ``(sequence, limit)`` in order, for
+        at most ``wanted`` of them (None: all); a sequence whose guesses would write a
+        shared block gets none."""
+        ready: list[_Drafting] = []
+        for seq, limit in requests:
+            if len(ready) == wanted:
+                break
+            drafting = self._start(seq, limit, len(ready) % self.group_size)
+            if drafting is not None:
+                ready.append(drafting)
+        proposals = []
+        for first in range(0, len(ready), self.group_size):
+            group = ready[first : first + self.group_size]
+            self._run(group)
+            for drafting in group:
+                self._remember(drafting)
+                probs = torch.stack(drafting.probs) if drafting.probs else None
+                proposals.append((drafting.seq, Guess(drafting.token_ids, probs)))
+        return proposals
+
+    def finished(self, seq: TokenSequence, completed: bool) -> None:
+        self._kv.pop(seq.seq_id, None)
+
+    def _start(self, seq: TokenSequence, limit: int, slot_in_group: int) -> _Drafting | None:
+        """``seq`` ready to draft, with scratch blocks ``slot_in_group`` of a group; None
+        when a pool block its guesses would write is shared."""
+        size, start = self.block_size, seq.num_computed_tokens
+        table = self.block_manager.block_table(seq.seq_id)
+        last_needed = (start + limit - 1) // size
+        pool = self.block_manager.pool
+        if any(pool.ref_count(b) != 1 for b in table[start // size : last_needed + 1]):
+            return None
+        scratch = self.worker.scratch_block_ids
+        first_scratch = scratch.start + slot_in_group * self.scratch_per_sequence
+        num_pool_blocks = len(table)
+        table.extend(range(first_scratch, first_scratch + last_needed + 1 - num_pool_blocks))
+        kv = self._kv.get(seq.seq_id)
+        valid = 0 if kv is None else kv.valid_for(seq)
+        return _Drafting(seq, limit, table, start, valid, num_pool_blocks)
+
+    def _run(self, group: list[_Drafting]) -> None:
+        """The catch-up passes, then one pass per further guess, until every sequence
+        of ``group`` has its guesses or guessed a stop token."""
+        pending = [(drafting, drafting.catch_up_from) for drafting in group]
+        while pending:  # catch-up, split over passes of at most max_tokens_per_pass
+            step, sampled, later = self._new_pass(), [], []
+            budget = self.max_tokens_per_pass
+            for drafting, position in pending:
+                end = drafting.start + 1
+                take = min(end - position, budget)
+                if take <= 0:
+                    later.append((drafting, position))
+                    continue
+                tokens = drafting.seq.all_token_ids[position : position + take]
+                self._add(step, drafting, tokens, position)
+                budget -= take
+                if position + take == end:
+                    step.sample_rows.append(len(step.token_ids) - 1)
+                    sampled.append(drafting)
+                else:
+                    later.append((drafting, position + take))
+            self._draw(sampled, self.worker.forward(step))
+            pending = later
+        while True:
+            going = [d for d in group if not d.done]
+            if not going:
+                return
+            step = self._new_pass()
+            for drafting in going:
+                position = drafting.start + len(drafting.token_ids)
+                self._add(step, drafting, drafting.token_ids[-1:], position)
+                step.sample_rows.append(len(step.token_ids) - 1)
+            self._draw(going, self.worker.forward(step))
+
+    @staticmethod
+    def _new_pass() -> DraftPass:
+        return DraftPass([], [], [], [], [], [], [])
+
+    def _add(self, step: DraftPass, drafting: _Drafting, tokens: list[int], position: int) -> None:
+        """``tokens`` of ``drafting`` at ``position ..`` into ``step``."""
+        size = self.block_size
+        step.token_ids.extend(tokens)
+        step.positions.extend(range(position, position + len(tokens)))
+        step.slots.extend(drafting.slot(p, size) for p in range(position, position + len(tokens)))
+        end = position + len(tokens)
+        step.tables.append(drafting.table[: -(-end // size)])
+        step.seq_lens.append(end)
+        step.query_lens.append(len(tokens))
+
+    def _draw(self, group: list[_Drafting], logits: torch.Tensor) -> None:
+        """Each sequence's next guess from its row of ``logits``: the argmax when greedy,
+        a draw from its sampling distribution otherwise."""
+        if not group:
+            return
+        tokens = logits.argmax(dim=-1).tolist()
+        params = [drafting.seq.params for drafting in group]
+        generators = [drafting.seq.generator for drafting in group]
+        random = random_rows(params, generators, logits.device)
+        if random is not None:
+            probs = sampling_probabilities(logits[random.rows], random)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            drawn = draw_from(probs, draw_uniforms(random.generators, probs.device)).tolist()
+            for i, row in enumerate(random.rows.tolist()):
+                tokens[row] = drawn[i]
+                group[row].probs.append(probs[i])
+        for drafting, token in zip(group, tokens, strict=True):
+            drafting.token_ids.append(token)
+            stops = drafting.seq.params.stop_token_ids
+            ends = token in self.stop_token_ids or (stops is not None and token in stops)
+            drafting.done = ends or len(drafting.token_ids) >= drafting.limit
+
+    def _remember(self, drafting: _Drafting) -> None:
+        """What the passes left right in ``drafting``'s pool blocks: every position before
+        its known token, and the known token and guesses fed into its own blocks."""
+        seq, start = drafting.seq, drafting.start
+        fed = [seq.all_token_ids[start], *drafting.token_ids[:-1]]
+        in_pool = drafting.num_pool_blocks * self.block_size - start
+        self._kv[seq.seq_id] = _DraftKV(start, seq.num_preemptions, start, fed[: max(0, in_pool)])
