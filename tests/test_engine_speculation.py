@@ -18,11 +18,12 @@ from pagedllm import LLM
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.sequence import TokenSequence
+from pagedllm.engine.speculation import PerSequence
 
 FIXED = {"method": "ngram", "num_speculative_tokens": 4, "adaptive_draft_length": False}
 
 
-class OracleGuesses:
+class OracleGuesses(PerSequence):
     """Guesses the true continuation (from a run without guesses), corrupted at a random
     depth half of the time, so that steps keep all, some or none of their guesses."""
 
@@ -173,7 +174,7 @@ def test_sampled_tokens_follow_the_models_distribution(tiny_model):
     assert spec.num_drafts >= 10_000 and 0 < spec.acceptance_rate < 1
 
 
-class FixedGuesses:
+class FixedGuesses(PerSequence):
     """Guesses by the sequence's first output token, once per sequence."""
 
     def __init__(self, prompt_len: int, by_first: dict[int, list[int]]):
@@ -202,12 +203,6 @@ def test_beam_search_is_refused_with_speculation(tiny_model):
     llm = LLM.from_engine(tiny_engine(tiny_model, 64, speculative_config=FIXED))
     with pytest.raises(ValueError, match="beam search does not run with speculative"):
         llm.beam_search([{"prompt_token_ids": [1, 2, 3]}], BeamSearchParams(2, max_tokens=4))
-
-
-def test_a_method_not_built_is_refused_at_start(tiny_model):
-    config = {"method": "draft_model", "model": "x", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="not implemented yet"):
-        tiny_engine(tiny_model, 64, speculative_config=config)
 
 
 def test_ngram_on_the_default_model_repeats_a_passage_exactly(default_model):

@@ -183,8 +183,56 @@ def test_rejection_sampling_emits_the_targets_distribution():
 def test_a_wrong_residual_fails_the_same_test(monkeypatch):
     """Drawing after a rejection from the target itself (not the residual without the
     guess) over-weights the guessed token; the test above must see it."""
-    monkeypatch.setattr(spec_verify, "residual_distribution", lambda probs, token: probs)
+    monkeypatch.setattr(
+        spec_verify, "residual_distribution", lambda probs, token, draft_probs=None: probs
+    )
     first, _ = emitted_counts(LOGITS, [0, 4], PARAMS)
+    assert p_value(first, target(LOGITS[0], PARAMS)) < 1e-6
+
+
+# a draft's distributions at the two guessed rows, far from the target's
+DRAFT_PROBS = torch.tensor(
+    [[0.05, 0.05, 0.1, 0.3, 0.3, 0.2], [0.4, 0.1, 0.1, 0.1, 0.2, 0.1]], dtype=torch.float32
+)
+
+
+def counts_with_drawn_guesses(seed: int = 0):
+    """Like :func:`emitted_counts`, with each draw's two guesses drawn from
+    ``DRAFT_PROBS`` and verified against them (rejection sampling with a draft's ``q``)."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.stack(
+        [torch.multinomial(DRAFT_PROBS[j], DRAWS, replacement=True, generator=generator)
+         for j in range(2)], dim=1,
+    ).tolist()  # fmt: skip
+    seqs = [sequence_with(PARAMS) for _ in range(DRAWS)]
+    rows = LOGITS.repeat(DRAWS, 1)
+    results = spec_verify.verify(seqs, drawn, rows, (), [DRAFT_PROBS] * DRAWS)
+    first = np.bincount([r.token_ids[0] for r in results], minlength=VOCAB)
+    second = np.bincount([r.token_ids[1] for r in results if r.num_accepted >= 1], minlength=VOCAB)
+    return first, second, sum(r.num_accepted for r in results)
+
+
+def test_rejection_sampling_against_a_drafts_distribution_emits_the_targets():
+    """Guesses drawn from a draft's ``q``, kept with ``min(1, p/q)``, the residual
+    ``max(p - q, 0)`` after a rejection: both emitted tokens follow the target's rows,
+    though ``q`` puts most of its mass where ``p`` puts little (top-k leaves token 5
+    out of the first row's support while ``q`` proposes it)."""
+    first, second, accepted = counts_with_drawn_guesses()
+    assert p_value(first, target(LOGITS[0], PARAMS)) > 1e-4
+    assert p_value(second, target(LOGITS[1], PARAMS)) > 1e-4
+    assert second.sum() > DRAWS / 10 and 0 < accepted < 2 * DRAWS
+
+
+def test_a_residual_that_ignores_the_drafts_distribution_fails_it(monkeypatch):
+    """The point-mass residual (``p`` without the guess) is wrong for a draft's ``q``:
+    it over-weights the tokens ``q`` favours; the test above must see it."""
+    point_mass = spec_verify.residual_distribution
+    monkeypatch.setattr(
+        spec_verify,
+        "residual_distribution",
+        lambda probs, token, draft_probs=None: point_mass(probs, token),
+    )
+    first, _, _ = counts_with_drawn_guesses()
     assert p_value(first, target(LOGITS[0], PARAMS)) < 1e-6
 
 

@@ -69,8 +69,9 @@ class _DraftKV:
 
 @dataclass
 class _Drafting:
-    """One sequence while the draft runs: its pool table extended by scratch blocks,
-    its computed count ``start`` (its known token's position), the first position the
+    """One sequence while the draft runs: its pool table extended by scratch blocks (the
+    first ``num_pool_blocks`` entries are its own pool blocks, the rest scratch), its
+    computed count ``start`` (its known token's position), the first position the
     catch-up feeds, and the guesses (with their distributions) so far."""
 
     seq: TokenSequence
@@ -109,6 +110,9 @@ class DraftGuesses:
         self.scratch_per_sequence = scratch_blocks_per_sequence(config, self.block_size)
         self.group_size = max(1, worker.num_scratch_blocks // self.scratch_per_sequence)
         self._kv: dict[int, _DraftKV] = {}
+        self._copies: list[tuple[int, int]] = []  # (pool block, scratch block) to copy
+        self.num_passes = 0  # forward passes of the draft so far
+        self.num_tokens_run = 0  # tokens those passes ran (catch-up and guesses)
 
     def propose_all(
         self, requests: Sequence[tuple[TokenSequence, int]], wanted: int | None
@@ -116,16 +120,20 @@ class DraftGuesses:
         """Up to ``limit`` guesses for each decoding ``(sequence, limit)`` in order, for
         at most ``wanted`` of them (None: all); a sequence whose guesses would write a
         shared block gets none."""
-        ready: list[_Drafting] = []
-        for seq, limit in requests:
-            if len(ready) == wanted:
-                break
-            drafting = self._start(seq, limit, len(ready) % self.group_size)
-            if drafting is not None:
-                ready.append(drafting)
         proposals = []
-        for first in range(0, len(ready), self.group_size):
-            group = ready[first : first + self.group_size]
+        for first in range(0, len(requests), self.group_size):
+            if len(proposals) == wanted:
+                break
+            group: list[_Drafting] = []
+            for seq, limit in requests[first : first + self.group_size]:
+                if len(proposals) + len(group) == wanted:
+                    break
+                drafting = self._start(seq, limit, len(group))
+                if drafting is not None:
+                    group.append(drafting)
+            if self._copies:  # shared last blocks into their sequences' scratch copies
+                self.worker.kv_cache.copy_blocks(self._copies)
+                self._copies.clear()
             self._run(group)
             for drafting in group:
                 self._remember(drafting)
@@ -137,21 +145,26 @@ class DraftGuesses:
         self._kv.pop(seq.seq_id, None)
 
     def _start(self, seq: TokenSequence, limit: int, slot_in_group: int) -> _Drafting | None:
-        """``seq`` ready to draft, with scratch blocks ``slot_in_group`` of a group; None
-        when a pool block its guesses would write is shared."""
+        """``seq`` ready to draft, with scratch blocks ``slot_in_group`` of a group. Its
+        partly filled last block, when shared (siblings just forked), is drafted in a
+        scratch copy; None when a block past it is shared (never, in practice)."""
         size, start = self.block_size, seq.num_computed_tokens
         table = self.block_manager.block_table(seq.seq_id)
-        last_needed = (start + limit - 1) // size
-        pool = self.block_manager.pool
-        if any(pool.ref_count(b) != 1 for b in table[start // size : last_needed + 1]):
-            return None
-        scratch = self.worker.scratch_block_ids
-        first_scratch = scratch.start + slot_in_group * self.scratch_per_sequence
-        num_pool_blocks = len(table)
-        table.extend(range(first_scratch, first_scratch + last_needed + 1 - num_pool_blocks))
         kv = self._kv.get(seq.seq_id)
         valid = 0 if kv is None else kv.valid_for(seq)
-        return _Drafting(seq, limit, table, start, valid, num_pool_blocks)
+        last_needed = (start + limit - 1) // size
+        pool = self.block_manager.pool
+        first_written = start // size  # the first block a guess writes
+        if any(pool.ref_count(b) != 1 for b in table[first_written + 1 : last_needed + 1]):
+            return None
+        scratch = iter(self.worker.scratch_block_ids[slot_in_group * self.scratch_per_sequence :])
+        own_blocks = len(table)
+        if first_written < len(table) and pool.ref_count(table[first_written]) != 1:
+            self._copies.append((table[first_written], next(scratch)))
+            table[first_written] = self._copies[-1][1]
+            own_blocks = first_written
+        table.extend(next(scratch) for _ in range(len(table), last_needed + 1))
+        return _Drafting(seq, limit, table, start, valid, own_blocks)
 
     def _run(self, group: list[_Drafting]) -> None:
         """The catch-up passes, then one pass per further guess, until every sequence
@@ -174,7 +187,7 @@ class DraftGuesses:
                     sampled.append(drafting)
                 else:
                     later.append((drafting, position + take))
-            self._draw(sampled, self.worker.forward(step))
+            self._draw(sampled, self._forward(step))
             pending = later
         while True:
             going = [d for d in group if not d.done]
@@ -185,11 +198,16 @@ class DraftGuesses:
                 position = drafting.start + len(drafting.token_ids)
                 self._add(step, drafting, drafting.token_ids[-1:], position)
                 step.sample_rows.append(len(step.token_ids) - 1)
-            self._draw(going, self.worker.forward(step))
+            self._draw(going, self._forward(step))
 
     @staticmethod
     def _new_pass() -> DraftPass:
         return DraftPass([], [], [], [], [], [], [])
+
+    def _forward(self, step: DraftPass) -> torch.Tensor:
+        self.num_passes += 1
+        self.num_tokens_run += len(step.token_ids)
+        return self.worker.forward(step)
 
     def _add(self, step: DraftPass, drafting: _Drafting, tokens: list[int], position: int) -> None:
         """``tokens`` of ``drafting`` at ``position ..`` into ``step``."""
@@ -226,8 +244,10 @@ class DraftGuesses:
 
     def _remember(self, drafting: _Drafting) -> None:
         """What the passes left right in ``drafting``'s pool blocks: every position before
-        its known token, and the known token and guesses fed into its own blocks."""
+        its known token that lies in them, and the known token and guesses fed into them
+        (a shared last block was drafted in a copy: nothing new in it is kept)."""
         seq, start = drafting.seq, drafting.start
-        fed = [seq.all_token_ids[start], *drafting.token_ids[:-1]]
-        in_pool = drafting.num_pool_blocks * self.block_size - start
-        self._kv[seq.seq_id] = _DraftKV(start, seq.num_preemptions, start, fed[: max(0, in_pool)])
+        in_pool = drafting.num_pool_blocks * self.block_size
+        num_valid = max(drafting.catch_up_from, min(start, in_pool))
+        fed = [seq.all_token_ids[start], *drafting.token_ids[:-1]][: max(0, in_pool - start)]
+        self._kv[seq.seq_id] = _DraftKV(num_valid, seq.num_preemptions, start, fed)

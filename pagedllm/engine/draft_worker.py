@@ -70,8 +70,9 @@ def draft_block_bytes(draft: LoadedModel, block_size: int) -> int:
 
 
 def scratch_blocks_per_sequence(spec: SpeculativeConfig, block_size: int) -> int:
-    """Blocks one sequence's guessed positions may need past its last pool block."""
-    return -(-spec.num_speculative_tokens // block_size)
+    """Blocks one sequence's guessed positions may need past its last pool block, and a
+    copy of that block when it is shared."""
+    return -(-spec.num_speculative_tokens // block_size) + 1
 
 
 @dataclass
