@@ -37,12 +37,18 @@ class LoadFormat(Choice):
 
 class Quantization(Choice):
     """``quantization`` values: keep a GGUF file's quantized matrices in their block
-    formats (on the CPU), expand every weight to ``dtype``, or round a safetensors
-    checkpoint's matrices to int8 per output channel."""
+    formats (on the CPU), expand every weight to ``dtype``, or round a checkpoint's
+    matrices at load: to int8 per output channel, or to Q4_0 blocks."""
 
     AUTO = "auto"
     NONE = "none"
     INT8 = "int8"
+    Q4_0 = "q4_0"
+
+    @property
+    def rounds(self) -> bool:
+        """Whether the matrices are rounded at load (int8, q4_0)."""
+        return self in (Quantization.INT8, Quantization.Q4_0)
 
 
 class ActivationQuantization(Choice):
@@ -222,8 +228,9 @@ class EngineConfig:
         Quantization.AUTO,
         "weights a GGUF file stores quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
         "Q6_K): auto keeps them in their block formats on the CPU (other types are expanded "
-        "at load); none expands every weight to dtype; int8 rounds a safetensors "
-        "checkpoint's matrices to int8 per output channel (CPU)",
+        "at load); none expands every weight to dtype; int8 rounds a checkpoint's matrices "
+        "to int8 per output channel, q4_0 to Q4_0 blocks (4 bits and a scale per 32 "
+        "weights), at load (CPU)",
         Quantization,
     )
     activation_quantization: ActivationQuantization = knob(

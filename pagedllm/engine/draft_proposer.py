@@ -94,6 +94,8 @@ class DraftGuesses:
     guessing); ``max_tokens_per_pass``: the most tokens one draft pass runs (a longer
     catch-up is split)."""
 
+    pays_per_guess = True  # each guessed token is a pass of the draft
+
     def __init__(
         self,
         config: SpeculativeConfig,

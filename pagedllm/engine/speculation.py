@@ -47,9 +47,17 @@ class Proposer(Protocol):
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         """``seq`` ended, having completed its output or not (aborted, failed)."""
 
+    @property
+    def pays_per_guess(self) -> bool:
+        """Whether each guessed token costs a pass of a model (a draft model): the
+        step's guess length is then chosen before proposing, not after."""
+
 
 class PerSequence:
-    """A proposer that guesses for one sequence at a time (``propose``)."""
+    """A proposer that guesses for one sequence at a time (``propose``), from host
+    data: a proposal is cheap, and the step's length is chosen among them."""
+
+    pays_per_guess = False
 
     def propose(self, seq: TokenSequence, limit: int) -> list[int]:
         raise NotImplementedError
@@ -159,11 +167,12 @@ class Speculator:
         wanted = None
         if measuring and self.config.adaptive_draft_length:
             wanted = self.policy.measuring_sequences(len(candidates))
-        requests = [
-            (seq, min(limit, most))
-            for seq, limit in (candidates if most else ())
-            if limit > 0 and self._may_guess(seq)
-        ]
+        requests = [(seq, limit) for seq, limit in candidates if limit > 0 and self._may_guess(seq)]
+        if requests and not measuring and self.proposer.pays_per_guess:
+            # a draft model drafts as far as it is asked: choose the length first
+            lengths = [min(limit, most) for _, limit in requests]
+            most = self.policy.choose(lengths, num_batched_tokens, len(candidates))
+        requests = [(seq, min(limit, most)) for seq, limit in requests] if most else []
         proposals = []
         for seq, guess in self.proposer.propose_all(requests, wanted) if requests else ():
             matchers = seq.params.grammar_matchers

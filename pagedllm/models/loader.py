@@ -77,8 +77,8 @@ def load_model(
     and the attention kernel widens it to float32; the AVX-512 kernels take the others).
     ``quantization``: ``"auto"`` keeps a GGUF file's quantized matrices in their block
     formats on the CPU (see :mod:`pagedllm.models.loader_gguf`), ``"none"`` expands them
-    to ``dtype``; ``"int8"`` rounds a safetensors checkpoint's matrices to int8 per output
-    channel (CPU only).
+    to ``dtype``; ``"int8"`` and ``"q4_0"`` round a checkpoint's matrices at load to int8
+    per output channel or to Q4_0 blocks (CPU only).
     ``linear_kernel``: the form of the float matrices on the CPU, ``"auto"`` (packed for
     ``packed_linear``, oneDNN's blocked layout or the plain matrix for torch's GEMM, each
     shape by measurement, see :mod:`pagedllm.cpu.kernel_choice`), ``"packed"``,
@@ -100,8 +100,10 @@ def load_model(
     except ValueError as error:
         raise ModelLoadError(str(error)) from None
     if load_format is LoadFormat.DUMMY:
-        if quantization is Quantization.INT8:
-            raise ModelLoadError("quantization='int8' needs a checkpoint, not dummy weights")
+        if quantization.rounds:
+            raise ModelLoadError(
+                f"quantization={quantization.value!r} needs a checkpoint, not dummy weights"
+            )
         config, decoder, source = load_dummy_model(
             model, dtype, device, linear_kernel=linear_kernel, parallel=parallel
         )

@@ -40,6 +40,7 @@ from pagedllm.models.quantized_weight import (
     why_kernels_cannot_run,
 )
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
+from pagedllm.models.weight_rounding import rounded_source
 
 logger = logging.getLogger("pagedllm")
 
@@ -368,17 +369,14 @@ def fused_types(stored: str, tensors: dict[str, Any]) -> set[Any]:
 def keeps_quantization(
     quantization: str, dtype: torch.dtype, device: torch.device, path: Path
 ) -> bool:
-    """Whether quantized matrices stay in their block formats: ``quantization="auto"`` on
-    the CPU with the C++ kernels built and a float32 or bfloat16 model; otherwise one log
-    line says why they are expanded."""
+    """Whether quantized matrices stay in block formats (their own, or rounded again with
+    ``int8``/``q4_0``): on the CPU with the C++ kernels built and a float32 or bfloat16
+    model; otherwise ``auto`` logs why they are expanded and a rounding is refused."""
     if quantization == Quantization.NONE:
         return False
-    if quantization != Quantization.AUTO:
-        raise ModelLoadError(
-            f"quantization={quantization!r} is for safetensors checkpoints; a GGUF file "
-            "takes 'auto' (keep its block formats) or 'none' (expand them)"
-        )
     reason = why_kernels_cannot_run(dtype, device)
+    if reason is not None and Quantization(quantization).rounds:
+        raise ModelLoadError(f"quantization={quantization!r} is not available: {reason}")
     if reason is not None:
         logger.info("Expanding the quantized weights of %s to %s: %s", path.name, dtype, reason)
     return reason is None
@@ -395,9 +393,10 @@ def load_gguf_model(
 ) -> tuple[ModelConfig, CausalDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from a GGUF file.
     With ``quantization="auto"`` on the CPU, each
-    matrix stored in a :data:`KERNEL_TYPES` format stays in it; every other tensor (all of
-    them with ``"none"``) is dequantized (one float32 tensor at a time, on the CPU) and
-    converted to ``dtype`` on ``device``; ``linear_kernel`` as
+    matrix stored in a :data:`KERNEL_TYPES` format stays in it (``"int8"`` and ``"q4_0"``
+    round every such matrix again, :mod:`~pagedllm.models.weight_rounding`); every
+    other tensor (all of them with ``"none"``) is dequantized (one float32 tensor at a
+    time, on the CPU) and converted to ``dtype`` on ``device``; ``linear_kernel`` as
     :class:`~pagedllm.models.decoder.CausalDecoder` takes it."""
     reader = reader or open_gguf(path)
     keep = keeps_quantization(quantization, dtype, torch.device(device), path)
@@ -444,7 +443,9 @@ def load_gguf_model(
         return weight
 
     tracked = TrackedSource(get)
-    decoder = CausalDecoder(config, tracked, dtype, device, linear_kernel, parallel)
+    rounding = Quantization(quantization)
+    weights = rounded_source(tracked, rounding) if keep and rounding.rounds else tracked
+    decoder = CausalDecoder(config, weights, dtype, device, linear_kernel, parallel)
     if expanded:
         logger.info(
             "Dequantized to %s at load (no kernels keep them quantized): %s tensors",

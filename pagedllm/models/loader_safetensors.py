@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -16,13 +15,9 @@ from pagedllm.models.checkpoint_names import checkpoint_source, stored_name
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.errors import ModelLoadError
-from pagedllm.models.quantized_weight import (
-    QuantizedWeight,
-    int8_per_channel,
-    is_quantizable,
-    why_kernels_cannot_run,
-)
+from pagedllm.models.quantized_weight import why_kernels_cannot_run
 from pagedllm.models.tensor_audit import TrackedSource, refuse_unread
+from pagedllm.models.weight_rounding import rounded_source
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -63,21 +58,6 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def int8_source(
-    read: Callable[[str], torch.Tensor],
-) -> Callable[[str], torch.Tensor | QuantizedWeight]:
-    """``read`` with each matrix the decoder may keep quantized (rows a multiple of 32
-    weights) rounded by :func:`~pagedllm.models.quantized_weight.int8_per_channel`."""
-
-    def read_int8(name: str) -> torch.Tensor | QuantizedWeight:
-        tensor = read(name)
-        if is_quantizable(name) and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
-            return int8_per_channel(tensor)
-        return tensor
-
-    return read_int8
-
-
 def load_safetensors_model(
     folder: Path,
     dtype: torch.dtype,
@@ -88,18 +68,19 @@ def load_safetensors_model(
 ) -> tuple[ModelConfig, CausalDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from the folder's
     weights, converted to ``dtype`` on ``device``;
-    with ``quantization="int8"``, the projections, embedding and LM head (those whose rows
-    are a multiple of 32 weights) are rounded to int8 per output channel instead
-    (:func:`~pagedllm.models.quantized_weight.int8_per_channel`, CPU only);
+    with ``quantization="int8"`` or ``"q4_0"``, the projections, embedding and LM head
+    (those whose rows are a multiple of 32 weights) are rounded at load instead
+    (:mod:`~pagedllm.models.weight_rounding`, CPU only);
     ``linear_kernel`` as :class:`~pagedllm.models.decoder.CausalDecoder` takes it.
 
     The files are memory-mapped and each tensor is moved and converted as the decoder
     reads it, so the host never holds a converted copy of the whole model."""
     config = read_hf_config(folder)
-    int8 = quantization == Quantization.INT8
-    reason = why_kernels_cannot_run(dtype, torch.device(device)) if int8 else None
+    quantization = Quantization(quantization)
+    rounds = quantization.rounds
+    reason = why_kernels_cannot_run(dtype, torch.device(device)) if rounds else None
     if reason is not None:
-        raise ModelLoadError(f"quantization='int8' is not available: {reason}")
+        raise ModelLoadError(f"quantization={quantization.value!r} is not available: {reason}")
     with ExitStack() as stack:
         handle_of_tensor = {}
         for path in shard_files(folder):
@@ -116,7 +97,7 @@ def load_safetensors_model(
 
         tracked = TrackedSource(get)
         source = checkpoint_source(config, tracked)
-        weights = int8_source(source) if int8 else source
+        weights = rounded_source(source, quantization) if rounds else source
         decoder = CausalDecoder(config, weights, dtype, device, linear_kernel, parallel)
         # A tied checkpoint may still store its LM head; transformers ignores it too. Old
         # GPT-2 and GPT-NeoX files hold their causal masks (spec.unused_suffixes).
