@@ -21,8 +21,15 @@ of the per-round ratios to ``off`` of the same round), ``acceptance_rate``,
 ``blocks_held_after`` (pool blocks in use after the run: 0). The first line names the
 machine (CPU model and flags: every figure belongs to it).
 
-    python benchmarks/speculative.py [--runs 3] [--methods ngram,suffix]
+    python benchmarks/speculative.py [--runs 3] [--methods ngram,suffix,draft_model]
         [--workloads grounded,agentic,bench] [--single 16] [--requests 64]
+        [--dtype float32 --quantization none]  # the target
+        [--draft-model default --draft-quantization auto|q4_0 --draft-dtype auto
+         --draft-activation-quantization int8]  # draft_model's draft
+
+The quantized self-draft: ``--dtype float32 --quantization none --methods draft_model``
+(the target is the default model expanded to float32; the draft its own blocks with
+int8 activations, or ``--draft-quantization q4_0`` to round them to Q4_0 first).
 """
 
 from __future__ import annotations
@@ -144,10 +151,18 @@ def run(engine: LLMEngine, prompts, params, one_at_a_time: bool) -> dict[str, ob
     return {"seconds": seconds, "tokens": outputs}
 
 
-def spec_config(method: str, tokens: int) -> dict | None:
+def spec_config(method: str, args: argparse.Namespace) -> dict | None:
     if method == "off":
         return None
-    return {"method": method, "num_speculative_tokens": tokens}
+    config = {"method": method, "num_speculative_tokens": args.tokens}
+    if method == "draft_model":
+        config.update(
+            model=args.draft_model,
+            quantization=args.draft_quantization,
+            dtype=args.draft_dtype,
+            activation_quantization=args.draft_activation_quantization,
+        )
+    return config
 
 
 def measure(loaded, args, methods, prompts, params, one_at_a_time) -> dict[str, list[dict]]:
@@ -160,8 +175,9 @@ def measure(loaded, args, methods, prompts, params, one_at_a_time) -> dict[str, 
             config = EngineConfig(
                 model=args.model,
                 dtype=args.dtype,
+                quantization=args.quantization,
                 log_stats_interval=0,
-                speculative_config=spec_config(method, args.tokens),
+                speculative_config=spec_config(method, args),
             )
             engine = LLMEngine(config, loaded)
             result = run(engine, prompts, params, one_at_a_time)
@@ -195,6 +211,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", help="the target's")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--methods", default="ngram,suffix")
     parser.add_argument("--workloads", default="grounded,agentic,bench")
@@ -202,9 +219,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests run at once")
     parser.add_argument("--tokens", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--loads", default="one,all", help="one (one by one), all (at once)")
+    parser.add_argument("--draft-model", default="default", help="draft_model's checkpoint")
+    parser.add_argument("--draft-quantization", default="auto")
+    parser.add_argument("--draft-dtype", default="auto")
+    parser.add_argument("--draft-activation-quantization", default="int8")
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
-    loaded = load_model_for(EngineConfig(model=args.model, dtype=args.dtype))
+    loaded = load_model_for(
+        EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization)
+    )
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     methods = ["off", *args.methods.split(",")]
     all_workloads = workloads(loaded.tokenizer, loaded.config.vocab_size, args.requests)
@@ -223,6 +246,8 @@ def main() -> None:
                     "method": method,
                     "num_speculative_tokens": 0 if method == "off" else args.tokens,
                     "dtype": dtype,
+                    "quantization": args.quantization,
+                    "speculative_config": spec_config(method, args),
                     **summary(rows[method], rows["off"]),
                 }
                 print(json.dumps(record), flush=True)
