@@ -6,6 +6,8 @@ refused at start."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -173,3 +175,30 @@ def test_the_default_model_drafts_for_itself_expanded(expanded_default_model):
     assert samples(got) == samples(expected)
     stats = engine.get_stats().spec_decode
     assert stats.acceptance_rate > 0.6, stats
+
+
+def test_the_planner_counts_the_drafts_share_of_each_block(tiny_model, capsys):
+    """``pagedllm plan --draft-model``: the pool the planner sizes for a KV budget, with
+    the draft's K/V in every block and its scratch blocks taken first, is the pool the
+    engine allocates for that budget."""
+    from pagedllm.cli import main
+
+    folder = str(tiny_model.source)
+    budget = 3_000_000
+    spec = draft_config(tiny_model.source, k=3, dtype="bfloat16")
+    engine = tiny_engine(
+        tiny_model, 1, speculative_config=spec, kv_cache_memory=budget, max_num_seqs=64
+    )
+    argv = ["plan", folder, "--kv-cache-memory", str(budget), "--kv-dtype", "float32",
+            "--block-size", str(BLOCK_SIZE), "--draft-model", folder, "--draft-kv-dtype",
+            "bfloat16", "--num-speculative-tokens", "3", "--max-num-seqs", "64"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_dtypes"][0]["num_blocks"] == engine.num_blocks
+    draft = plan["draft"]
+    assert engine.block_bytes == plan["kv_dtypes"][0]["block_bytes"]
+    assert draft["scratch_bytes"] == engine.drafter.kv_cache.nbytes - (
+        engine.drafter.num_pool_blocks * draft["block_bytes"]
+    )
+    assert main(argv) == 0
+    assert "its bfloat16 K/V add" in capsys.readouterr().out

@@ -9,10 +9,11 @@ import torch
 from test_models_gguf import QType, logits_of, write_gguf
 from test_models_logits import TOLERANCE, write_checkpoint
 
+from pagedllm.config import Quantization
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.models import ModelLoadError, load_model
 from pagedllm.models.quantized_weight import Q, QuantizedWeight, int8_per_channel
-from pagedllm.models.weight_rounding import q4_0_blocks
+from pagedllm.models.weight_rounding import q4_0_blocks, rounder
 
 pytestmark = pytest.mark.skipif(not kernels_built(), reason="needs the C++ kernels")
 
@@ -47,7 +48,10 @@ def test_q4_0_blocks_are_ggmls():
     assert torch.equal(quantized.dequantized()[3], torch.zeros(64))
 
 
-ROUNDINGS = {"int8": int8_per_channel, "q4_0": q4_0_blocks}
+ROUNDINGS = {
+    "int8": lambda name, w: int8_per_channel(w),
+    "q4_0": lambda name, w: rounder(Quantization.Q4_0, name)(w),
+}
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q4_0"])
@@ -56,11 +60,14 @@ def test_rounded_model_equals_its_rounded_weights_expanded(tmp_path, quantizatio
     quantized = load_model(tmp_path / "hf", quantization=quantization).model
     assert isinstance(quantized.layers[0].qkv_weight, QuantizedWeight)
     assert isinstance(quantized.lm_head, QuantizedWeight)
-    assert quantized.lm_head.ggml_type == {"int8": Q.Q8_0, "q4_0": Q.Q4_0}[quantization]
+    assert quantized.lm_head.ggml_type == Q.Q8_0  # q4_0 keeps the logits' matrix in 8 bits
+    assert (
+        quantized.layers[0].qkv_weight.ggml_type == {"int8": Q.Q8_0, "q4_0": Q.Q4_0}[quantization]
+    )
     with torch.no_grad():
-        for param in hf_model.parameters():
+        for name, param in hf_model.named_parameters():
             if param.ndim == 2:
-                param.copy_(ROUNDINGS[quantization](param).dequantized())
+                param.copy_(ROUNDINGS[quantization](name, param).dequantized())
     hf_model.save_pretrained(tmp_path / "rounded", safe_serialization=True)
     expanded = load_model(tmp_path / "rounded").model
     torch.testing.assert_close(logits_of(quantized), logits_of(expanded), atol=TOLERANCE, rtol=0)
@@ -78,12 +85,11 @@ def test_int8_is_refused_where_it_cannot_run(tmp_path):
 
 
 def test_a_gguf_files_blocks_are_rounded_again(tmp_path):
-    """``q4_0`` on a Q8_0 file: every matrix it keeps becomes Q4_0 blocks rounded from
-    the file's dequantized weights."""
+    """``q4_0`` on a Q8_0 file: every projection becomes Q4_0 blocks rounded from the
+    file's dequantized weights."""
     hf_model = write_checkpoint(tmp_path / "hf", "llama-gqa-untied")
     path = write_gguf(tmp_path / "q8.gguf", hf_model, QType.Q8_0)
-    kept = load_model(path).model
-    rounded = load_model(path, quantization="q4_0").model
-    assert kept.lm_head.ggml_type == Q.Q8_0 and rounded.lm_head.ggml_type == Q.Q4_0
-    again = q4_0_blocks(kept.lm_head.dequantized())
-    assert torch.equal(rounded.lm_head.blocks, again.blocks)
+    kept = load_model(path).model.layers[0].o_weight
+    rounded = load_model(path, quantization="q4_0").model.layers[0].o_weight
+    assert kept.ggml_type == Q.Q8_0 and rounded.ggml_type == Q.Q4_0
+    assert torch.equal(rounded.blocks, q4_0_blocks(kept.dequantized()).blocks)

@@ -110,6 +110,31 @@ def test_policy_guesses_when_steps_cost_their_weights_and_not_when_they_cost_tok
     assert costly.choose([4] * 64, 64, 64) == 0
 
 
+def test_a_draft_models_passes_count_against_its_guesses():
+    """The same steps and acceptance: a draft whose pass costs a tenth of a step still
+    pays for one sequence; one whose pass costs as much as the step's weights does not,
+    and the rule waits for both lines before it trusts either."""
+
+    def policy() -> DraftLengthPolicy:
+        drafted = DraftLengthPolicy(4, pays_per_guess=True)
+        feed(drafted, 0.010, 0.0001, [1, 5, 1, 5, 1, 40])
+        drafted.observe_acceptance(5, 4)
+        drafted.observe_acceptance(5, 5)
+        return drafted
+
+    cheap = policy()
+    assert cheap.most_worth_guessing(1, 1) == (1, True)  # no draft pass seen yet
+    for rows in (1, 2, 1, 30):
+        cheap.observe_draft_pass(rows, 0.001 + 0.0001 * rows)
+    assert cheap.most_worth_guessing(1, 1) == (4, False)
+    assert cheap.choose([4], 1, 1) == 4
+    costly = policy()
+    for rows in (1, 2, 1, 30):
+        costly.observe_draft_pass(rows, 0.010 + 0.0001 * rows)
+    assert costly.choose([4], 1, 1) == 0
+    assert costly.guessing_cost(3, 1) == pytest.approx(3 * 0.0101)
+
+
 def test_policy_measures_with_one_token_before_it_can_fit_a_cost():
     policy = DraftLengthPolicy(3)
     assert policy.step_cost(10) is None

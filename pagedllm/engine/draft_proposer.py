@@ -27,7 +27,8 @@ the draft's tempered, truncated distribution, which verification needs
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +114,7 @@ class DraftGuesses:
         self.group_size = max(1, worker.num_scratch_blocks // self.scratch_per_sequence)
         self._kv: dict[int, _DraftKV] = {}
         self._copies: list[tuple[int, int]] = []  # (pool block, scratch block) to copy
+        self.pass_observer: Callable[[int, float], None] | None = None  # (rows, seconds)
         self.num_passes = 0  # forward passes of the draft so far
         self.num_tokens_run = 0  # tokens those passes ran (catch-up and guesses)
 
@@ -207,9 +209,13 @@ class DraftGuesses:
         return DraftPass([], [], [], [], [], [], [])
 
     def _forward(self, step: DraftPass) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.worker.forward(step)
         self.num_passes += 1
         self.num_tokens_run += len(step.token_ids)
-        return self.worker.forward(step)
+        if self.pass_observer is not None:
+            self.pass_observer(len(step.token_ids), time.perf_counter() - start)
+        return logits
 
     def _add(self, step: DraftPass, drafting: _Drafting, tokens: list[int], position: int) -> None:
         """``tokens`` of ``drafting`` at ``position ..`` into ``step``."""

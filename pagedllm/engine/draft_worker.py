@@ -25,6 +25,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig, resolve_dtype
 from pagedllm.engine.model_runner import ModelInput, ModelRunner
+from pagedllm.kv.capacity import draft_scratch_blocks
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
 from pagedllm.kv_storage.swap_space import SwapSpace
@@ -72,7 +73,7 @@ def draft_block_bytes(draft: LoadedModel, block_size: int) -> int:
 def scratch_blocks_per_sequence(spec: SpeculativeConfig, block_size: int) -> int:
     """Blocks one sequence's guessed positions may need past its last pool block, and a
     copy of that block when it is shared."""
-    return -(-spec.num_speculative_tokens // block_size) + 1
+    return draft_scratch_blocks(spec.num_speculative_tokens, block_size, max_num_seqs=1)
 
 
 @dataclass

@@ -22,12 +22,7 @@ from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig, KVAllocation, PreemptionMode, same_device
 from pagedllm.cpu.allocator import keep_freed_memory
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from pagedllm.engine.draft_worker import (
-    DraftWorker,
-    draft_block_bytes,
-    load_draft,
-    scratch_blocks_per_sequence,
-)
+from pagedllm.engine.draft_worker import DraftWorker, draft_block_bytes, load_draft
 from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
@@ -36,7 +31,7 @@ from pagedllm.engine.tensor_parallel.executor import TensorParallelExecutor
 from pagedllm.engine.tensor_parallel.worker import WorkerSetup, shared_settings
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
-from pagedllm.kv.capacity import pool_blocks
+from pagedllm.kv.capacity import draft_scratch_blocks, pool_blocks
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.loader import LoadedModel, load_model_for
@@ -45,9 +40,6 @@ from pagedllm.spec_decode.config import SpeculativeMethod
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedllm")
-
-DRAFT_GROUP_SIZE = 64
-"""Sequences one draft pass runs at most (a larger batch drafts in several groups)."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +179,9 @@ def _load_draft(
 
 
 def _draft_scratch_blocks(config: EngineConfig) -> int:
-    """Scratch blocks of the draft's cache: enough for the guesses of 64 sequences (or
-    ``max_num_seqs``) at a time; more sequences draft in groups."""
-    per_sequence = scratch_blocks_per_sequence(config.speculative_config, config.block_size)
-    return min(config.max_num_seqs, DRAFT_GROUP_SIZE) * per_sequence
+    """Scratch blocks of the draft's cache (:func:`~pagedllm.kv.capacity.draft_scratch_blocks`)."""
+    tokens = config.speculative_config.num_speculative_tokens
+    return draft_scratch_blocks(tokens, config.block_size, config.max_num_seqs)
 
 
 def _load(

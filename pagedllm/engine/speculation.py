@@ -16,6 +16,7 @@ length for the step from the proposals and its measurements (down to none), unle
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -131,7 +132,11 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: DraftGuesses | None = None) -> None:
         self.config = config
         self.proposer = make_proposer(config, drafter)
-        self.policy = DraftLengthPolicy(config.num_speculative_tokens)
+        pays = self.proposer.pays_per_guess
+        self.policy = DraftLengthPolicy(config.num_speculative_tokens, pays)
+        if drafter is not None:
+            drafter.pass_observer = self.policy.observe_draft_pass
+        self._drafting_seconds = 0.0  # the last offer's draft passes (left out of steps)
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.num_blocks_rolled_back = 0
         self.draft_probs: dict[int, torch.Tensor] = {}
@@ -173,8 +178,12 @@ class Speculator:
             lengths = [min(limit, most) for _, limit in requests]
             most = self.policy.choose(lengths, num_batched_tokens, len(candidates))
         requests = [(seq, min(limit, most)) for seq, limit in requests] if most else []
+        start = time.perf_counter()
+        proposed = self.proposer.propose_all(requests, wanted) if requests else []
+        elapsed = time.perf_counter() - start
+        self._drafting_seconds = elapsed if self.proposer.pays_per_guess else 0.0
         proposals = []
-        for seq, guess in self.proposer.propose_all(requests, wanted) if requests else ():
+        for seq, guess in proposed:
             matchers = seq.params.grammar_matchers
             if matchers is not None:  # cut where the grammar refuses a guess
                 guess = guess.truncated(
@@ -198,9 +207,11 @@ class Speculator:
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """A whole step of ``plan`` took ``seconds``: decoding steps feed the cost line
-        (the rule chooses among them; prefill rows cost less per token)."""
+        (the rule chooses among them; prefill rows cost less per token), less the draft
+        model's passes run in it (they have a line of their own)."""
         if all(item.num_known_tokens == 1 for item in plan.scheduled):
-            self.policy.observe_step(plan.num_batched_tokens, seconds)
+            self.policy.observe_step(plan.num_batched_tokens, seconds - self._drafting_seconds)
+        self._drafting_seconds = 0.0
 
     def settle(
         self, scheduler: Scheduler, rows: StepRows, verified: Sequence[Verified | None]

@@ -86,3 +86,16 @@ def pool_blocks(budget_bytes: int, block_bytes: int, null_block: bool = False) -
     the tables of a sliding window point at (``null_block``; the cache holds it on top
     of the pool)."""
     return max(0, budget_bytes // block_bytes - null_block)
+
+
+DRAFT_GROUP_SIZE = 64
+"""Sequences one pass of a draft model runs at most (a larger batch drafts in groups)."""
+
+
+def draft_scratch_blocks(num_speculative_tokens: int, block_size: int, max_num_seqs: int) -> int:
+    """Scratch blocks of a draft model's cache (``draft_model`` speculation): per drafting
+    sequence, its guessed positions past its last pool block and a copy of that block
+    when it is shared, ``ceil(k / block_size) + 1``, for ``DRAFT_GROUP_SIZE`` sequences
+    (or ``max_num_seqs``, when fewer) at a time."""
+    per_sequence = cdiv(num_speculative_tokens, block_size) + 1
+    return min(max_num_seqs, DRAFT_GROUP_SIZE) * per_sequence

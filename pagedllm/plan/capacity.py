@@ -22,6 +22,12 @@ block smaller (the null block its tables point at; contiguous allocation has non
 model with any global layer holds every block of every sequence: all layers share one
 pool, so a block is kept while any layer may read it.
 
+A draft model (``draft_model`` speculation, :class:`DraftShape`) keeps its K/V in the
+same blocks as the target's, in its own layers and dtype: a block's bytes are the sum,
+its weights join the first device's, and the scratch blocks of its guesses
+(:func:`~pagedllm.kv.capacity.draft_scratch_blocks`) come out of the KV budget before
+the pool is sized, as the engine does.
+
 Tensor parallelism (``tensor_parallel_size`` ranks, one per device, split as
 :class:`~pagedllm.models.partition.TensorPartition` says): weights, budgets, blocks
 and sequences are per device. A device's weights are those of the rank holding the most
@@ -38,7 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.kv.capacity import blocks_for_tokens, pool_blocks, request_worst_case_blocks
+from pagedllm.kv.capacity import (
+    blocks_for_tokens,
+    draft_scratch_blocks,
+    pool_blocks,
+    request_worst_case_blocks,
+)
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.partition import TensorPartition
@@ -90,6 +101,33 @@ WEIGHT_BYTES: dict[str, float] = {
     "int4": GGUF_WEIGHT_BYTES["q4_0"],
     **GGUF_WEIGHT_BYTES,
 }
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """A draft model beside the target (``draft_model`` speculation): its shape, weights
+    stored as ``weight_dtype`` (a :data:`WEIGHT_BYTES` name), K/V in ``kv_dtype``
+    (float32 or bfloat16, the draft's own dtype), guessing up to
+    ``num_speculative_tokens`` per sequence for up to ``max_num_seqs`` sequences."""
+
+    model: ModelShape
+    weight_dtype: str
+    kv_dtype: str
+    num_speculative_tokens: int
+    max_num_seqs: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model.num_parameters, self.weight_dtype)
+
+    def block_bytes(self, block_size: int) -> int:
+        """The draft's bytes in each block of the pool, every draft layer."""
+        return block_bytes(self.model.config, block_size, KV_DTYPES[self.kv_dtype])
+
+    def scratch_bytes(self, block_size: int) -> int:
+        """Bytes of the draft cache's scratch blocks, taken from the KV budget."""
+        blocks = draft_scratch_blocks(self.num_speculative_tokens, block_size, self.max_num_seqs)
+        return blocks * self.block_bytes(block_size)
 
 
 def kv_elements_per_token(config: ModelConfig) -> int:
@@ -185,8 +223,9 @@ class MemoryBudget:
     """Where one device's memory goes, in bytes. ``total_bytes`` is ``None`` when the KV
     budget was given directly; otherwise ``kv_bytes = total - weights - activation
     reserve``, the reserve being ``activation_reserve`` (a fraction) of the weight bytes.
-    ``device_parameters`` and ``weight_bytes`` are the device holding the most's;
-    ``weight_bytes_all_devices`` sums every device's weights."""
+    ``device_parameters`` and ``weight_bytes`` are the device holding the most's (a
+    draft model's weights included); ``weight_bytes_all_devices`` sums every device's
+    weights."""
 
     total_bytes: int | None
     weight_dtype: str
@@ -210,17 +249,19 @@ def memory_budget(
     activation_reserve: float,
     total_bytes: int | None = None,
     kv_bytes: int | None = None,
+    draft_weight_bytes: int = 0,
 ) -> MemoryBudget:
     """Split one device's ``total_bytes`` into weights, activation reserve (a fraction of
     the weights) and KV cache, or take ``kv_bytes`` as its KV budget. Exactly one must be
     given. ``rank_parameters``: the parameters each device holds (one entry without tensor
-    parallelism); the device holding the most sets the weights."""
+    parallelism); the device holding the most sets the weights. ``draft_weight_bytes``:
+    a draft model's weights, on that device too."""
     if (total_bytes is None) == (kv_bytes is None):
         raise ValueError("give either a total memory size or a KV cache budget, not both")
     if activation_reserve < 0:
         raise ValueError(f"activation reserve must be a fraction >= 0, got {activation_reserve}")
     device_parameters = max(rank_parameters)
-    weights = weight_bytes(device_parameters, weight_dtype)
+    weights = weight_bytes(device_parameters, weight_dtype) + draft_weight_bytes
     reserve = math.ceil(weights * activation_reserve)
     if kv_bytes is None:
         kv_bytes = total_bytes - weights - reserve
@@ -234,7 +275,8 @@ def memory_budget(
         weight_dtype=weight_dtype,
         device_parameters=device_parameters,
         weight_bytes=weights,
-        weight_bytes_all_devices=sum(weight_bytes(p, weight_dtype) for p in rank_parameters),
+        weight_bytes_all_devices=sum(weight_bytes(p, weight_dtype) for p in rank_parameters)
+        + draft_weight_bytes,
         activation_reserve=activation_reserve,
         activation_reserve_bytes=reserve,
         kv_bytes=kv_bytes,
@@ -298,6 +340,7 @@ class CapacityPlan:
     workload: Workload
     rows: tuple[DtypeCapacity, ...]
     tensor_parallel_size: int = 1
+    draft: DraftShape | None = None
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -312,14 +355,20 @@ def dtype_capacity(
     workload: Workload,
     kv_dtype: KVDtype,
     tensor_parallel_size: int = 1,
+    draft: DraftShape | None = None,
 ) -> DtypeCapacity:
     """The figures of one KV dtype for a budget of ``kv_bytes`` bytes per device, on each
-    of ``tensor_parallel_size`` devices (see :func:`blocks_per_rank`)."""
+    of ``tensor_parallel_size`` devices (see :func:`blocks_per_rank`); a ``draft``
+    model's K/V in every block and its scratch blocks counted."""
     rank_config = kv_rank_config(config, tensor_parallel_size)
     per_token = kv_bytes_per_token(rank_config, kv_dtype)
     window = config.kv_window
     per_block = block_bytes(rank_config, block_size, kv_dtype)
-    num_blocks = blocks_per_rank(config, tensor_parallel_size, kv_bytes, block_size, kv_dtype.name)
+    if draft is not None:
+        per_token += kv_bytes_per_token(draft.model.config, KV_DTYPES[draft.kv_dtype])
+        per_block += draft.block_bytes(block_size)
+        kv_bytes -= draft.scratch_bytes(block_size)
+    num_blocks = pool_blocks(kv_bytes, per_block, window is not None)
     return DtypeCapacity(
         kv_dtype=kv_dtype.name,
         element_bytes=kv_dtype.element_bytes,
@@ -349,9 +398,11 @@ def plan_capacity(
     workload: Workload,
     kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES),
     tensor_parallel_size: int = 1,
+    draft: DraftShape | None = None,
 ) -> CapacityPlan:
-    """Every figure of the plan, one row per name in ``kv_dtypes``; ``budget`` is per
-    device, on each of ``tensor_parallel_size`` devices."""
+    """Every figure of the plan, one row per name in ``kv_dtypes`` (the target's K/V; a
+    ``draft``'s beside it); ``budget`` is per device, on each of
+    ``tensor_parallel_size`` devices."""
     rows = tuple(
         dtype_capacity(
             model.config,
@@ -360,7 +411,8 @@ def plan_capacity(
             workload,
             KV_DTYPES[name],
             tensor_parallel_size,
+            draft,
         )
         for name in kv_dtypes
     )
-    return CapacityPlan(model, block_size, budget, workload, rows, tensor_parallel_size)
+    return CapacityPlan(model, block_size, budget, workload, rows, tensor_parallel_size, draft)

@@ -12,11 +12,12 @@ from pagedllm.plan.capacity import (
     KV_DTYPES,
     WEIGHT_BYTES,
     CapacityPlan,
+    DraftShape,
     Workload,
     memory_budget,
     plan_capacity,
 )
-from pagedllm.plan.model_shape import rank_parameters, resolve_model
+from pagedllm.plan.model_shape import ModelShape, rank_parameters, resolve_model
 from pagedllm.plan.report import format_text, to_json
 
 DEFAULT_AVG_LEN = 2048
@@ -99,6 +100,37 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prefix-len", type=int, default=0, help="tokens every sequence shares at its start"
     )
     parser.add_argument("--batch", type=int, default=8, help="sequences for the batch KV column")
+    draft = parser.add_argument_group("draft_model speculation (its K/V ride in every block)")
+    draft.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="the draft model: a preset, .gguf file, config.json or HF folder",
+    )
+    draft.add_argument(
+        "--draft-weight-dtype",
+        default="q4_1",
+        choices=list(WEIGHT_BYTES),
+        help="how the draft's weights are stored (default q4_1, the default model's blocks)",
+    )
+    draft.add_argument(
+        "--draft-kv-dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="the draft's dtype, which its K/V take (default bfloat16)",
+    )
+    draft.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        help="guesses per sequence and step: sizes the draft's scratch blocks (default 8)",
+    )
+    draft.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        help="sequences one step may run, as the engine's option: sizes the scratch blocks",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
         "--plot", default=None, metavar="PNG", help="draw contiguous against paged layout"
@@ -132,15 +164,44 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
     if args.memory is None and kv_memory is None:
         kv_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     tensor_parallel_size = args.tensor_parallel_size
+    draft = _draft(args, model)
     budget = memory_budget(
         rank_parameters(model.config, tensor_parallel_size),
         args.weight_dtype,
         args.activation_reserve,
         total_bytes=None if args.memory is None else parse_bytes(args.memory),
         kv_bytes=None if kv_memory is None else parse_bytes(kv_memory),
+        draft_weight_bytes=0 if draft is None else draft.weight_bytes,
     )
     block_size = validate_block_size(args.block_size)
-    return plan_capacity(model, block_size, budget, workload, kv_dtypes, tensor_parallel_size)
+    return plan_capacity(
+        model, block_size, budget, workload, kv_dtypes, tensor_parallel_size, draft
+    )
+
+
+def _draft(args: argparse.Namespace, target: ModelShape) -> DraftShape | None:
+    """The draft model the command line names (None without ``--draft-model``);
+    ValueError where the engine would refuse it."""
+    if args.draft_model is None:
+        return None
+    if target.config.kv_window is not None:
+        raise ValueError(
+            "a draft model does not run with a model whose every layer slides (its "
+            "out-of-window blocks leave the pool)"
+        )
+    draft = resolve_model(args.draft_model)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the draft model {draft.name} has a vocabulary of {draft.config.vocab_size} "
+            f"tokens, the target {target.name} {target.config.vocab_size}"
+        )
+    return DraftShape(
+        draft,
+        args.draft_weight_dtype,
+        args.draft_kv_dtype,
+        args.num_speculative_tokens,
+        args.max_num_seqs,
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -123,6 +123,17 @@ def _memory_line(plan: CapacityPlan) -> str:
     return f"{memory} = {weights} + {reserve} + KV cache {decimal_bytes(budget.kv_bytes)}"
 
 
+def _draft_line(plan: CapacityPlan) -> str:
+    draft, size = plan.draft, plan.block_size
+    return (
+        f"{draft.model.name} ({draft.model.num_parameters / 1e9:.3g} B params in "
+        f"{draft.weight_dtype}, {decimal_bytes(draft.weight_bytes)}, in the weights above); "
+        f"its {draft.kv_dtype} K/V add {draft.block_bytes(size):,} bytes to every block "
+        f"(in the tables below), and its scratch blocks take "
+        f"{decimal_bytes(draft.scratch_bytes(size))} of the KV budget"
+    )
+
+
 def _workload_line(plan: CapacityPlan) -> str:
     workload = plan.workload
     line = (
@@ -224,6 +235,8 @@ def format_text(plan: CapacityPlan) -> str:
     if plan.tensor_parallel_size > 1:
         lines.append(f"Devices   {_parallel_line(plan)}")
     lines += [f"Memory    {_memory_line(plan)}", f"Workload  {_workload_line(plan)}"]
+    if plan.draft is not None:
+        lines.append(f"Draft     {_draft_line(plan)}")
     if any(KV_DTYPES[row.kv_dtype].quantized for row in plan.rows):
         lines.append(f"Scales    {QUANTIZED_SCALES} (in 'block, all layers' and the counts)")
     lines += ["", f"KV cache per token and per block{_per_device(plan)}", *_per_token_rows(plan)]
@@ -257,4 +270,19 @@ def to_json(plan: CapacityPlan) -> dict[str, Any]:
         "workload": dataclasses.asdict(plan.workload),
         "assumptions": {"quantized_scales": QUANTIZED_SCALES},
         "kv_dtypes": [dataclasses.asdict(row) for row in plan.rows],
+        "draft": None if plan.draft is None else _draft_json(plan),
+    }
+
+
+def _draft_json(plan: CapacityPlan) -> dict[str, Any]:
+    draft, size = plan.draft, plan.block_size
+    return {
+        "name": draft.model.name,
+        "num_parameters": draft.model.num_parameters,
+        "weight_dtype": draft.weight_dtype,
+        "weight_bytes": draft.weight_bytes,
+        "kv_dtype": draft.kv_dtype,
+        "block_bytes": draft.block_bytes(size),
+        "scratch_bytes": draft.scratch_bytes(size),
+        "num_speculative_tokens": draft.num_speculative_tokens,
     }

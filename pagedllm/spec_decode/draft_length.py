@@ -15,7 +15,10 @@ Two measurements, both kept as exponentially decaying sums so they follow the lo
   pay when nearly all are accepted.
 
 For each ``k`` the rule compares (tokens emitted by the batch) / t(batched tokens with
-the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing. Before
+the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing. A draft
+model pays a forward pass per guessed token: its passes are fitted on a line of their
+own, seconds against rows (``d(R)``), their time is left out of the step's, and ``k``
+guesses for ``n`` sequences add ``k * d(n)`` to the step. Before
 any proposal is made it asks whether even full proposals could pay, and proposes
 nothing when not. Until the fit has seen steps of different sizes, and once every
 ``EXPLORE_EVERY`` steps without guesses, it guesses one token for some sequences
@@ -46,17 +49,45 @@ PRIOR_WEIGHT = 8.0
 """The acceptance estimate starts as ``PRIOR_ACCEPTANCE`` worth this many trials."""
 
 
+class CostLine:
+    """Seconds against a size (tokens, rows) as a least-squares line over exponentially
+    decayed observations: ``fixed + per_unit * size``, both kept >= 0."""
+
+    def __init__(self) -> None:
+        self._w = self._x = self._xx = self._y = self._xy = 0.0
+
+    def observe(self, size: int, seconds: float) -> None:
+        d, x = DECAY, float(size)
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + x
+        self._xx = self._xx * d + x * x
+        self._y = self._y * d + seconds
+        self._xy = self._xy * d + x * seconds
+
+    def cost(self, size: int) -> float | None:
+        """The fitted seconds at ``size``; None until sizes that differ were seen."""
+        spread = self._w * self._xx - self._x * self._x
+        if self._w == 0 or spread <= 1e-9 * max(1.0, self._w * self._xx):
+            return None
+        per_unit = max(0.0, (self._w * self._xy - self._x * self._y) / spread)
+        fixed = max(0.0, (self._y - per_unit * self._x) / self._w)
+        return fixed + per_unit * size
+
+
 class DraftLengthPolicy:
     """Chooses the step's guess length from the proposals' lengths and the measurements.
+    ``pays_per_guess``: each guessed token costs a pass of a draft model, observed with
+    :meth:`observe_draft_pass`.
 
     Units: tokens and seconds. Not thread-safe (the engine's step loop owns it)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, pays_per_guess: bool = False) -> None:
         self.max_tokens = max_tokens
+        self.pays_per_guess = pays_per_guess
         self._trials = PRIOR_WEIGHT
         self._accepted = PRIOR_WEIGHT * PRIOR_ACCEPTANCE
-        # decayed sums for the least-squares line t = fixed + per_token * T
-        self._w = self._t = self._tt = self._y = self._ty = 0.0
+        self._steps = CostLine()  # a step's seconds against its batched tokens
+        self._draft_passes = CostLine()  # a draft pass's seconds against its rows
         self._steps_without = 0
         self._unfitted_steps = 0
 
@@ -75,23 +106,27 @@ class DraftLengthPolicy:
             self._accepted = self._accepted * scale + num_accepted
 
     def observe_step(self, num_batched_tokens: int, seconds: float) -> None:
-        """A whole step of ``num_batched_tokens`` tokens took ``seconds``."""
-        d, tokens = DECAY, float(num_batched_tokens)
-        self._w = self._w * d + 1.0
-        self._t = self._t * d + tokens
-        self._tt = self._tt * d + tokens * tokens
-        self._y = self._y * d + seconds
-        self._ty = self._ty * d + tokens * seconds
+        """A whole step of ``num_batched_tokens`` tokens took ``seconds`` (a draft
+        model's passes left out)."""
+        self._steps.observe(num_batched_tokens, seconds)
+
+    def observe_draft_pass(self, num_rows: int, seconds: float) -> None:
+        """A pass of the draft model over ``num_rows`` rows took ``seconds``."""
+        self._draft_passes.observe(num_rows, seconds)
 
     def step_cost(self, num_batched_tokens: int) -> float | None:
         """The fitted seconds of a step of ``num_batched_tokens`` tokens; None until
         steps of different sizes were seen."""
-        spread = self._w * self._tt - self._t * self._t
-        if self._w == 0 or spread <= 1e-9 * max(1.0, self._w * self._tt):
-            return None
-        per_token = max(0.0, (self._w * self._ty - self._t * self._y) / spread)
-        fixed = max(0.0, (self._y - per_token * self._t) / self._w)
-        return fixed + per_token * num_batched_tokens
+        return self._steps.cost(num_batched_tokens)
+
+    def guessing_cost(self, num_guesses: int, num_sequences: int) -> float | None:
+        """Seconds of proposing ``num_guesses`` tokens to each of ``num_sequences``: 0
+        for host proposers, ``num_guesses`` draft passes of that many rows for a draft
+        model (None until its passes of different sizes were seen)."""
+        if not self.pays_per_guess or num_guesses == 0:
+            return 0.0
+        per_pass = self._draft_passes.cost(num_sequences)
+        return None if per_pass is None else num_guesses * per_pass
 
     def most_worth_guessing(self, num_emitting: int, num_batched_tokens: int) -> tuple[int, bool]:
         """Asked before any proposal is made (proposing costs host time too): the most
@@ -105,7 +140,7 @@ class DraftLengthPolicy:
         little cost."""
         if num_emitting == 0:
             return 0, False
-        if self.step_cost(num_batched_tokens) is None:
+        if self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None:
             self._unfitted_steps += 1
             return (1, True) if self._unfitted_steps % 2 else (0, False)
         best = self._best([self.max_tokens] * num_emitting, num_batched_tokens, num_emitting)
@@ -132,7 +167,8 @@ class DraftLengthPolicy:
         sequence with a proposal; ``num_batched_tokens``: the step's tokens without
         guesses (one per decoding sequence, plus prefill chunks); ``num_emitting``: the
         sequences that get a token from it without guesses."""
-        if not proposal_lengths or self.step_cost(num_batched_tokens) is None:
+        unfitted = self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None
+        if not proposal_lengths or unfitted:
             return min(1, max(proposal_lengths, default=0))
         return self._best(proposal_lengths, num_batched_tokens, num_emitting)
 
@@ -148,7 +184,9 @@ class DraftLengthPolicy:
         for k in range(1, longest + 1):
             extra = sum(min(k, length) for length in proposal_lengths)
             gained = sum(a * (1 - a ** min(k, length)) / (1 - a) for length in proposal_lengths)
-            rate = (num_emitting + gained) / self.step_cost(num_batched_tokens + extra)
+            seconds = self.step_cost(num_batched_tokens + extra)
+            seconds += self.guessing_cost(k, len(proposal_lengths))
+            rate = (num_emitting + gained) / seconds
             if rate >= floor and rate > best_rate:
                 best, best_rate = k, rate
         return best
