@@ -202,3 +202,48 @@ def test_the_planner_counts_the_drafts_share_of_each_block(tiny_model, capsys):
     )
     assert main(argv) == 0
     assert "its bfloat16 K/V add" in capsys.readouterr().out
+
+
+def test_structured_outputs_with_a_draft(default_model):
+    """A constrained sequence's drafted guesses are cut where the grammar refuses a
+    token: greedy JSON is the JSON without guesses, and sampled JSON (guesses drawn
+    from the draft, rejection against its distributions) still validates."""
+    import jsonschema
+    from test_structured_outputs import SCHEMAS
+
+    from pagedllm import EngineConfig, LLMEngine
+    from pagedllm.structured_output import StructuredOutputsParams
+
+    tokenizer = default_model.tokenizer
+    schemas = SCHEMAS[:6]
+    prompts = [
+        {"prompt_token_ids": tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Reply with JSON matching this schema: {s}"}],
+            add_generation_prompt=True)}
+        for s in schemas
+    ]  # fmt: skip
+
+    def params(temperature: float) -> list[SamplingParams]:
+        made = [
+            SamplingParams(temperature=temperature, seed=i, max_tokens=60,
+                           structured_outputs=StructuredOutputsParams(json=s))
+            for i, s in enumerate(schemas)
+        ]  # fmt: skip
+        for p in made:
+            p.check_for_model(default_model.config.vocab_size, tokenizer)
+        return made
+
+    def engine(**settings) -> LLMEngine:
+        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", log_stats_interval=0,
+                              **settings)  # fmt: skip
+        return LLMEngine(config, default_model)
+
+    expected = run_stepwise(engine(), prompts, params(0.0))
+    spec = {"method": "draft_model", "model": "default", "dtype": "bfloat16",
+            "num_speculative_tokens": 4, "adaptive_draft_length": False}  # fmt: skip
+    drafting = engine(speculative_config=spec)
+    assert samples(run_stepwise(drafting, prompts, params(0.0))) == samples(expected)
+    assert drafting.get_stats().spec_decode.num_accepted_tokens > 0
+    sampled = run_stepwise(drafting, prompts, params(1.0))
+    for out, schema in zip((sampled[str(i)] for i in range(len(schemas))), schemas, strict=True):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)

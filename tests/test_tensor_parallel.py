@@ -495,3 +495,18 @@ def test_speculation_across_ranks_keeps_the_tokens(folders):
     guessed = outputs_of(engine, prompts, params)
     assert_same(plain, guessed)
     assert engine.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_a_draft_model_drafts_on_rank_0_for_every_rank(folders):
+    """``draft_model`` over two ranks: the draft (the target's checkpoint in bfloat16)
+    runs on rank 0 only, its K/V in rank 0's blocks; the guesses run on every rank and
+    the tokens are one rank's without guesses."""
+    prompts = [list(range(2, 20 + i)) for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = outputs_of(make_engine(folders["kv2"], 1), prompts, params)
+    spec = {"method": "draft_model", "model": str(folders["kv2"]), "dtype": "bfloat16",
+            "num_speculative_tokens": 3, "adaptive_draft_length": False}  # fmt: skip
+    engine = make_engine(folders["kv2"], 2, speculative_config=spec)
+    guessed = outputs_of(engine, prompts, params)
+    assert_same(plain, guessed)
+    assert engine.get_stats().spec_decode.num_accepted_tokens > 0

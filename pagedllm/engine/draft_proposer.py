@@ -148,6 +148,12 @@ class DraftGuesses:
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         self._kv.pop(seq.seq_id, None)
 
+    def catch_up_rows(self, seq: TokenSequence) -> int:
+        """Tokens of decoding ``seq`` the draft would run in its first pass: those whose
+        draft K/V are not in its blocks, and its known token."""
+        kv = self._kv.get(seq.seq_id)
+        return seq.num_computed_tokens + 1 - (0 if kv is None else kv.valid_for(seq))
+
     def _start(self, seq: TokenSequence, limit: int, slot_in_group: int) -> _Drafting | None:
         """``seq`` ready to draft, with scratch blocks ``slot_in_group`` of a group. Its
         partly filled last block, when shared (siblings just forked), is drafted in a

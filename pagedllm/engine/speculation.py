@@ -53,12 +53,19 @@ class Proposer(Protocol):
         """Whether each guessed token costs a pass of a model (a draft model): the
         step's guess length is then chosen before proposing, not after."""
 
+    def catch_up_rows(self, seq: TokenSequence) -> int:
+        """Tokens of ``seq`` a proposal must run before it guesses (a draft model's
+        catch-up; 0 for proposers that read host data)."""
+
 
 class PerSequence:
     """A proposer that guesses for one sequence at a time (``propose``), from host
     data: a proposal is cheap, and the step's length is chosen among them."""
 
     pays_per_guess = False
+
+    def catch_up_rows(self, seq: TokenSequence) -> int:
+        return 0
 
     def propose(self, seq: TokenSequence, limit: int) -> list[int]:
         raise NotImplementedError
@@ -166,22 +173,30 @@ class Speculator:
         allow). ``num_batched_tokens``: the next step's tokens without guesses, as far
         as known."""
         most, measuring = self.config.num_speculative_tokens, True
+        pays = self.proposer.pays_per_guess
+        catch_up = None
+        if pays:  # what the draft must run before it guesses, counted against the step
+            catch_up = sum(self.proposer.catch_up_rows(seq) for seq, _ in candidates)
         if self.config.adaptive_draft_length:
-            most, measuring = self.policy.most_worth_guessing(len(candidates), num_batched_tokens)
+            most, measuring = self.policy.most_worth_guessing(
+                len(candidates), num_batched_tokens, catch_up
+            )
         self.draft_probs.clear()  # guesses live one step
         wanted = None
         if measuring and self.config.adaptive_draft_length:
             wanted = self.policy.measuring_sequences(len(candidates))
         requests = [(seq, limit) for seq, limit in candidates if limit > 0 and self._may_guess(seq)]
-        if requests and not measuring and self.proposer.pays_per_guess:
+        if requests and pays and measuring and self.config.adaptive_draft_length:
+            requests.sort(key=lambda request: self.proposer.catch_up_rows(request[0]))
+        elif requests and pays and self.config.adaptive_draft_length:
             # a draft model drafts as far as it is asked: choose the length first
             lengths = [min(limit, most) for _, limit in requests]
-            most = self.policy.choose(lengths, num_batched_tokens, len(candidates))
+            most = self.policy.choose(lengths, num_batched_tokens, len(candidates), catch_up)
         requests = [(seq, min(limit, most)) for seq, limit in requests] if most else []
         start = time.perf_counter()
         proposed = self.proposer.propose_all(requests, wanted) if requests else []
         elapsed = time.perf_counter() - start
-        self._drafting_seconds = elapsed if self.proposer.pays_per_guess else 0.0
+        self._drafting_seconds = elapsed if pays else 0.0
         proposals = []
         for seq, guess in proposed:
             matchers = seq.params.grammar_matchers
@@ -193,7 +208,7 @@ class Speculator:
                 proposals.append((seq, guess))
         lengths = [len(guess.token_ids) for _, guess in proposals]
         k = max(lengths, default=0)
-        if not measuring:
+        if not measuring and not pays:  # a draft's length was chosen before it drafted
             k = self.policy.choose(lengths, num_batched_tokens, len(candidates))
         for seq, guess in proposals:
             guess = guess.truncated(k)

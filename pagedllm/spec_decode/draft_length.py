@@ -18,7 +18,10 @@ For each ``k`` the rule compares (tokens emitted by the batch) / t(batched token
 the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing. A draft
 model pays a forward pass per guessed token: its passes are fitted on a line of their
 own, seconds against rows (``d(R)``), their time is left out of the step's, and ``k``
-guesses for ``n`` sequences add ``k * d(n)`` to the step. Before
+guesses for ``n`` sequences add ``d(C) + (k - 1) * d(n)`` to the step, ``C`` the rows of
+the first pass: the tokens the draft must catch up (a new sequence's whole prompt),
+counted against the one step that pays them. A draft model measures with one sequence
+(the one with the least to catch up), not one in ``MEASURING_SHARE``. Before
 any proposal is made it asks whether even full proposals could pay, and proposes
 nothing when not. Until the fit has seen steps of different sizes, and once every
 ``EXPLORE_EVERY`` steps without guesses, it guesses one token for some sequences
@@ -119,16 +122,24 @@ class DraftLengthPolicy:
         steps of different sizes were seen."""
         return self._steps.cost(num_batched_tokens)
 
-    def guessing_cost(self, num_guesses: int, num_sequences: int) -> float | None:
+    def guessing_cost(
+        self, num_guesses: int, num_sequences: int, catch_up_rows: int | None = None
+    ) -> float | None:
         """Seconds of proposing ``num_guesses`` tokens to each of ``num_sequences``: 0
-        for host proposers, ``num_guesses`` draft passes of that many rows for a draft
-        model (None until its passes of different sizes were seen)."""
+        for host proposers; for a draft model ``num_guesses`` passes of that many rows,
+        the first one of ``catch_up_rows`` when given (None until passes of different
+        sizes were seen)."""
         if not self.pays_per_guess or num_guesses == 0:
             return 0.0
         per_pass = self._draft_passes.cost(num_sequences)
-        return None if per_pass is None else num_guesses * per_pass
+        first = self._draft_passes.cost(max(catch_up_rows or 0, num_sequences))
+        if per_pass is None or first is None:
+            return None
+        return first + (num_guesses - 1) * per_pass
 
-    def most_worth_guessing(self, num_emitting: int, num_batched_tokens: int) -> tuple[int, bool]:
+    def most_worth_guessing(
+        self, num_emitting: int, num_batched_tokens: int, catch_up_rows: int | None = None
+    ) -> tuple[int, bool]:
         """Asked before any proposal is made (proposing costs host time too): the most
         tokens a sequence may usefully guess next step, and whether that is a measuring
         step (run whatever was proposed). 0 when even a full proposal for every one of
@@ -137,13 +148,14 @@ class DraftLengthPolicy:
         all); (1, True) every other step until the cost fit has seen two step sizes, and
         once every ``EXPLORE_EVERY`` steps without guesses: a one-token guess for
         :meth:`measuring_sequences` sequences measures acceptance and widens the fit at
-        little cost."""
+        little cost. ``catch_up_rows``: a draft model's first pass for all of them."""
         if num_emitting == 0:
             return 0, False
         if self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None:
             self._unfitted_steps += 1
             return (1, True) if self._unfitted_steps % 2 else (0, False)
-        best = self._best([self.max_tokens] * num_emitting, num_batched_tokens, num_emitting)
+        full = [self.max_tokens] * num_emitting
+        best = self._best(full, num_batched_tokens, num_emitting, catch_up_rows)
         if best > 0:
             self._steps_without = 0
             return self.max_tokens, False
@@ -153,27 +165,38 @@ class DraftLengthPolicy:
             return 1, True
         return 0, False
 
-    @staticmethod
-    def measuring_sequences(num_emitting: int) -> int:
-        """How many sequences guess in a measuring step."""
+    def measuring_sequences(self, num_emitting: int) -> int:
+        """How many sequences guess in a measuring step: one in ``MEASURING_SHARE``, one
+        for a draft model (each may first need its whole history run by the draft)."""
+        if self.pays_per_guess:
+            return 1
         return max(1, num_emitting // MEASURING_SHARE)
 
     def choose(
-        self, proposal_lengths: Sequence[int], num_batched_tokens: int, num_emitting: int
+        self,
+        proposal_lengths: Sequence[int],
+        num_batched_tokens: int,
+        num_emitting: int,
+        catch_up_rows: int | None = None,
     ) -> int:
         """The guess length for this step, for proposals made within
         :meth:`most_worth_guessing`: at most ``max_tokens``; a sequence whose proposal
         is shorter guesses its whole proposal. ``proposal_lengths``: per decoding
         sequence with a proposal; ``num_batched_tokens``: the step's tokens without
         guesses (one per decoding sequence, plus prefill chunks); ``num_emitting``: the
-        sequences that get a token from it without guesses."""
+        sequences that get a token from it without guesses; ``catch_up_rows``: a draft
+        model's first pass."""
         unfitted = self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None
         if not proposal_lengths or unfitted:
             return min(1, max(proposal_lengths, default=0))
-        return self._best(proposal_lengths, num_batched_tokens, num_emitting)
+        return self._best(proposal_lengths, num_batched_tokens, num_emitting, catch_up_rows)
 
     def _best(
-        self, proposal_lengths: Sequence[int], num_batched_tokens: int, num_emitting: int
+        self,
+        proposal_lengths: Sequence[int],
+        num_batched_tokens: int,
+        num_emitting: int,
+        catch_up_rows: int | None = None,
     ) -> int:
         """The length with the highest fitted rate of emitted tokens, 0 unless it beats
         no guesses by ``MIN_GAIN``."""
@@ -185,7 +208,7 @@ class DraftLengthPolicy:
             extra = sum(min(k, length) for length in proposal_lengths)
             gained = sum(a * (1 - a ** min(k, length)) / (1 - a) for length in proposal_lengths)
             seconds = self.step_cost(num_batched_tokens + extra)
-            seconds += self.guessing_cost(k, len(proposal_lengths))
+            seconds += self.guessing_cost(k, len(proposal_lengths), catch_up_rows)
             rate = (num_emitting + gained) / seconds
             if rate >= floor and rate > best_rate:
                 best, best_rate = k, rate
