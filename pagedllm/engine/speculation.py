@@ -29,7 +29,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import TokenSequence
 from pagedllm.engine.spec_verify import Verified
 from pagedllm.spec_decode.config import SpeculativeConfig, SpeculativeMethod
-from pagedllm.spec_decode.draft_length import DraftLengthPolicy
+from pagedllm.spec_decode.draft_length import DraftLengthPolicy, amortized_catch_up
 from pagedllm.spec_decode.guess import Guess
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.stats import SpecDecodeStats
@@ -176,7 +176,10 @@ class Speculator:
         pays = self.proposer.pays_per_guess
         catch_up = None
         if pays:  # what the draft must run before it guesses, counted against the step
-            catch_up = sum(self.proposer.catch_up_rows(seq) for seq, _ in candidates)
+            catch_up = sum(
+                amortized_catch_up(self.proposer.catch_up_rows(seq), limit)
+                for seq, limit in candidates
+            )
         if self.config.adaptive_draft_length:
             most, measuring = self.policy.most_worth_guessing(
                 len(candidates), num_batched_tokens, catch_up

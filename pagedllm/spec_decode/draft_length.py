@@ -20,7 +20,9 @@ model pays a forward pass per guessed token: its passes are fitted on a line of 
 own, seconds against rows (``d(R)``), their time is left out of the step's, and ``k``
 guesses for ``n`` sequences add ``d(C) + (k - 1) * d(n)`` to the step, ``C`` the rows of
 the first pass: the tokens the draft must catch up (a new sequence's whole prompt),
-counted against the one step that pays them. A draft model measures with one sequence
+each sequence's spread over the steps it may still guess in, at most
+``CATCH_UP_STEPS`` (:func:`amortized_catch_up`): a sequence catches up once and then
+guesses for the rest of its output. A draft model measures with one sequence
 (the one with the least to catch up), not one in ``MEASURING_SHARE``. Before
 any proposal is made it asks whether even full proposals could pay, and proposes
 nothing when not. Until the fit has seen steps of different sizes, and once every
@@ -31,6 +33,7 @@ acceptance keeps being measured and the fit covers more than one size, at little
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 MIN_GAIN = 1.05
@@ -47,9 +50,20 @@ MEASURING_SHARE = 4
 least one): enough to measure acceptance and give the cost fit two step sizes apart,
 cheap beside a full batch."""
 
+CATCH_UP_STEPS = 16
+"""Steps over which a sequence's catch-up (a draft running its history) is counted."""
+
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 8.0
 """The acceptance estimate starts as ``PRIOR_ACCEPTANCE`` worth this many trials."""
+
+
+def amortized_catch_up(num_rows: int, num_guesses_left: int) -> int:
+    """The share of a sequence's ``num_rows``-token catch-up counted against one step:
+    spread over the steps it may still guess in (at most one per guess left, at most
+    ``CATCH_UP_STEPS``), never less than its one row of the pass."""
+    steps = min(CATCH_UP_STEPS, max(1, num_guesses_left))
+    return max(1, -(-num_rows // steps))
 
 
 class CostLine:
@@ -204,9 +218,10 @@ class DraftLengthPolicy:
         best, best_rate = 0, num_emitting / self.step_cost(num_batched_tokens)
         floor = best_rate * MIN_GAIN
         longest = min(self.max_tokens, max(proposal_lengths, default=0))
+        counts = Counter(proposal_lengths).items()  # few distinct lengths, many sequences
         for k in range(1, longest + 1):
-            extra = sum(min(k, length) for length in proposal_lengths)
-            gained = sum(a * (1 - a ** min(k, length)) / (1 - a) for length in proposal_lengths)
+            extra = sum(n * min(k, length) for length, n in counts)
+            gained = sum(n * a * (1 - a ** min(k, length)) / (1 - a) for length, n in counts)
             seconds = self.step_cost(num_batched_tokens + extra)
             seconds += self.guessing_cost(k, len(proposal_lengths), catch_up_rows)
             rate = (num_emitting + gained) / seconds
