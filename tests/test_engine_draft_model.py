@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from test_engine_speculation import _top, run_stepwise, samples
+from test_engine_speculation import (
+    POOLS,
+    JsonRequests,
+    _top,
+    run_stepwise,
+    samples,
+    second_tokens_p_value,
+)
 from test_engine_swap import workload
 from tiny_checkpoints import run_outputs, tiny_engine
 
@@ -56,15 +62,7 @@ def draft_engine(target, num_blocks: int, spec: dict, swap_blocks: int = 0, **ov
     return engine
 
 
-@pytest.mark.parametrize(
-    ("num_blocks", "settings"),
-    [
-        (2048, {}),
-        (32, {"preemption_mode": "recompute"}),
-        (32, {"preemption_mode": "swap", "swap_blocks": 64}),
-    ],
-    ids=["roomy", "recompute", "swap"],
-)
+@POOLS
 def test_greedy_tokens_are_those_without_guesses(tiny_model, num_blocks, settings):
     """The draft is the target's checkpoint in bfloat16: it agrees most of the time and
     not always, so steps keep all, some or none of their guesses."""
@@ -122,16 +120,7 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_model, tmp_path):
     outputs = run_outputs(engine, [prompt] * 80, params)
     pairs = [s.token_ids[:2] for out in outputs.values() for s in out.outputs]
     assert len(pairs) == 10_240
-    statistic, dof = 0.0, 0
-    for token, dist in after.items():
-        seconds = [b for a, b in pairs if a == token]
-        counts = np.array([seconds.count(t) for t in dist])
-        assert sum(counts) == len(seconds), "a second token outside the top-4"
-        expected = np.array(list(dist.values())) * len(seconds)
-        statistic += float(((counts - expected) ** 2 / expected).sum())
-        dof += len(dist) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
-    assert p_value > 1e-4, (statistic, dof)
+    assert second_tokens_p_value(pairs, after) > 1e-4
     stats = engine.get_stats().spec_decode
     assert stats.num_drafts >= 10_000 and 0 < stats.acceptance_rate < 1
 
@@ -208,42 +197,12 @@ def test_structured_outputs_with_a_draft(default_model):
     """A constrained sequence's drafted guesses are cut where the grammar refuses a
     token: greedy JSON is the JSON without guesses, and sampled JSON (guesses drawn
     from the draft, rejection against its distributions) still validates."""
-    import jsonschema
-    from test_structured_outputs import SCHEMAS
-
-    from pagedllm import EngineConfig, LLMEngine
-    from pagedllm.structured_output import StructuredOutputsParams
-
-    tokenizer = default_model.tokenizer
-    schemas = SCHEMAS[:6]
-    prompts = [
-        {"prompt_token_ids": tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Reply with JSON matching this schema: {s}"}],
-            add_generation_prompt=True)}
-        for s in schemas
-    ]  # fmt: skip
-
-    def params(temperature: float) -> list[SamplingParams]:
-        made = [
-            SamplingParams(temperature=temperature, seed=i, max_tokens=60,
-                           structured_outputs=StructuredOutputsParams(json=s))
-            for i, s in enumerate(schemas)
-        ]  # fmt: skip
-        for p in made:
-            p.check_for_model(default_model.config.vocab_size, tokenizer)
-        return made
-
-    def engine(**settings) -> LLMEngine:
-        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", log_stats_interval=0,
-                              **settings)  # fmt: skip
-        return LLMEngine(config, default_model)
-
+    requests = JsonRequests(default_model, 6, max_tokens=60)
+    prompts, params, engine = requests.prompts, requests.params, requests.engine
     expected = run_stepwise(engine(), prompts, params(0.0))
     spec = {"method": "draft_model", "model": "default", "dtype": "bfloat16",
             "num_speculative_tokens": 4, "adaptive_draft_length": False}  # fmt: skip
     drafting = engine(speculative_config=spec)
     assert samples(run_stepwise(drafting, prompts, params(0.0))) == samples(expected)
     assert drafting.get_stats().spec_decode.num_accepted_tokens > 0
-    sampled = run_stepwise(drafting, prompts, params(1.0))
-    for out, schema in zip((sampled[str(i)] for i in range(len(schemas))), schemas, strict=True):
-        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    requests.assert_valid(run_stepwise(drafting, prompts, params(1.0)))

@@ -74,7 +74,7 @@ def samples(outputs) -> dict[str, list[list[int]]]:
     return {rid: [s.token_ids for s in out.outputs] for rid, out in outputs.items()}
 
 
-@pytest.mark.parametrize(
+POOLS = pytest.mark.parametrize(
     ("num_blocks", "settings"),
     [
         (2048, {}),
@@ -83,6 +83,10 @@ def samples(outputs) -> dict[str, list[list[int]]]:
     ],
     ids=["roomy", "recompute", "swap"],
 )
+"""A roomy pool, and pools of 32 blocks that preempt by recompute and by swap."""
+
+
+@POOLS
 def test_greedy_tokens_are_those_without_guesses(tiny_model, num_blocks, settings):
     prompts, params = workload(count=24)
     common = dict(max_model_len=100, max_num_batched_tokens=64, **settings)
@@ -160,18 +164,23 @@ def test_sampled_tokens_follow_the_models_distribution(tiny_model):
     outputs = run_outputs(engine, [prompt] * 80, params)
     pairs = [s.token_ids[:2] for out in outputs.values() for s in out.outputs]
     assert len(pairs) == 10_240
+    assert second_tokens_p_value(pairs, after) > 1e-4
+    spec = engine.get_stats().spec_decode
+    assert spec.num_drafts >= 10_000 and 0 < spec.acceptance_rate < 1
+
+
+def second_tokens_p_value(pairs: list[list[int]], after: dict[int, dict[int, float]]) -> float:
+    """Chi-square p-value of the second tokens of ``pairs`` (first, second) against
+    ``after[first]``, the model's distribution after each first token."""
     statistic, dof = 0.0, 0
     for token, dist in after.items():
         seconds = [b for a, b in pairs if a == token]
         counts = np.array([seconds.count(t) for t in dist])
-        assert sum(counts) == len(seconds), "a second token outside the top-4"
+        assert sum(counts) == len(seconds), "a second token outside the distribution"
         expected = np.array(list(dist.values())) * len(seconds)
         statistic += float(((counts - expected) ** 2 / expected).sum())
         dof += len(dist) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
-    assert p_value > 1e-4, (statistic, dof)
-    spec = engine.get_stats().spec_decode
-    assert spec.num_drafts >= 10_000 and 0 < spec.acceptance_rate < 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
 
 
 class FixedGuesses(PerSequence):
@@ -234,45 +243,59 @@ def test_ngram_on_the_default_model_repeats_a_passage_exactly(default_model):
     assert spec.mean_acceptance_length > 2.0, spec
 
 
+class JsonRequests:
+    """Chat requests asking the default model for JSON matching the first ``count`` test
+    schemas, each constrained to its schema; ``params(temperature)`` gives their
+    (seeded) sampling params, ``engine(**settings)`` a float32 engine over the model."""
+
+    def __init__(self, model, count: int, max_tokens: int) -> None:
+        from test_structured_outputs import SCHEMAS
+
+        self.model, self.max_tokens = model, max_tokens
+        self.schemas = SCHEMAS[:count]
+        self.prompts = [
+            {"prompt_token_ids": model.tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Reply with JSON matching this schema: {s}"}],
+                add_generation_prompt=True)}
+            for s in self.schemas
+        ]  # fmt: skip
+
+    def params(self, temperature: float) -> list[SamplingParams]:
+        from pagedllm.structured_output import StructuredOutputsParams
+
+        made = [
+            SamplingParams(temperature=temperature, seed=i, max_tokens=self.max_tokens,
+                           structured_outputs=StructuredOutputsParams(json=s))
+            for i, s in enumerate(self.schemas)
+        ]  # fmt: skip
+        for p in made:  # each request compiles its grammar (as LLM and the server do)
+            p.check_for_model(self.model.config.vocab_size, self.model.tokenizer)
+        return made
+
+    def engine(self, **settings):
+        from pagedllm import EngineConfig, LLMEngine
+
+        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", log_stats_interval=0,
+                              **settings)  # fmt: skip
+        return LLMEngine(config, self.model)
+
+    def assert_valid(self, outputs) -> None:
+        """Each request's text parses as JSON and matches its schema."""
+        import jsonschema
+
+        for i, schema in enumerate(self.schemas):
+            jsonschema.validate(json.loads(outputs[str(i)].outputs[0].text), schema)
+
+
 def test_structured_outputs_cut_guesses_at_the_grammar(default_model):
     """Guesses for a constrained sequence stop where the grammar refuses a token; the
     verified rows are masked as one-token steps would be: greedy JSON is the JSON
     without guesses, and sampled JSON still validates."""
-    import jsonschema
-    from test_structured_outputs import SCHEMAS
-
-    from pagedllm import EngineConfig, LLMEngine
-    from pagedllm.structured_output import StructuredOutputsParams
-
-    tokenizer = default_model.tokenizer
-    schemas = SCHEMAS[:8]
-    prompts = [
-        {"prompt_token_ids": tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Reply with JSON matching this schema: {s}"}],
-            add_generation_prompt=True)}
-        for s in schemas
-    ]  # fmt: skip
-
-    def params(temperature: float) -> list[SamplingParams]:
-        made = [
-            SamplingParams(temperature=temperature, seed=i, max_tokens=80,
-                           structured_outputs=StructuredOutputsParams(json=s))
-            for i, s in enumerate(schemas)
-        ]  # fmt: skip
-        for p in made:  # each request compiles its grammar (as LLM and the server do)
-            p.check_for_model(default_model.config.vocab_size, tokenizer)
-        return made
-
-    def engine(**settings) -> LLMEngine:
-        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", log_stats_interval=0,
-                              **settings)  # fmt: skip
-        return LLMEngine(config, default_model)
-
+    requests = JsonRequests(default_model, 8, max_tokens=80)
+    prompts, params, engine = requests.prompts, requests.params, requests.engine
     expected = run_stepwise(engine(), prompts, params(0.0))
     guessing = engine(speculative_config=FIXED)
     guessing.speculator.proposer = OracleGuesses(continuations(prompts, expected), seed=3)
     assert samples(run_stepwise(guessing, prompts, params(0.0))) == samples(expected)
     assert guessing.get_stats().spec_decode.num_accepted_tokens > 0
-    sampled = run_stepwise(guessing, prompts, params(1.0))
-    for out, schema in zip((sampled[str(i)] for i in range(len(schemas))), schemas, strict=True):
-        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    requests.assert_valid(run_stepwise(guessing, prompts, params(1.0)))

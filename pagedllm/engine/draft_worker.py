@@ -20,16 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention.attention_choice import sdpa_min_rows
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.selector import attention_backend_for
 from pagedllm.config import EngineConfig, resolve_dtype
-from pagedllm.engine.model_runner import ModelInput, ModelRunner
+from pagedllm.engine.model_runner import ModelInput
+from pagedllm.engine.model_worker import make_runner, make_swap_space
 from pagedllm.kv.capacity import draft_scratch_blocks
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
-from pagedllm.kv_storage.swap_space import SwapSpace
-from pagedllm.models.layer_stack import LayerStack
 from pagedllm.models.loader import LoadedModel, load_model
 from pagedllm.models.weight_bytes import describe_weight_bytes
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -121,24 +118,8 @@ class DraftWorker:
             model.dtype,
             device=config.device,
         )
-        min_rows = None
-        if config.device.type == "cpu":
-            min_rows = sdpa_min_rows(
-                config.attention_kernel, self.kv_cache, model.dtype, mc.num_heads
-            )
-        self.runner = ModelRunner(
-            model,
-            attention_backend_for(self.kv_cache, min_rows),
-            config.block_size,
-            max_model_len,
-            config.device,
-        )
-        if not config.enforce_eager and config.device.type == "cpu":
-            self.runner.layer_stack = LayerStack.build(model, self.runner.attn)
-        self.swap_space = None
-        if swap_blocks:
-            path = None if config.swap_path is None else f"{config.swap_path}.draft"
-            self.swap_space = SwapSpace(self.kv_cache, swap_blocks, path)
+        self.runner = make_runner(config, model, self.kv_cache, max_model_len)
+        self.swap_space = make_swap_space(config, self.kv_cache, swap_blocks, ".draft")
 
     @property
     def scratch_block_ids(self) -> range:

@@ -33,6 +33,39 @@ def make_kv_cache(config: EngineConfig, model: CausalDecoder, num_blocks: int) -
     )
 
 
+def make_runner(
+    config: EngineConfig, model: CausalDecoder, kv_cache: KVCache, max_model_len: int
+) -> ModelRunner:
+    """A runner of ``model`` over ``kv_cache``: attention kernels chosen for the cache
+    and, on the CPU unless ``enforce_eager``, the C++ layer stack."""
+    on_cpu = kv_cache.tensor.device.type == "cpu"
+    min_rows = None
+    if on_cpu:
+        heads = model.layer_config.num_heads
+        min_rows = sdpa_min_rows(config.attention_kernel, kv_cache, model.dtype, heads)
+    runner = ModelRunner(
+        model,
+        attention_backend_for(kv_cache, min_rows),
+        config.block_size,
+        max_model_len,
+        config.device,
+    )
+    if not config.enforce_eager and on_cpu:
+        runner.layer_stack = LayerStack.build(model, runner.attn)
+    return runner
+
+
+def make_swap_space(
+    config: EngineConfig, kv_cache: KVCache, num_blocks: int, suffix: str = ""
+) -> SwapSpace | None:
+    """``num_blocks`` blocks of swap space for ``kv_cache`` (None when 0), in memory or
+    in the file ``swap_path`` + ``suffix``."""
+    if not num_blocks:
+        return None
+    path = None if config.swap_path is None else f"{config.swap_path}{suffix}"
+    return SwapSpace(kv_cache, num_blocks, path)
+
+
 class ModelWorker:
     """``model`` over a cache of ``num_cache_blocks`` blocks, with ``swap_blocks`` blocks
     of swap space (none when 0; a ``swap_path`` gets ``rank`` appended past rank 0)."""
@@ -48,25 +81,9 @@ class ModelWorker:
     ) -> None:
         self.model = model
         self.kv_cache = make_kv_cache(config, model, num_cache_blocks)
-        min_rows = None
-        if self.kv_cache.tensor.device.type == "cpu":
-            heads = model.layer_config.num_heads
-            min_rows = sdpa_min_rows(config.attention_kernel, self.kv_cache, model.dtype, heads)
-        self.runner = ModelRunner(
-            model,
-            attention_backend_for(self.kv_cache, min_rows),
-            config.block_size,
-            max_model_len,
-            config.device,
-        )
-        if not config.enforce_eager and self.kv_cache.tensor.device.type == "cpu":
-            self.runner.layer_stack = LayerStack.build(model, self.runner.attn)
-        self.swap_space = None
-        if swap_blocks:
-            path = config.swap_path
-            if path is not None and rank:
-                path = f"{path}.rank{rank}"
-            self.swap_space = SwapSpace(self.kv_cache, swap_blocks, path)
+        self.runner = make_runner(config, model, self.kv_cache, max_model_len)
+        suffix = f".rank{rank}" if rank else ""
+        self.swap_space = make_swap_space(config, self.kv_cache, swap_blocks, suffix)
 
     def execute(self, copies: BlockCopies, batch: ModelInput) -> ModelOutput:
         """Apply the step's block moves, then run its batch."""
