@@ -365,7 +365,9 @@ class EngineConfig:
         None,
         "speculative decoding, as JSON in vLLM's shape: "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 4} or {"method": "suffix", "num_speculative_tokens": 8}; '
+        '"prompt_lookup_max": 4}, {"method": "suffix", "num_speculative_tokens": 8} or '
+        '{"method": "draft_model", "model": "default", "num_speculative_tokens": 8, '
+        '"activation_quantization": "int8"}; '
         "the engine guesses up to that many tokens per sequence and step, fewer (or none) "
         "when its measurements say guessing would not pay (docs/speculative_decoding.md)",
         parse=lambda value, config: SpeculativeConfig.parse(value),
