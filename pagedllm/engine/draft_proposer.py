@@ -81,6 +81,7 @@ class _Drafting:
     start: int
     catch_up_from: int
     num_pool_blocks: int
+    copy: tuple[int, int] | None = None  # (shared last block, its scratch copy)
     token_ids: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
@@ -113,7 +114,6 @@ class DraftGuesses:
         self.scratch_per_sequence = scratch_blocks_per_sequence(config, self.block_size)
         self.group_size = max(1, worker.num_scratch_blocks // self.scratch_per_sequence)
         self._kv: dict[int, _DraftKV] = {}
-        self._copies: list[tuple[int, int]] = []  # (pool block, scratch block) to copy
         self.pass_observer: Callable[[int, float], None] | None = None  # (rows, seconds)
         self.num_passes = 0  # forward passes of the draft so far
         self.num_tokens_run = 0  # tokens those passes ran (catch-up and guesses)
@@ -123,7 +123,7 @@ class DraftGuesses:
     ) -> list[tuple[TokenSequence, Guess]]:
         """Up to ``limit`` guesses for each decoding ``(sequence, limit)`` in order, for
         at most ``wanted`` of them (None: all); a sequence whose guesses would write a
-        shared block gets none."""
+        shared block past its last one gets none."""
         proposals = []
         for first in range(0, len(requests), self.group_size):
             if len(proposals) == wanted:
@@ -135,9 +135,9 @@ class DraftGuesses:
                 drafting = self._start(seq, limit, len(group))
                 if drafting is not None:
                     group.append(drafting)
-            if self._copies:  # shared last blocks into their sequences' scratch copies
-                self.worker.kv_cache.copy_blocks(self._copies)
-                self._copies.clear()
+            copies = [drafting.copy for drafting in group if drafting.copy is not None]
+            if copies:  # shared last blocks into their sequences' scratch copies
+                self.worker.kv_cache.copy_blocks(copies)
             self._run(group)
             for drafting in group:
                 self._remember(drafting)
@@ -168,13 +168,13 @@ class DraftGuesses:
         if any(pool.ref_count(b) != 1 for b in table[first_written + 1 : last_needed + 1]):
             return None
         scratch = iter(self.worker.scratch_block_ids[slot_in_group * self.scratch_per_sequence :])
-        own_blocks = len(table)
+        own_blocks, copy = len(table), None
         if first_written < len(table) and pool.ref_count(table[first_written]) != 1:
-            self._copies.append((table[first_written], next(scratch)))
-            table[first_written] = self._copies[-1][1]
+            copy = table[first_written], next(scratch)
+            table[first_written] = copy[1]
             own_blocks = first_written
         table.extend(next(scratch) for _ in range(len(table), last_needed + 1))
-        return _Drafting(seq, limit, table, start, valid, own_blocks)
+        return _Drafting(seq, limit, table, start, valid, own_blocks, copy)
 
     def _run(self, group: list[_Drafting]) -> None:
         """The catch-up passes, then one pass per further guess, until every sequence

@@ -103,10 +103,8 @@ class DraftWorker:
         max_model_len: int,
         swap_blocks: int,
     ) -> None:
-        self.loaded = draft
         model = draft.model
         mc = model.layer_config
-        self.block_size = config.block_size
         self.num_pool_blocks = num_pool_blocks
         self.num_scratch_blocks = num_scratch_blocks
         self.kv_cache = KVCache(
