@@ -1,6 +1,7 @@
 """SuffixProposer (pagedllm.spec_decode.suffix): drafts from the request's own tokens and
 from earlier outputs, draft-length and probability limits, eviction, and a brute-force
-oracle that recounts every occurrence in the histories for random workloads."""
+oracle that recounts every occurrence in the histories for random workloads. Every test
+runs on both trees, the Python one and the C++ one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.cpu.extension import ops
+from pagedllm.spec_decode import suffix
 from pagedllm.spec_decode.suffix import SuffixConfig, SuffixProposer
+from pagedllm.spec_decode.suffix_tree import new_suffix_tree
+
+
+@pytest.fixture(autouse=True, scope="module", params=["python", "native"])
+def tree_implementation(request: pytest.FixtureRequest):
+    """The trees every proposer in the test builds (the C++ ones need the CPU extension)."""
+    native = request.param == "native"
+    if native and ops() is None:
+        pytest.skip("the CPU extension is not built")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            suffix, "new_suffix_tree", lambda depth, _=None: new_suffix_tree(depth, native)
+        )
+        yield request.param
+
 
 # --- brute-force oracle -----------------------------------------------------------
 
@@ -417,3 +435,33 @@ def test_proposals_are_sound_and_incremental_equals_scratch(
             and _occurrences([context, *cached], [*context[-m:], *proposal]) > 0
             for m in range(1, n + 1)
         )
+
+
+def test_the_two_trees_agree_on_long_repetitive_outputs(tree_implementation: str) -> None:
+    # outputs that repeat one another's phrases (the agentic case), many evictions:
+    # the C++ tree gives the Python tree's drafts and node count after every operation
+    if tree_implementation != "native":
+        pytest.skip("compares the C++ tree with the Python one")
+    rng = random.Random(5)
+    phrases = [[rng.randrange(50_000) for _ in range(rng.randrange(3, 12))] for _ in range(12)]
+    outputs = {native: new_suffix_tree(24, native) for native in (False, True)}
+    requests = {native: new_suffix_tree(24, native) for native in (False, True)}
+    num_drafted = 0
+    for seq_id in range(60):
+        output = [t for _ in range(rng.randrange(5, 30)) for t in rng.choice(phrases)]
+        context = [t for _ in range(3) for t in rng.choice(phrases)]
+        for native in (False, True):
+            outputs[native].insert(seq_id, output)
+            if seq_id >= 16:
+                outputs[native].remove(seq_id - 16)
+            requests[native].extend(0, context)
+        for factor, min_prob in ((1.0, 0.1), (3.0, 0.0)):
+            draft = outputs[False].draft_matching(context, 16, factor, min_prob)
+            assert outputs[True].draft_matching(context, 16, factor, min_prob) == draft
+            num_drafted += len(draft[0]) > 1
+            assert requests[True].draft_after(0, 16, factor, min_prob) == (
+                requests[False].draft_after(0, 16, factor, min_prob)
+            )
+        assert outputs[True].num_nodes() == outputs[False].num_nodes()
+        assert requests[True].num_nodes() == requests[False].num_nodes()
+    assert num_drafted > 60

@@ -1,7 +1,7 @@
 """Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
 ``packed_linear.cpp``, ``elementwise.cpp``, ``quant_linear.cpp``,
 ``quant_linear_bf16.cpp``, ``quant_x16.cpp``, ``quant_x16_int8.cpp`` and
-``layer_stack.cpp``.
+``layer_stack.cpp``, and registers the suffix tree of ``suffix_tree.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
@@ -40,6 +40,7 @@ SOURCES = [
         "quant_x16.cpp",
         "quant_x16_int8.cpp",
         "layer_stack.cpp",
+        "suffix_tree.cpp",
     )
 ]
 HEADERS = [
