@@ -135,6 +135,36 @@ def test_a_draft_models_passes_count_against_its_guesses():
     assert costly.guessing_cost(3, 1) == pytest.approx(3 * 0.0101)
 
 
+def test_a_cost_that_drifts_as_contexts_grow_is_not_read_as_free_tokens():
+    """A loaded batch: each row of a step costs more as the contexts it attends to grow,
+    while sequences finish and the batch shrinks from 64 to 48, with a 16-row measuring
+    step now and then. Fitted against size alone, later smaller steps cost more, as if
+    tokens were free; the slope of consecutive changes sees that a guessed row costs
+    what any other row costs now, so at 60% acceptance it guesses nothing."""
+    policy = DraftLengthPolicy(8)
+    policy.observe_acceptance(8, 3)
+    for i in range(160):
+        size = 64 - max(0, i - 80) // 5 + 16 * (i in (1, 3, 67, 131))
+        policy.observe_step(size, 0.002 + (0.0005 + 0.000003 * i) * size)
+    row_now = 0.0005 + 0.000003 * 159
+    assert policy.step_cost(96) - policy.step_cost(48) > 0.6 * row_now * 48
+    assert policy.most_worth_guessing(48, 48) == (0, False)
+
+
+def test_guesses_grow_only_as_far_as_step_sizes_were_measured():
+    """Cheap tokens and high acceptance: guessing pays, but a slope measured over steps
+    16 tokens apart is trusted for at most 64 more tokens; a step that guessed 64 lets
+    the next guess up to 256."""
+    policy = DraftLengthPolicy(8)
+    for _ in range(20):
+        policy.observe_acceptance(8, 8)
+    feed(policy, 0.040, 0.0001, [64, 80, 64, 80, 64])
+    assert policy.most_worth_guessing(64, 64) == (8, False)
+    assert policy.choose([8] * 64, 64, 64) == 1
+    feed(policy, 0.040, 0.0001, [128])
+    assert policy.choose([8] * 64, 64, 64) == 4
+
+
 def test_policy_measures_with_one_token_before_it_can_fit_a_cost():
     policy = DraftLengthPolicy(3)
     assert policy.step_cost(10) is None

@@ -229,6 +229,8 @@ class Speculator:
         model's passes run in it (they have a line of their own)."""
         if all(item.num_known_tokens == 1 for item in plan.scheduled):
             self.policy.observe_step(plan.num_batched_tokens, seconds - self._drafting_seconds)
+        else:
+            self.policy.skip_step()
         self._drafting_seconds = 0.0
 
     def settle(

@@ -9,13 +9,15 @@ Two measurements, both kept as exponentially decaying sums so they follow the lo
   likelihood estimate of a geometric run). A sequence guessing ``k`` tokens then emits
   on average ``1 + a + a^2 + ... + a^k`` tokens per step instead of 1.
 - step cost: the seconds of a whole step as a straight line in its batched tokens,
-  ``t(T) = fixed + per_token * T``, fitted by least squares over recent steps. On a CPU
+  ``t(T) = fixed + per_token * T``, its slope fitted to the changes between consecutive
+  steps (:class:`CostLine`: the cost of longer contexts cancels). On a CPU
   decoding a few sequences, ``fixed`` (reading the weights once) dominates and guesses
   are nearly free; with many sequences a step costs about its tokens and guesses only
   pay when nearly all are accepted.
 
 For each ``k`` the rule compares (tokens emitted by the batch) / t(batched tokens with
-the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing. A draft
+the guesses) and takes the best, requiring ``MIN_GAIN`` over guessing nothing, among the
+``k`` that add at most ``EXTRAPOLATION`` times the largest step-size change measured. A draft
 model pays a forward pass per guessed token: its passes are fitted on a line of their
 own, seconds against rows (``d(R)``), their time is left out of the step's, and ``k``
 guesses for ``n`` sequences add ``d(C) + (k - 1) * d(n)`` to the step, ``C`` the rows of
@@ -25,10 +27,10 @@ each sequence's spread over the steps it may still guess in, at most
 guesses for the rest of its output. A draft model measures with one sequence
 (the one with the least to catch up), not one in ``MEASURING_SHARE``. Before
 any proposal is made it asks whether even full proposals could pay, and proposes
-nothing when not. Until the fit has seen steps of different sizes, and once every
-``EXPLORE_EVERY`` steps without guesses, it guesses one token for some sequences
-(one in ``MEASURING_SHARE``), every other step while the fit has no two sizes, so the
-acceptance keeps being measured and the fit covers more than one size, at little cost.
+nothing when not. Until the fit has seen consecutive steps of different sizes, and once
+every ``EXPLORE_EVERY`` steps without guesses, it guesses one token for some sequences
+(one in ``MEASURING_SHARE``), every other step while the fit has no slope, so the
+acceptance keeps being measured and the slope follows the load, at little cost.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ MEASURING_SHARE = 4
 least one): enough to measure acceptance and give the cost fit two step sizes apart,
 cheap beside a full batch."""
 
+EXTRAPOLATION = 4
+"""A step's guesses add at most this many times the largest change between consecutive
+step sizes that the cost line has seen (its slope rests on those changes; a noisy slope
+read far beyond them can make one step cost several), so a first guessing step stays
+near what was measured and each one that guesses more lets the next go further."""
+
 CATCH_UP_STEPS = 16
 """Steps over which a sequence's catch-up (a draft running its history) is counted."""
 
@@ -67,26 +75,46 @@ def amortized_catch_up(num_rows: int, num_guesses_left: int) -> int:
 
 
 class CostLine:
-    """Seconds against a size (tokens, rows) as a least-squares line over exponentially
-    decayed observations: ``fixed + per_unit * size``, both kept >= 0."""
+    """Seconds against a size (tokens, rows) as a line ``fixed + per_unit * size``, both
+    kept >= 0, over exponentially decayed observations.
+
+    The slope comes from the differences of consecutive observations (least squares
+    through the origin of the seconds' change against the size's change), so a cost
+    that drifts slowly with something else (the contexts a batch attends to grow as it
+    decodes, while its size shrinks as sequences finish) cancels in it; a plain fit of
+    seconds against size reads that drift as a negative slope. ``fixed`` is the recent
+    observations' mean of ``seconds - per_unit * size``. :meth:`interrupt` marks an
+    observation missing in between (a step of another kind): no difference spans it."""
 
     def __init__(self) -> None:
-        self._w = self._x = self._xx = self._y = self._xy = 0.0
+        self._w = self._x = self._y = 0.0  # decayed count, sizes, seconds
+        self._dxx = self._dxy = 0.0  # decayed sums over consecutive differences
+        self._last: tuple[int, float] | None = None
+        self.span = 0
+        """The largest change of size between consecutive observations seen."""
 
     def observe(self, size: int, seconds: float) -> None:
-        d, x = DECAY, float(size)
+        d = DECAY
+        if self._last is not None and size != self._last[0]:
+            dx, dy = size - self._last[0], seconds - self._last[1]
+            self._dxx = self._dxx * d + dx * dx
+            self._dxy = self._dxy * d + dx * dy
+            self.span = max(self.span, abs(dx))
+        self._last = (size, seconds)
         self._w = self._w * d + 1.0
-        self._x = self._x * d + x
-        self._xx = self._xx * d + x * x
+        self._x = self._x * d + size
         self._y = self._y * d + seconds
-        self._xy = self._xy * d + x * seconds
+
+    def interrupt(self) -> None:
+        """The next observation does not follow the last one."""
+        self._last = None
 
     def cost(self, size: int) -> float | None:
-        """The fitted seconds at ``size``; None until sizes that differ were seen."""
-        spread = self._w * self._xx - self._x * self._x
-        if self._w == 0 or spread <= 1e-9 * max(1.0, self._w * self._xx):
+        """The fitted seconds at ``size``; None until consecutive sizes that differ
+        were seen."""
+        if self._dxx == 0:
             return None
-        per_unit = max(0.0, (self._w * self._xy - self._x * self._y) / spread)
+        per_unit = max(0.0, self._dxy / self._dxx)
         fixed = max(0.0, (self._y - per_unit * self._x) / self._w)
         return fixed + per_unit * size
 
@@ -127,13 +155,18 @@ class DraftLengthPolicy:
         model's passes left out)."""
         self._steps.observe(num_batched_tokens, seconds)
 
+    def skip_step(self) -> None:
+        """A step that :meth:`observe_step` does not see (it ran prefill) came between
+        the steps it saw."""
+        self._steps.interrupt()
+
     def observe_draft_pass(self, num_rows: int, seconds: float) -> None:
         """A pass of the draft model over ``num_rows`` rows took ``seconds``."""
         self._draft_passes.observe(num_rows, seconds)
 
     def step_cost(self, num_batched_tokens: int) -> float | None:
         """The fitted seconds of a step of ``num_batched_tokens`` tokens; None until
-        steps of different sizes were seen."""
+        consecutive steps of different sizes were seen."""
         return self._steps.cost(num_batched_tokens)
 
     def guessing_cost(
@@ -141,8 +174,8 @@ class DraftLengthPolicy:
     ) -> float | None:
         """Seconds of proposing ``num_guesses`` tokens to each of ``num_sequences``: 0
         for host proposers; for a draft model ``num_guesses`` passes of that many rows,
-        the first one of ``catch_up_rows`` when given (None until passes of different
-        sizes were seen)."""
+        the first one of ``catch_up_rows`` when given (None until consecutive passes of
+        different sizes were seen)."""
         if not self.pays_per_guess or num_guesses == 0:
             return 0.0
         per_pass = self._draft_passes.cost(num_sequences)
@@ -221,6 +254,8 @@ class DraftLengthPolicy:
         counts = Counter(proposal_lengths).items()  # few distinct lengths, many sequences
         for k in range(1, longest + 1):
             extra = sum(n * min(k, length) for length, n in counts)
+            if extra > EXTRAPOLATION * self._steps.span:
+                break
             gained = sum(n * a * (1 - a ** min(k, length)) / (1 - a) for length, n in counts)
             seconds = self.step_cost(num_batched_tokens + extra)
             seconds += self.guessing_cost(k, len(proposal_lengths), catch_up_rows)
