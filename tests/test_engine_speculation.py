@@ -299,3 +299,29 @@ def test_structured_outputs_cut_guesses_at_the_grammar(default_model):
     assert samples(run_stepwise(guessing, prompts, params(0.0))) == samples(expected)
     assert guessing.get_stats().spec_decode.num_accepted_tokens > 0
     requests.assert_valid(run_stepwise(guessing, prompts, params(1.0)))
+
+
+def test_speculation_says_at_start_where_products_are_not_batch_invariant(
+    default_model, expanded_default_model, caplog
+):
+    """Float32 over the file's Q4_1 and Q8_0 blocks: the block kernels' register path and
+    panels add in different orders, so greedy output may move with speculation, and the
+    start-up log says so. Expanded to float32, the packed kernels keep every row's sums
+    in one order, and nothing is said."""
+    import logging
+
+    from pagedllm import EngineConfig, LLMEngine
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", speculative_config=spec)
+        LLMEngine(config, default_model)
+    warned = [r.getMessage() for r in caplog.records if "batch invariant" in r.getMessage()]
+    assert len(warned) == 1
+    assert "Q4_1 blocks and the kernels over Q8_0 blocks are not" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        config = EngineConfig(dtype="float32", quantization="none", kv_cache_memory="64MiB",
+                              speculative_config=spec)  # fmt: skip
+        LLMEngine(config, expanded_default_model)
+    assert "batch invariant" not in caplog.text

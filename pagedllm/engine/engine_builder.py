@@ -33,6 +33,7 @@ from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import draft_scratch_blocks, pool_blocks
 from pagedllm.kv_storage.kv_cache import bytes_per_block
+from pagedllm.models.batch_invariance import variant_products
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.loader import LoadedModel, load_model_for
 from pagedllm.models.weight_bytes import describe_weight_bytes
@@ -94,6 +95,8 @@ def build_engine(
     contiguous = config.kv_allocation is KVAllocation.CONTIGUOUS
     window = None if contiguous else model.layer_config.kv_window
     draft = _load_draft(config, loaded, window)
+    if config.speculative_config is not None:
+        _warn_if_batch_variant(model)
     block_bytes = _block_bytes(config, model)
     pool_budget, num_scratch = kv_budget, 0
     if draft is not None:  # the draft's K/V ride in the same blocks, scratch beside them
@@ -176,6 +179,20 @@ def _load_draft(
             "'suffix', or kv_allocation='contiguous'"
         )
     return load_draft(config, target)
+
+
+def _warn_if_batch_variant(model: CausalDecoder) -> None:
+    """Say so at start when speculation cannot keep greedy output token for token
+    (:mod:`pagedllm.models.batch_invariance`)."""
+    variant = variant_products(model)
+    if variant:
+        logger.warning(
+            "Speculative decoding: greedy output may differ in rare tokens from decoding "
+            "without it, because %s %s not batch invariant (a row's result moves by "
+            "rounding with the rows that share its call)",
+            " and ".join(variant),
+            "is" if len(variant) == 1 else "are",
+        )
 
 
 def _draft_scratch_blocks(config: EngineConfig) -> int:

@@ -178,13 +178,18 @@ class DecoderLayer(nn.Module):
         self.register_buffer("gate_up_bias", gate_up_bias)
         self.register_buffer("down_bias", get(mlp + "down_proj.bias") if mlp_bias else None)
 
-    def weights(self) -> list[torch.Tensor]:
-        """This layer's learned tensors: its matrices (as stored) in the order the layer
-        multiplies them, then its norms' weights and the biases."""
+    def matrices(self) -> list[Weight]:
+        """This layer's weight matrices as the products run them, in the order the layer
+        multiplies them (a mixture of experts' shared expert's; its experts are buffers)."""
         matrices = [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight]
         if self.moe is not None:
             matrices += [self.moe.shared_gate_up, self.moe.shared_down]
-        return [weight_storage(w) for w in matrices if w is not None] + list(self.buffers())
+        return [w for w in matrices if w is not None]
+
+    def weights(self) -> list[torch.Tensor]:
+        """This layer's learned tensors: its matrices (as stored) in the order the layer
+        multiplies them, then its norms' weights and the biases."""
+        return [weight_storage(w) for w in self.matrices()] + list(self.buffers())
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         c = self.config
