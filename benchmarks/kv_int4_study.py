@@ -28,11 +28,9 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm import EngineConfig
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_backend import PagedAttentionBackend
+from pagedllm.bench.chunked_nll import chunked_nll, text_cache
 from pagedllm.bench.machine import machine_record
 from pagedllm.kv_storage.int4_codec import hadamard, round_trip_keys, round_trip_values
 from pagedllm.kv_storage.kv_cache import KVCache
@@ -80,42 +78,21 @@ class Scheme:
 
 
 def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: int) -> torch.Tensor:
-    """NLL (nats) of tokens 1.. given those before, read ``chunk`` tokens a time."""
-    model, mc = loaded.model, loaded.config
-    n = len(token_ids) - 1
-    num_blocks = -(-n // BLOCK_SIZE)
-    cache = KVCache(
-        mc.num_layers,
-        num_blocks,
-        BLOCK_SIZE,
-        mc.num_kv_heads,
-        mc.head_dim,
-        kv_cache_dtype=scheme.kv_dtype,
-    )
-    backend = PagedAttentionBackend(cache)
-    table = torch.arange(num_blocks)
-    ids = torch.tensor(token_ids)
-    nll = []
+    """NLL (nats) of tokens 1.. given those before, read ``chunk`` tokens a time, each
+    4-bit group re-encoded once it lies wholly behind the newest ``window`` tokens."""
+    mc = loaded.config
+    cache = text_cache(loaded, len(token_ids) - 1, BLOCK_SIZE, scheme.kv_dtype)
     compacted = 0  # tokens already re-encoded
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
-        positions = torch.arange(start, end)
-        md = AttentionMetadata(
-            slot_mapping=table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
-            block_tables=table.to(torch.int32).unsqueeze(0),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-            max_query_len=end - start,
-            max_seq_len=end,
-        )
-        logits = model.compute_logits(model.forward(ids[start:end], positions, backend, md))
-        nll.append(F.cross_entropy(logits, ids[start + 1 : end + 1], reduction="none"))
-        if scheme.by_age:
-            old = (end - window) // scheme.group * scheme.group
-            for first in range(compacted, old, scheme.group):
-                compact(cache, mc, scheme, first, first + scheme.group)
-            compacted = max(compacted, old)
-    return torch.cat(nll)
+
+    def compact_old(end: int) -> None:
+        nonlocal compacted
+        old = (end - window) // scheme.group * scheme.group
+        for first in range(compacted, old, scheme.group):
+            compact(cache, mc, scheme, first, first + scheme.group)
+        compacted = max(compacted, old)
+
+    after_chunk = compact_old if scheme.by_age else None
+    return chunked_nll(loaded, token_ids, cache, torch.arange(cache.num_blocks), chunk, after_chunk)
 
 
 def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:

@@ -28,11 +28,9 @@ import time
 from importlib.metadata import metadata
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged_backend import PagedAttentionBackend
+from pagedllm.bench.chunked_nll import chunked_nll, text_cache
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows, resolve_kv_format
 from pagedllm.models.loader import LoadedModel, load_model
@@ -55,41 +53,14 @@ def corpus_text() -> str:
     return "\n\n".join(parts)
 
 
-def chunked_nll(
+def read_in_chunks(
     loaded: LoadedModel, token_ids: list[int], kv_cache_dtype: str, chunk: int
 ) -> tuple[torch.Tensor, KVCache]:
-    """NLL (nats) of tokens ``1 ..`` given the ones before: all but the last token are
-    prefilled ``chunk`` at a time over scattered blocks. Also the cache it filled."""
-    model, mc = loaded.model, loaded.config
-    n = len(token_ids) - 1
-    num_blocks = -(-n // BLOCK_SIZE)
-    cache = KVCache(
-        mc.num_layers,
-        num_blocks,
-        BLOCK_SIZE,
-        mc.num_kv_heads,
-        mc.head_dim,
-        model.dtype,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    backend = PagedAttentionBackend(cache)
-    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
-    ids = torch.tensor(token_ids)
-    nll = []
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
-        positions = torch.arange(start, end)
-        md = AttentionMetadata(
-            slot_mapping=table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
-            block_tables=table.to(torch.int32).unsqueeze(0),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-            max_query_len=end - start,
-            max_seq_len=end,
-        )
-        logits = model.compute_logits(model.forward(ids[start:end], positions, backend, md))
-        nll.append(F.cross_entropy(logits, ids[start + 1 : end + 1], reduction="none"))
-    return torch.cat(nll), cache
+    """NLL (nats) of tokens ``1 ..`` given the ones before, prefilled ``chunk`` at a time
+    over scattered blocks of a cache in ``kv_cache_dtype``; also the cache it filled."""
+    cache = text_cache(loaded, len(token_ids) - 1, BLOCK_SIZE, kv_cache_dtype)
+    table = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(0))
+    return chunked_nll(loaded, token_ids, cache, table, chunk), cache
 
 
 def cache_rows(cache: KVCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +87,7 @@ def perplexity_records(args, loaded: LoadedModel, token_ids: list[int]) -> None:
     baseline = None
     for name in args.dtypes:
         begin = time.perf_counter()
-        nll, cache = chunked_nll(loaded, token_ids, name, args.chunk)
+        nll, cache = read_in_chunks(loaded, token_ids, name, args.chunk)
         seconds = time.perf_counter() - begin
         if name == "auto":
             baseline = nll
