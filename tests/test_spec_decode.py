@@ -165,6 +165,30 @@ def test_guesses_grow_only_as_far_as_step_sizes_were_measured():
     assert policy.choose([8] * 64, 64, 64) == 4
 
 
+def test_a_draft_remeasures_less_often_where_its_catch_up_is_long():
+    """Guessing does not pay (tokens cost their share of a step, 40% acceptance). A draft
+    measuring with a sequence it must first catch up by 1,000 rows (0.2 s, against 0.04 s
+    steps) re-measures after about 500 steps, so that its passes take 1% of the time;
+    with one row to catch up, after 64 as before."""
+    policy = DraftLengthPolicy(4, pays_per_guess=True)
+    feed(policy, 0.002, 0.0006, [64, 80, 64, 80, 64])
+    for rows in (1, 1000, 1, 1000):
+        policy.observe_draft_pass(rows, 0.0002 * rows)
+    policy.observe_acceptance(5, 2)
+    interval = policy.explore_interval(64, 1000)
+    assert 490 <= interval <= 510
+    assert policy.explore_interval(64, 1) == 64
+
+    def steps_until_measuring(rows: int) -> int:
+        for step in range(1, 1000):
+            if policy.most_worth_guessing(64, 64, 64, rows) == (1, True):
+                return step
+        return 0
+
+    assert steps_until_measuring(1000) == interval
+    assert steps_until_measuring(1) == 64
+
+
 def test_policy_measures_with_one_token_before_it_can_fit_a_cost():
     policy = DraftLengthPolicy(3)
     assert policy.step_cost(10) is None

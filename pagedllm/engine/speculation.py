@@ -174,15 +174,17 @@ class Speculator:
         as known."""
         most, measuring = self.config.num_speculative_tokens, True
         pays = self.proposer.pays_per_guess
-        catch_up = None
-        if pays:  # what the draft must run before it guesses, counted against the step
-            catch_up = sum(
-                amortized_catch_up(self.proposer.catch_up_rows(seq), limit)
-                for seq, limit in candidates
+        catch_up, least = None, 1
+        if pays and candidates:  # what the draft must run before it guesses
+            rows = [self.proposer.catch_up_rows(seq) for seq, _ in candidates]
+            limits = [limit for _, limit in candidates]
+            catch_up = sum(  # counted against the step
+                amortized_catch_up(n, limit) for n, limit in zip(rows, limits, strict=True)
             )
+            least = max(1, min(rows))  # a measuring step drafts for that sequence
         if self.config.adaptive_draft_length:
             most, measuring = self.policy.most_worth_guessing(
-                len(candidates), num_batched_tokens, catch_up
+                len(candidates), num_batched_tokens, catch_up, least
             )
         self.draft_probs.clear()  # guesses live one step
         wanted = None

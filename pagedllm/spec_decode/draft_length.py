@@ -28,13 +28,15 @@ guesses for the rest of its output. A draft model measures with one sequence
 (the one with the least to catch up), not one in ``MEASURING_SHARE``. Before
 any proposal is made it asks whether even full proposals could pay, and proposes
 nothing when not. Until the fit has seen consecutive steps of different sizes, and once
-every ``EXPLORE_EVERY`` steps without guesses, it guesses one token for some sequences
+every ``EXPLORE_EVERY`` steps without guesses (a draft model: at most ``EXPLORE_SHARE`` of the
+time in its measuring passes), it guesses one token for some sequences
 (one in ``MEASURING_SHARE``), every other step while the fit has no slope, so the
 acceptance keeps being measured and the slope follows the load, at little cost.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -43,6 +45,11 @@ MIN_GAIN = 1.05
 
 EXPLORE_EVERY = 64
 """After this many steps without guesses, one step guesses fully to re-measure."""
+
+EXPLORE_SHARE = 0.01
+"""A draft model re-measures less often than ``EXPLORE_EVERY`` where its measuring pass
+(the measuring sequence's catch-up: at high load, its whole history) would cost more
+than this share of the steps in between."""
 
 DECAY = 0.98
 """Weight kept by past observations at each new one (about 50 observations' memory)."""
@@ -185,7 +192,11 @@ class DraftLengthPolicy:
         return first + (num_guesses - 1) * per_pass
 
     def most_worth_guessing(
-        self, num_emitting: int, num_batched_tokens: int, catch_up_rows: int | None = None
+        self,
+        num_emitting: int,
+        num_batched_tokens: int,
+        catch_up_rows: int | None = None,
+        measuring_rows: int = 1,
     ) -> tuple[int, bool]:
         """Asked before any proposal is made (proposing costs host time too): the most
         tokens a sequence may usefully guess next step, and whether that is a measuring
@@ -193,9 +204,10 @@ class DraftLengthPolicy:
         the ``num_emitting`` decoding sequences would not pay (fewer proposals cannot
         pay when all of them would not: the rate moves monotonically between none and
         all); (1, True) every other step until the cost fit has seen two step sizes, and
-        once every ``EXPLORE_EVERY`` steps without guesses: a one-token guess for
+        once every :meth:`explore_interval` steps without guesses: a one-token guess for
         :meth:`measuring_sequences` sequences measures acceptance and widens the fit at
-        little cost. ``catch_up_rows``: a draft model's first pass for all of them."""
+        little cost. ``catch_up_rows``: a draft model's first pass for all of them;
+        ``measuring_rows``: its first pass for the sequence that would measure."""
         if num_emitting == 0:
             return 0, False
         if self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None:
@@ -207,10 +219,20 @@ class DraftLengthPolicy:
             self._steps_without = 0
             return self.max_tokens, False
         self._steps_without += 1
-        if self._steps_without >= EXPLORE_EVERY:
+        if self._steps_without >= self.explore_interval(num_batched_tokens, measuring_rows):
             self._steps_without = 0
             return 1, True
         return 0, False
+
+    def explore_interval(self, num_batched_tokens: int, measuring_rows: int = 1) -> int:
+        """Steps without guesses before a measuring step: ``EXPLORE_EVERY``, or for a draft
+        model whose measuring pass runs ``measuring_rows`` rows, enough steps of
+        ``num_batched_tokens`` tokens that the pass costs ``EXPLORE_SHARE`` of them."""
+        pass_seconds = self.guessing_cost(1, 1, measuring_rows)
+        step_seconds = self.step_cost(num_batched_tokens)
+        if not pass_seconds or not step_seconds:
+            return EXPLORE_EVERY
+        return max(EXPLORE_EVERY, math.ceil(pass_seconds / (EXPLORE_SHARE * step_seconds)))
 
     def measuring_sequences(self, num_emitting: int) -> int:
         """How many sequences guess in a measuring step: one in ``MEASURING_SHARE``, one
