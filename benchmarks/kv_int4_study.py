@@ -9,13 +9,16 @@ wholly behind the newest ``window`` tokens is replaced, once, by its round trip 
 the scheme (``pagedllm/kv_storage/int4_codec.py``), as a cache that re-encodes blocks
 by age would hold them. Every chunk attends to the cache the chunks before it left.
 Perplexity over the first 2k, 4k and 8k tokens, over the second half of each, and the
-mean NLL difference to the first scheme over that half.
+mean NLL difference to the first scheme over that half. ``--measure passkey``: a
+five-digit key hidden at each depth of 1k-8k tokens of filler, asked for at the end;
+the keys each scheme's greedy answer names (the same keys for every scheme).
 
 Schemes: ``bfloat16``; ``int8`` (the cache's per-token format); ``int4-kG`` (keys per
 channel in groups of G tokens, values per token); ``int4-kG-rot`` (the same after a
 Hadamard rotation of keys and queries); ``int4-tok-rot`` (keys per token too, rotated).
 
     python benchmarks/kv_int4_study.py [--max-len 8192] [--windows 0,128,512]
+    python benchmarks/kv_int4_study.py --measure passkey [--passkey-lengths 1024,8192]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from importlib import resources
 from pathlib import Path
@@ -30,13 +34,18 @@ from pathlib import Path
 import torch
 
 from pagedllm import EngineConfig
-from pagedllm.bench.chunked_nll import chunked_nll, text_cache
+from pagedllm.bench.chunked_nll import chunked_nll, greedy_continuation, text_cache
 from pagedllm.bench.machine import machine_record
 from pagedllm.kv_storage.int4_codec import hadamard, round_trip_keys, round_trip_values
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.models.loader import load_model_for
 
 BLOCK_SIZE = 16
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+QUESTION = " What is the pass key? The pass key is"
+ANSWER_TOKENS = 8
 NOVEL = "data/texts/Austen, Jane - Pride and Prejudice.txt"
 
 
@@ -77,11 +86,11 @@ class Scheme:
         return k @ h.T if self.rotate else k
 
 
-def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: int) -> torch.Tensor:
-    """NLL (nats) of tokens 1.. given those before, read ``chunk`` tokens a time, each
-    4-bit group re-encoded once it lies wholly behind the newest ``window`` tokens."""
-    mc = loaded.config
-    cache = text_cache(loaded, len(token_ids) - 1, BLOCK_SIZE, scheme.kv_dtype)
+def by_age(cache: KVCache, mc, scheme: Scheme, window: int):
+    """The hook that re-encodes each group of ``scheme`` once it lies wholly behind the
+    newest ``window`` tokens (None for the reference formats)."""
+    if not scheme.by_age:
+        return None
     compacted = 0  # tokens already re-encoded
 
     def compact_old(end: int) -> None:
@@ -91,8 +100,34 @@ def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: i
             compact(cache, mc, scheme, first, first + scheme.group)
         compacted = max(compacted, old)
 
-    after_chunk = compact_old if scheme.by_age else None
-    return chunked_nll(loaded, token_ids, cache, torch.arange(cache.num_blocks), chunk, after_chunk)
+    return compact_old
+
+
+def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: int) -> torch.Tensor:
+    """NLL (nats) of tokens 1.. given those before, read ``chunk`` tokens a time."""
+    cache = text_cache(loaded, len(token_ids) - 1, BLOCK_SIZE, scheme.kv_dtype)
+    hook = by_age(cache, loaded.config, scheme, window)
+    return chunked_nll(loaded, token_ids, cache, torch.arange(cache.num_blocks), chunk, hook)
+
+
+def passkey_prompt(tokenizer, num_tokens: int, depth: float, key: int) -> list[int]:
+    """About ``num_tokens`` tokens of filler with a sentence naming ``key`` at ``depth``
+    (0..1) of it, then the question."""
+    filler = tokenizer.encode(FILLER * (num_tokens // 8))[:num_tokens]
+    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
+    at = int(len(filler) * depth)
+    return [*filler[:at], *needle, *filler[at:], *tokenizer.encode(QUESTION)]
+
+
+def passkey_found(loaded, scheme: Scheme, window: int, chunk: int, num_tokens: int, depth: float,
+                  key: int) -> bool:  # fmt: skip
+    """Whether the greedy answer after a pass-key prompt names the key."""
+    prompt = passkey_prompt(loaded.tokenizer, num_tokens, depth, key)
+    cache = text_cache(loaded, len(prompt) + ANSWER_TOKENS, BLOCK_SIZE, scheme.kv_dtype)
+    hook = by_age(cache, loaded.config, scheme, window)
+    table = torch.arange(cache.num_blocks)
+    answer = greedy_continuation(loaded, prompt, cache, table, chunk, ANSWER_TOKENS, hook)
+    return str(key) in loaded.tokenizer.decode(answer)
 
 
 def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
@@ -117,34 +152,75 @@ def main() -> None:
         default="float32,bfloat16,int8,int4-k16,int4-k32,int4-k64,int4-k16-rot,int4-k64-rot,int4-tok-rot",
     )
     parser.add_argument("--windows", default="0,128")
-    parser.add_argument("--text-file", default=None, help="a text instead of the READMEs")
+    parser.add_argument("--text-file", default=None, help="a text instead of the novel")
+    parser.add_argument("--measure", default="perplexity", help="perplexity and/or passkey")
+    parser.add_argument("--passkey-lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--passkey-depths", default="0.1,0.3,0.5,0.7,0.9")
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
     loaded = load_model_for(EngineConfig(dtype="float32", quantization="none"))
-    text = Path(args.text_file).read_text() if args.text_file else novel_text()
-    token_ids = loaded.tokenizer.encode(text)[: args.max_len + 1]
+    runs = [
+        (Scheme(name), window)
+        for name in args.schemes.split(",")
+        for window in (
+            [int(w) for w in args.windows.split(",")] if name.startswith("int4") else [0]
+        )
+    ]
+    if "perplexity" in args.measure:
+        text = Path(args.text_file).read_text() if args.text_file else novel_text()
+        perplexity_records(args, loaded, loaded.tokenizer.encode(text)[: args.max_len + 1], runs)
+    if "passkey" in args.measure:
+        passkey_records(args, loaded, runs)
+
+
+def perplexity_records(args, loaded, token_ids: list[int], runs) -> None:
     lengths = [n for n in (2048, 4096, 8192) if n <= len(token_ids) - 1]
     base = None
-    for name in args.schemes.split(","):
-        scheme = Scheme(name)
-        for window in [int(w) for w in args.windows.split(",")] if scheme.by_age else [0]:
-            start = time.perf_counter()
-            nll = nll_with(loaded, token_ids, scheme, window, args.chunk)
-            if base is None:
-                base = nll
-            record = {
-                "scheme": name,
-                "window": window if scheme.by_age else None,
-                "tokens": len(nll),
-                "seconds": round(time.perf_counter() - start, 1),
-            }
-            for n in lengths:
-                record[f"ppl_{n}"] = round(math.exp(nll[:n].mean().item()), 4)
-                last = nll[n // 2 : n]
-                record[f"ppl_{n // 2}_{n}"] = round(math.exp(last.mean().item()), 4)
-                diff = (nll[n // 2 : n] - base[n // 2 : n]).mean().item()
-                record[f"nll_vs_first_{n // 2}_{n}"] = round(diff, 5)
-            print(json.dumps(record), flush=True)
+    for scheme, window in runs:
+        start = time.perf_counter()
+        nll = nll_with(loaded, token_ids, scheme, window, args.chunk)
+        if base is None:
+            base = nll
+        record = {
+            "measure": "perplexity",
+            "scheme": scheme.name,
+            "window": window if scheme.by_age else None,
+            "tokens": len(nll),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        for n in lengths:
+            record[f"ppl_{n}"] = round(math.exp(nll[:n].mean().item()), 4)
+            last = nll[n // 2 : n]
+            record[f"ppl_{n // 2}_{n}"] = round(math.exp(last.mean().item()), 4)
+            diff = (nll[n // 2 : n] - base[n // 2 : n]).mean().item()
+            record[f"nll_vs_first_{n // 2}_{n}"] = round(diff, 5)
+        print(json.dumps(record), flush=True)
+
+
+def passkey_records(args, loaded, runs) -> None:
+    """Per scheme: keys found at each length and depth (the same keys for every scheme)."""
+    lengths = [int(n) for n in args.passkey_lengths.split(",")]
+    depths = [float(d) for d in args.passkey_depths.split(",")]
+    rng = random.Random(0)
+    keys = {(n, d): rng.randrange(10_000, 100_000) for n in lengths for d in depths}
+    for scheme, window in runs:
+        start = time.perf_counter()
+        found = {
+            (n, d): passkey_found(loaded, scheme, window, args.chunk, n, d, key)
+            for (n, d), key in keys.items()
+        }
+        record = {
+            "measure": "passkey",
+            "scheme": scheme.name,
+            "window": window if scheme.by_age else None,
+            "found": sum(found.values()),
+            "trials": len(found),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        for n in lengths:
+            record[f"found_{n}"] = sum(found[n, d] for d in depths)
+        record["missed"] = [f"{n}@{d}" for (n, d), ok in found.items() if not ok]
+        print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

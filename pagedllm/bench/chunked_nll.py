@@ -1,5 +1,6 @@
-"""Negative log-likelihood of a text read in chunks through the paged cache: every chunk
-attends to the K/V the chunks before it left, as chunked prefill does."""
+"""A text read in chunks through the paged cache, as chunked prefill reads it (every chunk
+attends to the K/V the chunks before it left): its negative log-likelihood, or the
+greedy tokens after it."""
 
 from __future__ import annotations
 
@@ -43,24 +44,67 @@ def chunked_nll(
     ``chunk`` at a time through the paged backend over ``cache``, whose blocks ``table``
     lists in logical order (at least ``len(token_ids) - 1`` tokens' worth);
     ``after_chunk(end)`` runs after each chunk, positions ``< end`` written."""
-    model, block_size = loaded.model, cache.block_size
-    backend = PagedAttentionBackend(cache)
-    n = len(token_ids) - 1
+    reader = _Reader(loaded, cache, table)
     ids = torch.tensor(token_ids)
     nll = []
+    n = len(token_ids) - 1
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
+        logits = reader.forward(ids[start:end], start)
+        nll.append(F.cross_entropy(logits, ids[start + 1 : end + 1], reduction="none"))
+        if after_chunk is not None:
+            after_chunk(end)
+    return torch.cat(nll)
+
+
+def greedy_continuation(
+    loaded: LoadedModel,
+    token_ids: list[int],
+    cache: KVCache,
+    table: torch.Tensor,
+    chunk: int,
+    num_tokens: int,
+    after_chunk: Callable[[int], None] | None = None,
+) -> list[int]:
+    """The ``num_tokens`` greedy tokens after ``token_ids``, read ``chunk`` at a time and
+    then one token per pass, as :func:`chunked_nll` reads (``cache`` holds blocks for
+    ``len(token_ids) + num_tokens - 1`` tokens; ``after_chunk`` after every pass)."""
+    reader = _Reader(loaded, cache, table)
+    ids = list(token_ids)
+    start = 0
+    while len(ids) < len(token_ids) + num_tokens:
+        end = min(len(ids), start + chunk)
+        logits = reader.forward(torch.tensor(ids[start:end]), start)
+        if after_chunk is not None:
+            after_chunk(end)
+        if end == len(ids):
+            ids.append(int(logits[-1].argmax()))
+        start = end
+    return ids[len(token_ids) :]
+
+
+class _Reader:
+    """One sequence's passes through the paged backend over ``cache`` (blocks listed in
+    logical order by ``table``)."""
+
+    def __init__(self, loaded: LoadedModel, cache: KVCache, table: torch.Tensor) -> None:
+        self.model = loaded.model
+        self.block_size = cache.block_size
+        self.backend = PagedAttentionBackend(cache)
+        self.table = table
+
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits of positions ``start ..`` for their tokens ``ids`` (earlier ones in the
+        cache already)."""
+        end = start + len(ids)
         positions = torch.arange(start, end)
+        b = self.block_size
         md = AttentionMetadata(
-            slot_mapping=table[positions // block_size] * block_size + positions % block_size,
-            block_tables=table.to(torch.int32).unsqueeze(0),
+            slot_mapping=self.table[positions // b] * b + positions % b,
+            block_tables=self.table.to(torch.int32).unsqueeze(0),
             seq_lens=torch.tensor([end], dtype=torch.int32),
             query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
             max_query_len=end - start,
             max_seq_len=end,
         )
-        logits = model.compute_logits(model.forward(ids[start:end], positions, backend, md))
-        nll.append(F.cross_entropy(logits, ids[start + 1 : end + 1], reduction="none"))
-        if after_chunk is not None:
-            after_chunk(end)
-    return torch.cat(nll)
+        return self.model.compute_logits(self.model.forward(ids, positions, self.backend, md))
