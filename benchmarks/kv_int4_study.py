@@ -111,12 +111,14 @@ def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: i
 
 
 def passkey_prompt(tokenizer, num_tokens: int, depth: float, key: int) -> list[int]:
-    """About ``num_tokens`` tokens of filler with a sentence naming ``key`` at ``depth``
-    (0..1) of it, then the question."""
-    filler = tokenizer.encode(FILLER * (num_tokens // 8))[:num_tokens]
+    """``num_tokens`` tokens with the answer: filler with a sentence naming ``key`` at
+    ``depth`` (0..1) of it, the question, and room for ``ANSWER_TOKENS``."""
     needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
+    question = tokenizer.encode(QUESTION)
+    room = num_tokens - len(needle) - len(question) - ANSWER_TOKENS
+    filler = tokenizer.encode(FILLER * (num_tokens // 8))[:room]
     at = int(len(filler) * depth)
-    return [*filler[:at], *needle, *filler[at:], *tokenizer.encode(QUESTION)]
+    return [*filler[:at], *needle, *filler[at:], *question]
 
 
 def passkey_found(loaded, scheme: Scheme, window: int, chunk: int, num_tokens: int, depth: float,
