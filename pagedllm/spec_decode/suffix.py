@@ -117,7 +117,8 @@ class SuffixProposer:
         factor, min_prob = self._config.max_spec_factor, self._config.min_token_prob
         draft, score = request.tree.draft_after(0, max_tokens, factor, min_prob)
         if self._global is not None and self._cached:
-            context = request.tokens[-(self._config.max_tree_depth - 1) :]
+            tokens = request.tokens
+            context = tokens[max(0, len(tokens) - self._config.max_tree_depth + 1) :]
             global_draft, global_score = self._global.draft_matching(
                 context, max_tokens, factor, min_prob
             )
