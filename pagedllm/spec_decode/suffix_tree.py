@@ -358,11 +358,7 @@ class PythonSuffixTree:
         self._pos[child] = pos + 1
         self._len[child] -= 1
         self._parent[child] = upper
-        kids = self._children[node]
-        assert kids is not None
-        kids[t] = upper
-        if self._best[node] == child:
-            self._best[node] = upper
+        self._replace_child(node, t, child, upper)
         return upper
 
     def _merge(self, node: int, child: int) -> None:
@@ -372,12 +368,16 @@ class PythonSuffixTree:
         self._pos[child] -= self._len[node]
         self._len[child] += self._len[node]
         self._parent[child] = parent
-        kids = self._children[parent]
-        assert kids is not None
-        kids[t] = child
-        if self._best[parent] == node:
-            self._best[parent] = child
+        self._replace_child(parent, t, node, child)
         self._free_node(node)
+
+    def _replace_child(self, node: int, t: int, old: int, new: int) -> None:
+        """``new`` takes ``old``'s place as ``node``'s child ``t`` (and as its best)."""
+        kids = self._children[node]
+        assert kids is not None
+        kids[t] = new
+        if self._best[node] == old:
+            self._best[node] = new
 
     def _drop(self, node: int, t: int) -> None:
         """Delete ``node``'s child ``t`` and its subtree, a chain whose counts are 0."""
