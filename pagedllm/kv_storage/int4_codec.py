@@ -26,7 +26,7 @@ import torch
 LEVELS = 15  # the largest code
 
 
-def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes (uint8, 0..LEVELS), scale and zero (bfloat16, kept dims) of ``x`` grouped
     along ``dim``."""
     x = x.float()
@@ -54,12 +54,12 @@ def round_trip_keys(k: torch.Tensor, group_tokens: int) -> torch.Tensor:
     if tokens % group_tokens:
         raise ValueError(f"{tokens} tokens do not split into groups of {group_tokens}")
     grouped = k.reshape(*lead, tokens // group_tokens, group_tokens, dim)
-    return _dequantize(*_quantize(grouped, dim=-2)).reshape(k.shape)
+    return _dequantize(*quantize_groups(grouped, dim=-2)).reshape(k.shape)
 
 
 def round_trip_values(v: torch.Tensor) -> torch.Tensor:
     """``v`` ``[..., head_dim]`` after encoding per token and decoding (float32)."""
-    return _dequantize(*_quantize(v, dim=-1))
+    return _dequantize(*quantize_groups(v, dim=-1))
 
 
 @functools.cache
