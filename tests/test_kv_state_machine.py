@@ -9,6 +9,9 @@ whatever other sequences wrote, forked, evicted or freed meanwhile (or guessed a
 rolled back: a speculative step writes guesses it may not keep). With a sliding
 window, each sequence reads back only the positions its next query can see, holds no
 block before them, and prefix hits need only the cached blocks inside the window.
+With compact blocks (precision by age), full blocks wholly behind a recent window are
+re-encoded into compact ones (the shadow copies their content, as the cache encodes
+it) and a prefix hit takes compact blocks only behind its own window.
 Listeners on the pool (the events the dashboard and kv-events stream are built from)
 must see every change: a mirror kept from the events alone equals the pool.
 """
@@ -26,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.kv.fragmentation import fragmentation_stats
+from pagedllm.kv.fragmentation import FragmentationStats, fragmentation_stats
 from pagedllm.server.dashboard.recorder import PoolRecorder
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=12)
@@ -91,6 +94,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         enable_prefix_caching=st.booleans(),
         upfront_tokens=st.sampled_from([None, None, None, 0, 5, 40]),
         sliding_window=st.sampled_from([None, None, 1, 3, 6, 13]),
+        recent_tokens=st.sampled_from([None, None, 0, 3, 7]),
+        num_compact_blocks=st.integers(1, 24),
     )
     def setup(
         self,
@@ -100,12 +105,17 @@ class KVManagerMachine(RuleBasedStateMachine):
         enable_prefix_caching,
         upfront_tokens,
         sliding_window,
+        recent_tokens,
+        num_compact_blocks,
     ):
         """``upfront_tokens``: None allocates on demand; a number is the contiguous
         baseline, every sequence holding that many slots from its start. A
-        ``sliding_window`` (tokens) releases blocks, on demand only."""
+        ``sliding_window`` (tokens) releases blocks, on demand only. ``recent_tokens``
+        (on demand, no window): blocks behind that many recent tokens become compact."""
         if upfront_tokens is not None:
             sliding_window = None
+        if recent_tokens is None or upfront_tokens is not None or sliding_window is not None:
+            recent_tokens, num_compact_blocks = None, 0
         self.manager = BlockManager(
             num_blocks,
             block_size,
@@ -113,9 +123,13 @@ class KVManagerMachine(RuleBasedStateMachine):
             enable_prefix_caching,
             upfront_tokens,
             sliding_window,
+            num_compact_blocks,
+            recent_tokens,
         )
         self.pool = self.manager.pool
-        self.mirror = MirrorListener(num_blocks)
+        # full blocks, the null block, then the compact ones
+        self.block_ids = range(self.pool.compact_offset + num_compact_blocks)
+        self.mirror = MirrorListener(len(self.block_ids))
         self.pool.add_listener(self.mirror)
         self.recorder = PoolRecorder(self.pool, "CPU")
         self.recorder.kv_events = True
@@ -131,9 +145,9 @@ class KVManagerMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------
 
     def snapshot(self):
-        refs = [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]
+        refs = [self.pool.ref_count(b) for b in self.block_ids]
         tables = {s: self.manager.block_table(s) for s in self.seqs}
-        keys = [self.pool.block_key(b) for b in range(self.pool.num_blocks)]
+        keys = [self.pool.block_key(b) for b in self.block_ids]
         stats = self.manager.stats()
         return refs, tables, keys, self.pool.free_block_ids(), stats
 
@@ -171,6 +185,11 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert result.first_changed == first, "first_changed is the first entry that changed"
         if starts:
             shadow.reserved_tokens = manager.upfront_tokens or 0
+        for full, compact in result.encodes:  # before anything else, as the cache does
+            event("a block re-encoded")
+            assert self.pool.is_compact(compact) and not self.pool.is_compact(full)
+            for offset in range(block_size):
+                self.memory[compact * block_size + offset] = self.memory[full * block_size + offset]
         for src, dst in result.copies:
             assert self.pool.ref_count(dst) == 1
             for offset in range(block_size):
@@ -186,6 +205,7 @@ class KVManagerMachine(RuleBasedStateMachine):
                 assert position <= first_query - manager.sliding_window, "in the window"
                 continue
             assert self.pool.ref_count(slot // block_size) == 1, "wrote a shared block"
+            assert not self.pool.is_compact(slot // block_size), "wrote a compact block"
             self.memory[slot] = shadow.content(len(shadow.tokens) - 1)
         self.seqs[seq_id] = shadow
         if commit:
@@ -339,8 +359,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self):
         """Done only when no cached block is held; otherwise nothing changes."""
         held = any(
-            self.pool.ref_count(b) and self.pool.block_key(b) is not None
-            for b in range(self.pool.num_blocks)
+            self.pool.ref_count(b) and self.pool.block_key(b) is not None for b in self.block_ids
         )
         assert self.pool.reset_prefix_cache() is not held
         if not held:
@@ -354,7 +373,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         the recorder names as changed bring a page's view up to date; the kv events
         bring a reader's set of stored hashes up to date."""
         pool = self.pool
-        blocks = range(pool.num_blocks)
+        blocks = self.block_ids
         assert self.mirror.ref_counts == [pool.ref_count(b) for b in blocks]
         cached = {b: pool.block_key(b) for b in blocks if pool.block_key(b) is not None}
         assert self.mirror.keys == cached
@@ -379,20 +398,35 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_are_free_xor_referenced_and_counted_by_holders(self):
-        holders = [0] * self.pool.num_blocks
+        """A block's references are its holders, plus, for the twin of a full block,
+        the full block's (its readers that have not switched yet)."""
+        pool = self.pool
+        holders = [0] * len(self.block_ids)
         for seq_id in self.seqs:
             for block_id in self.manager.held_block_ids(seq_id):
                 holders[block_id] += 1
-        free = self.pool.free_block_ids()
+        references = list(holders)
+        for block_id in range(pool.num_blocks):
+            twin = pool.twin(block_id)
+            if twin is not None:
+                event("a twin outlives a reader")
+                assert holders[block_id] > 0 and pool.block_key(block_id) is None
+                references[twin] += holders[block_id]
+        free = [*pool.free_block_ids(), *pool.compact_free_block_ids()]
         assert len(free) == len(set(free))
-        for block_id in range(self.pool.num_blocks):
-            assert self.pool.ref_count(block_id) == holders[block_id]
-            assert (block_id in free) == (holders[block_id] == 0)
-        stats = self.pool.stats()
-        keyed = [b for b in range(self.pool.num_blocks) if self.pool.block_key(b) is not None]
-        assert stats.shared == sum(count > 1 for count in holders)
+        assert pool.null_block not in free and pool.ref_count(pool.null_block) == 0
+        for block_id in self.block_ids:
+            if block_id != pool.null_block:
+                assert pool.ref_count(block_id) == references[block_id]
+                assert (block_id in free) == (references[block_id] == 0)
+        stats = pool.stats()
+        keyed = [b for b in self.block_ids if pool.block_key(b) is not None]
+        assert stats.shared == sum(count > 1 for count in references)
         assert stats.cached == len(keyed)
-        assert stats.evictable == sum(holders[b] == 0 for b in keyed)
+        assert stats.evictable == sum(references[b] == 0 for b in keyed)
+        assert stats.compact_used == sum(
+            references[b] > 0 for b in self.block_ids if pool.is_compact(b)
+        )
 
     @invariant()
     def each_sequence_holds_ceil_tokens_over_block_size_blocks(self):
@@ -434,7 +468,7 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_what_their_keys_name(self):
-        for block_id in range(self.pool.num_blocks):
+        for block_id in self.block_ids:
             key = self.pool.block_key(block_id)
             if key is not None:
                 assert self.block_content(block_id) == self.cached_content[key.digest]
@@ -445,6 +479,17 @@ class KVManagerMachine(RuleBasedStateMachine):
         tables = [self.manager.block_table(s) for s in seq_ids]
         lengths = [len(self.seqs[s].tokens) for s in seq_ids]
         expected = fragmentation_stats(tables, lengths, self.block_size, self.pool.null_block)
+        # a twin no table holds yet is memory in use, full of its full block's tokens
+        in_tables = {block_id for table in tables for block_id in table}
+        twins = {self.pool.twin(b) for b in range(self.pool.num_blocks)} - {None}
+        extra = len(twins - in_tables) * self.block_size
+        expected = FragmentationStats(
+            unique_blocks=expected.unique_blocks + len(twins - in_tables),
+            allocated_slots=expected.allocated_slots + extra,
+            live_tokens=expected.live_tokens + extra,
+            internal_fragmentation_slots=expected.internal_fragmentation_slots,
+            slots_saved_by_sharing=expected.slots_saved_by_sharing - extra,
+        )
         assert self.manager.fragmentation() == expected
 
     def teardown(self):
@@ -454,7 +499,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.manager.free(seq_id)
         assert sorted(self.pool.free_block_ids()) == list(range(self.pool.num_blocks))
         stats = self.pool.stats()
-        assert stats.used == 0 and stats.shared == 0
+        assert stats.used == 0 and stats.shared == 0 and stats.compact_used == 0
         assert stats.evictable == stats.cached
 
 

@@ -45,6 +45,16 @@ most :func:`~pagedllm.kv.capacity.max_window_blocks` blocks:
 ``ceil((W + block_size - 1) / block_size)`` while decoding. A prefix-cache hit needs
 only the cached blocks inside the window of its first computed token, not the whole
 chain.
+
+Precision by age (``recent_tokens`` ``R`` with compact blocks, ``kv_cache_dtype="int4"``):
+once a sequence has ``c`` committed tokens, each full block wholly before position
+``c - R`` is re-encoded into a compact block, once, as the sequence's slots are next
+reserved (:meth:`BlockTable.compact`; the pairs travel in the plan and the cache encodes
+them before anything else). The full block returns to the pool, or, while others still
+read it, stays theirs until they pass it too and take its twin
+(:mod:`pagedllm.kv.block_pool`). A prefix-cache hit takes a compact block only behind
+the window of its first computed token, so a cached prompt is read at the precision a
+cold one would be.
 """
 
 from __future__ import annotations
@@ -150,13 +160,26 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         upfront_tokens: int | None = None,
         sliding_window: int | None = None,
+        num_compact_blocks: int = 0,
+        recent_tokens: int | None = None,
     ) -> None:
         if sliding_window is not None and (sliding_window < 1 or upfront_tokens is not None):
             raise ValueError(
                 f"sliding_window must be >= 1 and needs on-demand allocation, got "
                 f"{sliding_window} with upfront_tokens={upfront_tokens}"
             )
-        self.pool = BlockPool(num_blocks, block_size, reserved_fraction)
+        if (recent_tokens is None) != (num_compact_blocks == 0) or (
+            recent_tokens is not None
+            and (recent_tokens < 0 or sliding_window is not None or upfront_tokens is not None)
+        ):
+            raise ValueError(
+                f"compact blocks need recent_tokens >= 0 and on-demand allocation without a "
+                f"sliding window, got recent_tokens={recent_tokens}, {num_compact_blocks} "
+                f"compact blocks, sliding_window={sliding_window}, "
+                f"upfront_tokens={upfront_tokens}"
+            )
+        self.pool = BlockPool(num_blocks, block_size, reserved_fraction, num_compact_blocks)
+        self.recent_tokens = recent_tokens
         self.block_size = block_size
         self.upfront_tokens = upfront_tokens
         self.sliding_window = sliding_window
@@ -178,6 +201,27 @@ class BlockManager:
         if self.sliding_window is None:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def compact_before(self, num_committed: int) -> int:
+        """Logical blocks wholly behind the recent window of a sequence with
+        ``num_committed`` tokens: those kept compact (0 without compact blocks)."""
+        if self.recent_tokens is None:
+            return 0
+        return max(0, num_committed - self.recent_tokens) // self.block_size
+
+    def _usable_hit(self, block_ids: list[int | None], hit: int) -> int:
+        """The longest hit of at most ``hit`` blocks whose compact blocks all lie
+        behind the window of its first computed token."""
+        if self.recent_tokens is None:
+            return hit
+        last_compact = -1  # of the first ``length`` blocks
+        usable = 0
+        for length, block_id in enumerate(block_ids[:hit], start=1):
+            if self.pool.is_compact(block_id):
+                last_compact = length - 1
+            if last_compact < self.compact_before(length * self.block_size):
+                usable = length
+        return usable
 
     # -- prefix cache --------------------------------------------------------------------
 
@@ -205,6 +249,7 @@ class BlockManager:
                 run = 0 if block_id is None else run + 1
                 if len(block_ids) - run <= self.live_from(len(block_ids) * self.block_size):
                     hit = len(block_ids)
+        hit = self._usable_hit(block_ids, hit)
         num_null = self.live_from(hit * self.block_size)
         null = self.pool.null_block
         return CachedPrefix(
@@ -221,7 +266,12 @@ class BlockManager:
     ) -> int:
         """Free blocks starting on ``prefix`` takes: evictable hits plus blocks for new tokens
         (none before the window of the first token computed)."""
-        revived = sum(1 for block_id in prefix.held_block_ids if self.pool.ref_count(block_id) == 0)
+        pool = self.pool
+        revived = sum(
+            1
+            for block_id in prefix.held_block_ids
+            if pool.ref_count(block_id) == 0 and not pool.is_compact(block_id)
+        )
         total_blocks = cdiv(prefix.num_tokens + num_new_tokens, self.block_size)
         new_from = max(len(prefix.block_ids), self.live_from(prefix.num_tokens + num_restored))
         return revived + max(0, total_blocks - new_from)
@@ -360,6 +410,9 @@ class BlockManager:
             return None
         self._table_lookups += num_new_tokens
         self._table_hits += min(num_new_tokens, room)
+        if self.recent_tokens is not None:
+            result.encodes, changed = table.compact(self.compact_before(seq.num_committed))
+            result.first_changed = min(result.first_changed, changed)
         if started:  # every entry is new to the caller
             result.first_changed = 0
             if prefix is not None:
@@ -497,8 +550,27 @@ class BlockManager:
                 f"{len(table.block_ids)} table entries for {table.num_tokens} reserved tokens, "
                 f"not {num_blocks}"
             )
+        problems.extend(self._compaction_problems(table, committed))
         if problems:
             raise AssertionError(f"progress of sequence {seq_id!r}: " + "; ".join(problems))
+
+    def _compaction_problems(self, table: BlockTable, committed: int) -> list[str]:
+        """Entries before ``compact_end`` are compact, the others full, and none is
+        compact inside the recent window of ``committed`` tokens."""
+        if self.recent_tokens is None:
+            return []
+        held = table.block_ids[table.num_null :]
+        compact = [self.pool.is_compact(block_id) for block_id in held]
+        num_compact = table.compact_end - table.num_null
+        problems = []
+        if not all(compact[:num_compact]) or any(compact[num_compact:]):
+            problems.append(f"compact entries {compact} do not end at {table.compact_end}")
+        if table.compact_end > max(self.compact_before(committed), table.num_null):
+            problems.append(
+                f"{table.compact_end} compact entries reach into the recent window of "
+                f"{committed} committed tokens ({self.recent_tokens} recent)"
+            )
+        return problems
 
     # -- views ---------------------------------------------------------------------------
 
@@ -551,7 +623,7 @@ class BlockManager:
             for index in range(max(num_tokens // block_size, table.num_null), len(block_ids)):
                 fill = max(0, num_tokens - index * block_size)
                 not_full[block_ids[index]] = max(not_full.get(block_ids[index], 0), fill)
-        unique_blocks = self.pool.num_used
+        unique_blocks = self.pool.num_used + self.pool.num_compact_used
         allocated = unique_blocks * block_size
         live = allocated - sum(block_size - fill for fill in not_full.values())
         return FragmentationStats(

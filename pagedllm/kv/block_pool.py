@@ -15,6 +15,16 @@ Prefix caching: a full block may carry a :class:`~pagedllm.kv.prefix_hash.BlockK
 free, while it waits in the free queue (evictable, least recently freed first); it is
 evicted (forgets its key) when allocation takes it from the head of the queue.
 
+Compact blocks (``kv_cache_dtype="int4"``): a second partition of ids,
+``compact_offset .. compact_offset + num_compact_blocks - 1`` (after the full blocks and
+the null block), with a free queue of its own and no reserve. Ref counts, content keys
+and listeners treat both kinds alike; :meth:`allocate` takes full blocks,
+:meth:`allocate_compact` compact ones, and every count named without "compact" is of
+full blocks. A full block whose K/V were re-encoded while others still read it has a
+*twin*, the compact block that took its place (:meth:`add_twin`); until the full block
+is free, each of its references also holds one on its twin, so the twin outlives every
+reader that has not switched to it yet: ``ref(twin) = ref(full) + its own holders``.
+
 Listeners (:class:`~pagedllm.kv.block_events.PoolListener`, added with
 :meth:`BlockPool.add_listener`) hear every change after it is made; the pool never
 walks its blocks for them.
@@ -80,6 +90,8 @@ class BlockPoolStats:
     num_allocations: int
     num_frees: int
     num_evictions: int
+    num_compact_blocks: int = 0
+    compact_used: int = 0
 
     @property
     def usage(self) -> float:
@@ -90,7 +102,13 @@ class BlockPoolStats:
 class BlockPool:
     """Allocates blocks from a free queue and counts references to them."""
 
-    def __init__(self, num_blocks: int, block_size: int, reserved_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        reserved_fraction: float = 0.05,
+        num_compact_blocks: int = 0,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if not 0.0 <= reserved_fraction < 1.0:
@@ -99,8 +117,13 @@ class BlockPool:
         self.block_size = validate_block_size(block_size)
         self.num_reserved = num_reserved_blocks(num_blocks, reserved_fraction)
         self._free_queue = FreeBlockQueue(num_blocks)
-        self._ref_counts = [0] * num_blocks
-        self._block_keys: list[BlockKey | None] = [None] * num_blocks
+        self.num_compact_blocks = num_compact_blocks
+        self.compact_offset = num_blocks + 1
+        self._compact_queue = FreeBlockQueue(num_compact_blocks)  # ids less the offset
+        num_ids = self.compact_offset + num_compact_blocks
+        self._ref_counts = [0] * num_ids
+        self._block_keys: list[BlockKey | None] = [None] * num_ids
+        self._twins: dict[int, int] = {}
         self._cached_blocks: dict[bytes, int] = {}
         self._num_evictable = 0
         self._num_shared = 0
@@ -136,9 +159,31 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def is_compact(self, block_id: int) -> bool:
+        return block_id >= self.compact_offset
+
+    @property
+    def num_compact_free(self) -> int:
+        """Compact blocks in their free queue (evictable ones included)."""
+        return len(self._compact_queue)
+
+    @property
+    def num_compact_used(self) -> int:
+        """Compact blocks with a reference count above zero."""
+        return self.num_compact_blocks - len(self._compact_queue)
+
+    def twin(self, block_id: int) -> int | None:
+        """The compact block that took the place of full block ``block_id``, while some
+        reader of ``block_id`` has not switched to it."""
+        return self._twins.get(block_id)
+
     def free_block_ids(self) -> list[int]:
         """The free queue from head (allocated next) to tail; O(num_blocks), for inspection."""
         return list(self._free_queue)
+
+    def compact_free_block_ids(self) -> list[int]:
+        """The compact free queue from head to tail; O(num_compact_blocks)."""
+        return [self.compact_offset + queued for queued in self._compact_queue]
 
     def reserved_block_ids(self) -> list[int]:
         """The free blocks only high-priority requests may take now: the last
@@ -163,11 +208,22 @@ class BlockPool:
         if num_blocks > available:
             raise OutOfBlocksError(num_blocks, available)
         block_ids = [self._free_queue.popleft() for _ in range(num_blocks)]
+        return self._take(block_ids)
+
+    def allocate_compact(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` compact blocks (all or nothing, like :meth:`allocate`)."""
+        if num_blocks > len(self._compact_queue):
+            raise OutOfBlocksError(num_blocks, len(self._compact_queue))
+        offset = self.compact_offset
+        return self._take([offset + self._compact_queue.popleft() for _ in range(num_blocks)])
+
+    def _take(self, block_ids: list[int]) -> list[int]:
+        """Blocks just taken from a free queue get their first reference."""
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
             if self._block_keys[block_id] is not None:
                 self._evict(block_id)
-        self._num_allocations += num_blocks
+        self._num_allocations += len(block_ids)
         self._peak_used = max(self._peak_used, self.num_used)
         if block_ids:
             for listener in self._listeners:
@@ -189,12 +245,15 @@ class BlockPool:
             if count == 0:
                 if self._block_keys[block_id] is None:
                     raise ValueError(f"block {block_id} is free and cannot gain a reference")
-                self._free_queue.remove(block_id)
+                self._queue_of(block_id).remove(self._queued_id(block_id))
                 self._num_evictable -= 1
                 self._peak_used = max(self._peak_used, self.num_used)
             elif count == 1:
                 self._num_shared += 1
             self._ref_counts[block_id] = count + 1
+            twin = self._twins.get(block_id)
+            if twin is not None:
+                self.incref([twin])
         if listeners and block_ids:
             for listener in listeners:
                 listener.blocks_referenced(block_ids)
@@ -218,13 +277,46 @@ class BlockPool:
             if count == 2:
                 self._num_shared -= 1
             elif count == 1:
-                self._free_queue.append(block_id)
+                self._queue_of(block_id).append(self._queued_id(block_id))
                 self._num_frees += 1
                 if self._block_keys[block_id] is not None:
                     self._num_evictable += 1
+            twin = self._twins.get(block_id)
+            if twin is not None:
+                if count == 1:
+                    del self._twins[block_id]
+                self.free([twin])
         if listeners and block_ids:
             for listener in listeners:
                 listener.blocks_released(block_ids, by_window)
+
+    def _queue_of(self, block_id: int) -> FreeBlockQueue:
+        return self._compact_queue if block_id >= self.compact_offset else self._free_queue
+
+    def _queued_id(self, block_id: int) -> int:
+        """``block_id`` as its free queue numbers it."""
+        return block_id - self.compact_offset if block_id >= self.compact_offset else block_id
+
+    def add_twin(self, block_id: int, twin: int) -> None:
+        """Make the compact block ``twin`` (just allocated by the caller, who holds
+        ``block_id`` and re-encodes its K/V into ``twin``) ``block_id``'s twin.
+        ``block_id``'s content key moves to ``twin`` (a later prefix hit finds the
+        compact copy). When others hold ``block_id`` too, ``twin`` gains one reference
+        per reference of ``block_id``. The caller then drops its reference to
+        ``block_id`` and keeps its own on ``twin``."""
+        if not self.is_compact(twin) or self.is_compact(block_id) or block_id in self._twins:
+            raise ValueError(f"block {twin} cannot become the twin of block {block_id}")
+        key = self._block_keys[block_id]
+        if key is not None:
+            self._block_keys[block_id] = None
+            del self._cached_blocks[key.digest]
+            for listener in self._listeners:
+                listener.block_removed(block_id, key)
+            self.cache_block(twin, key)
+        references = self._ref_counts[block_id]
+        if references > 1:  # others read block_id after the caller's switch
+            self.incref([twin] * references)
+            self._twins[block_id] = twin
 
     def block_key(self, block_id: int) -> BlockKey | None:
         """The content identity ``block_id`` is cached under, if any."""
@@ -296,4 +388,6 @@ class BlockPool:
             num_allocations=self._num_allocations,
             num_frees=self._num_frees,
             num_evictions=self._num_evictions,
+            num_compact_blocks=self.num_compact_blocks,
+            compact_used=self.num_compact_used,
         )

@@ -18,6 +18,10 @@ source of the sequence's progress, and equals it between steps
   KV cache keeps a physical block there that is never written, so a kernel that reads
   it under a mask reads zeros, never another sequence's K/V. Null entries always form a
   prefix of the table and hold no reference.
+- with compact blocks (``kv_cache_dtype="int4"``), the entries before
+  :attr:`BlockTable.compact_end` are null or compact: :meth:`BlockTable.compact`
+  re-encodes full blocks once they fall wholly behind the recent window, and a compact
+  block is never written.
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ class AppendResult:
     ``copies``: ``(src_block, dst_block)`` pairs to copy first (copy-on-write).
     ``slots``: flat cache slot of each new token, ``block_id * block_size + offset``.
     ``first_changed``: the first logical block whose entry the append changed (a copy,
-    a release, a new block); the table's length when no entry changed. Entries before
-    it are as they were.
+    a release, a new block, a re-encoded one); the table's length when no entry
+    changed. Entries before it are as they were. ``encodes``: ``(full_block,
+    compact_block)`` pairs whose K/V the cache re-encodes before anything else
+    (:meth:`BlockTable.compact`).
     """
 
     slots: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     first_changed: int = 0
+    encodes: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BlockTable:
@@ -65,6 +72,7 @@ class BlockTable:
             raise ValueError(f"the first {num_null} entries must be null")
         self.num_tokens = num_tokens
         self.num_null = num_null
+        self.compact_end = num_null
 
     @property
     def block_ids(self) -> list[int]:
@@ -160,6 +168,35 @@ class BlockTable:
             self.num_null = end
         return released
 
+    def compact(self, end: int) -> tuple[list[tuple[int, int]], int]:
+        """Replace the held full blocks of logical blocks before ``end`` (full of
+        committed tokens, wholly behind the recent window) by compact ones, oldest
+        first. A full block another table re-encoded already is taken from its twin;
+        the others get a compact block each and a ``(full, compact)`` pair for the
+        cache to encode. Stops early, without error, when the compact blocks run out
+        (the rest stays full until a later call). Returns the pairs and the first
+        logical block whose entry changed (the table's length when none did)."""
+        pool = self._pool
+        pairs: list[tuple[int, int]] = []
+        first_changed = len(self._block_ids)
+        for index in range(max(self.compact_end, self.num_null), min(end, len(self._block_ids))):
+            block_id = self._block_ids[index]
+            if not pool.is_compact(block_id):
+                twin = pool.twin(block_id)
+                if twin is not None:
+                    pool.incref([twin])
+                elif pool.num_compact_free:
+                    (twin,) = pool.allocate_compact(1)
+                    pool.add_twin(block_id, twin)
+                    pairs.append((block_id, twin))
+                else:
+                    break
+                pool.free([block_id])
+                self._block_ids[index] = twin
+                first_changed = min(first_changed, index)
+            self.compact_end = index + 1
+        return pairs, first_changed
+
     def truncate(self, num_tokens: int, min_blocks: int = 0) -> int:
         """Drop the slots of tokens ``num_tokens ..`` (reserved, never to be kept) and
         release the blocks wholly past them, last first, keeping at least
@@ -167,7 +204,7 @@ class BlockTable:
         Their K/V were never committed, so none of them is cached."""
         if not self.num_null * self._block_size <= num_tokens <= self.num_tokens:
             raise ValueError(f"cannot truncate a table of {self.num_tokens} tokens to {num_tokens}")
-        keep = max(cdiv(num_tokens, self._block_size), min_blocks, self.num_null)
+        keep = max(cdiv(num_tokens, self._block_size), min_blocks, self.num_null, self.compact_end)
         released = self._block_ids[keep:]
         self._pool.free(reversed(released))
         del self._block_ids[keep:]
@@ -202,7 +239,9 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one (ref count + 1, nothing allocated)."""
         self._pool.incref(self.held_block_ids)
-        return BlockTable(self._pool, list(self._block_ids), self.num_tokens, self.num_null)
+        table = BlockTable(self._pool, list(self._block_ids), self.num_tokens, self.num_null)
+        table.compact_end = self.compact_end
+        return table
 
     def free(self) -> None:
         """Release every held block, last logical block first, and empty the table.
@@ -214,3 +253,4 @@ class BlockTable:
         self._block_ids = []
         self.num_tokens = 0
         self.num_null = 0
+        self.compact_end = 0
