@@ -1,6 +1,11 @@
 """C++ CPU kernels (paged attention, the K/V cache write, packed matrix products,
 RMSNorm / RoPE / SiLU·mul): a torch extension compiled on first use and cached."""
 
-from pagedllm.cpu.extension import packed_linear, paged_attention, write_kv
+from pagedllm.cpu.extension import (
+    packed_linear,
+    paged_attention,
+    paged_attention_compact,
+    write_kv,
+)
 
-__all__ = ["packed_linear", "paged_attention", "write_kv"]
+__all__ = ["packed_linear", "paged_attention", "paged_attention_compact", "write_kv"]

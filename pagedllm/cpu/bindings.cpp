@@ -1,9 +1,9 @@
-// Torch operators over the kernels in paged_attention.cpp, packed_linear.cpp,
-// elementwise.cpp, argmax.cpp and the quant_*.cpp files: argument checks, then raw
-// pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention, write_kv, pack_weight,
-// packed_linear, rms_norm, silu_and_mul, rotary, argmax_rows, quant_linear,
-// quant_linear_x16, quant_linear_x16_int8, quant_x16_supports, quant_x16_int8_supports,
-// dequantize_rows, avx512_kernels_available}.
+// Torch operators over the kernels in paged_attention.cpp, paged_attention_compact.cpp,
+// packed_linear.cpp, elementwise.cpp, argmax.cpp and the quant_*.cpp files: argument
+// checks, then raw pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention,
+// paged_attention_compact, write_kv, pack_weight, packed_linear, rms_norm, silu_and_mul,
+// rotary, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
+// quant_x16_supports, quant_x16_int8_supports, dequantize_rows, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -160,6 +160,86 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                                  q.scalar_type() == at::kBFloat16,
                                  at::get_num_threads()};
   pagedllm::paged_attention(batch);
+}
+
+// paged_attention over block tables mixing full blocks (entries below num_full_blocks)
+// and compact 4-bit ones (entry - num_full_blocks in tiles [num_compact_blocks,
+// num_kv_heads, tile_bytes], uint8); q, q_rotated (q @ H per head) and out are float32.
+void paged_attention_compact(const at::Tensor& out, const at::Tensor& q,
+                             const at::Tensor& q_rotated, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& tiles,
+                             int64_t num_full_blocks, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                             double scale, int64_t sliding_window, double logit_softcap) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0,
+              "sliding_window and logit_softcap must be >= 0 (0: off)");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() &&
+              q_rotated.sizes() == q.sizes() && q_rotated.scalar_type() == at::kFloat &&
+              q_rotated.is_contiguous() && out.sizes() == q.sizes() &&
+              out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "q, q_rotated and out are contiguous float32 [num_tokens, Hq, head_dim]");
+  const pagedllm::KVFormat format = kv_format(k_cache.scalar_type());
+  const int64_t head_dim = q.size(2), block_size = k_cache.size(2);
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256,
+              "compact blocks need head_dim 32, 64, 128 or 256");
+  TORCH_CHECK(k_cache.size(3) == head_dim + (is_scaled(format) ? kScaleBytes : 0),
+              "head_dim must fit the cache rows");
+  TORCH_CHECK(block_size >= 16 && (block_size & (block_size - 1)) == 0,
+              "block size must be a power of two, at least 16");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  const int64_t tile_bytes = block_size * head_dim + 4 * head_dim + 4 * block_size;
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.is_contiguous() &&
+              tiles.size(1) == k_cache.size(1) && tiles.size(2) == tile_bytes,
+              "tiles are contiguous uint8 [num_compact_blocks, num_kv_heads, ", tile_bytes, "]");
+  TORCH_CHECK(num_full_blocks >= 0 && num_full_blocks <= k_cache.size(0),
+              "num_full_blocks must be within the cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+              query_start_loc.is_contiguous());
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must span q");
+  const int64_t num_blocks = num_full_blocks + tiles.size(0);
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[i], "sequence ", i, ": bad query length");
+    const int64_t used_blocks = (lens[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", i,
+                " is longer than its block table");
+    const int32_t* table = block_tables.data_ptr<int32_t>() + i * block_tables.size(1);
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", i, " refers to block ",
+                  table[b], " outside the cache");
+    }
+  }
+  const pagedllm::AttentionBatch full{q.data_ptr(),
+                                      out.data_ptr(),
+                                      k_cache.data_ptr(),
+                                      v_cache.data_ptr(),
+                                      block_tables.data_ptr<int32_t>(),
+                                      lens,
+                                      starts,
+                                      num_seqs,
+                                      q.size(1),
+                                      k_cache.size(1),
+                                      head_dim,
+                                      __builtin_ctzll(block_size),
+                                      block_tables.size(1),
+                                      k_cache.stride(0),
+                                      k_cache.stride(1),
+                                      k_cache.stride(2),
+                                      static_cast<float>(scale),
+                                      sliding_window,
+                                      static_cast<float>(logit_softcap),
+                                      format,
+                                      false,
+                                      at::get_num_threads()};
+  pagedllm::paged_attention_compact(
+      {full, q_rotated.data_ptr(), tiles.data_ptr<uint8_t>(), num_full_blocks});
 }
 
 // Copies row i of k and v to flat slot slot_mapping[i] of the caches; slot -1 is skipped.
@@ -389,6 +469,10 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
         "int sliding_window=0, float logit_softcap=0.0) -> ()");
+  m.def("paged_attention_compact(Tensor(a!) out, Tensor q, Tensor q_rotated, Tensor k_cache, "
+        "Tensor v_cache, Tensor tiles, int num_full_blocks, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window=0, "
+        "float logit_softcap=0.0) -> ()");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
@@ -413,6 +497,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &pagedllm::tensor_ops::paged_attention);
+  m.impl("paged_attention_compact", &pagedllm::tensor_ops::paged_attention_compact);
   m.impl("write_kv", &pagedllm::tensor_ops::write_kv);
   m.impl("pack_weight", &pagedllm::tensor_ops::pack_weight);
   m.impl("packed_linear", &pagedllm::tensor_ops::packed_linear);

@@ -1,7 +1,8 @@
 """Builds (once) and calls the C++ kernels in ``paged_attention.cpp``,
-``packed_linear.cpp``, ``elementwise.cpp``, ``quant_linear.cpp``,
-``quant_linear_bf16.cpp``, ``quant_x16.cpp``, ``quant_x16_int8.cpp`` and
-``layer_stack.cpp``, and registers the suffix tree of ``suffix_tree.cpp``.
+``paged_attention_compact.cpp``, ``packed_linear.cpp``, ``elementwise.cpp``,
+``quant_linear.cpp``, ``quant_linear_bf16.cpp``, ``quant_x16.cpp``,
+``quant_x16_int8.cpp`` and ``layer_stack.cpp``, and registers the suffix tree of
+``suffix_tree.cpp``.
 
 The first call compiles the kernels and their torch bindings (``bindings.cpp``) with
 g++, the files in parallel (about 7 s of compiler time for the bindings and 4 s for
@@ -32,6 +33,7 @@ SOURCES = [
     for name in (
         "bindings.cpp",
         "paged_attention.cpp",
+        "paged_attention_compact.cpp",
         "packed_linear.cpp",
         "elementwise.cpp",
         "argmax.cpp",
@@ -127,6 +129,40 @@ def paged_attention(
     ops().paged_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         sliding_window, logit_softcap,
+    )  # fmt: skip
+
+
+def paged_attention_compact(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    q_rotated: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tiles: torch.Tensor,
+    num_full_blocks: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
+) -> None:
+    """:func:`paged_attention` over block tables that mix full blocks with compact 4-bit
+    ones (:mod:`pagedllm.kv_storage.compact_blocks`): an entry below ``num_full_blocks``
+    is a block of ``k_cache``/``v_cache`` (any format :func:`paged_attention` takes), an
+    entry ``e >= num_full_blocks`` is compact block ``e - num_full_blocks``, read from
+    ``tiles`` (uint8 ``[num_compact_blocks, Hkv, tile_bytes]``, contiguous:
+    ``CompactKVCache.tiles(layer)``) without decoding it to memory.
+
+    ``q``, ``q_rotated`` and ``out`` are contiguous float32 ``[num_tokens, Hq, D]`` with
+    ``q_rotated = q @ hadamard(D)`` per head: compact keys are stored rotated and scored
+    with it, full blocks with ``q``. ``D`` is 32, 64, 128 or 256, the block size (the
+    caches' ``shape[2]``) a power of two from 16 on. The rest as in
+    :func:`paged_attention`.
+    """
+    ops().paged_attention_compact(
+        out, q, q_rotated, k_cache, v_cache, tiles, num_full_blocks, block_tables, seq_lens,
+        query_start_loc, scale, sliding_window, logit_softcap,
     )  # fmt: skip
 
 

@@ -37,6 +37,21 @@ struct AttentionBatch {
 
 void paged_attention(const AttentionBatch& batch);
 
+// paged_attention over block tables that mix full blocks (entries below num_full_blocks,
+// in full.k_cache / full.v_cache) with compact 4-bit blocks (entry - num_full_blocks):
+// tiles [num_compact_blocks, num_kv_heads, tile_bytes] contiguous, laid out as
+// pagedllm/kv_storage/compact_blocks.py says (block_size >= 16, head_dim 32, 64, 128 or
+// 256). q is float32 (full.bfloat16_query false) and q_rotated = q @ H per head, with H
+// the Hadamard rotation of the compact keys (paged_attention_compact.cpp).
+struct CompactAttentionBatch {
+  AttentionBatch full;
+  const void* q_rotated;
+  const uint8_t* tiles;
+  int64_t num_full_blocks;
+};
+
+void paged_attention_compact(const CompactAttentionBatch& batch);
+
 // Copies row i (row_bytes bytes per kv head) of k and v to flat slot slots[i]; -1 skips.
 struct KVWrite {
   void* k_cache;

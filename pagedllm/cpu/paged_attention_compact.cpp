@@ -1,0 +1,616 @@
+// Paged attention on CPU over block tables that mix full-size blocks (any format of
+// kv_rows.h, laid out as paged_attention.cpp reads them) with compact 4-bit blocks
+// (pagedllm/kv_storage/compact_blocks.py), both read in place, never copied out decoded.
+//
+// A table entry below num_full_blocks is a full block; any other entry e is compact block
+// e - num_full_blocks: one tile per kv head of rotated key codes, value codes, per-channel
+// key scales and zeros and per-token value scales and zeros. Full blocks are scored with
+// the query, compact ones with the rotated query: (q H).(k H) = q.k.
+//
+// A work unit is one kv head of a query tile (up to 32 tokens of one sequence) over a
+// range of its blocks: all its blocks, or, when there are too few units to keep every
+// thread busy (decode of a few long sequences), a part of them whose partial softmax
+// state is merged with the other parts' afterwards. A row is one (query token, query
+// head) pair; rows go through a block RB at a time (grouped-query attention: the heads
+// of one kv head share every code loaded), the softmax online, one step per block or per
+// kStep positions of a longer one. Everything accumulates in float32.
+//
+// A compact key block is scored with its codes as they are: per channel d the folded
+// query q'[d] = q_rot[d] * key_scale[d] and once per block and row the bias
+// q_rot . key_zero, so that score_t = bias + sum_d q'[d] code[t][d]. 16 tokens' code
+// rows are transposed in registers to one vector per 4 bytes (8 channels) with a token
+// per lane, whose nibbles become float32 through a 16-entry table, so the scores come
+// out one token per lane without horizontal sums. Values accumulate
+// p_t value_scale[t] code[t][d] channel by channel and sum_t p_t value_zero[t] apart.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+#include "kv_rows.h"
+#include "vector_math.h"
+
+namespace {
+
+using namespace pagedllm::vec;
+using namespace pagedllm::kv_rows;
+
+using Batch = pagedllm::CompactAttentionBatch;
+using Shapes = pagedllm::AttentionBatch;
+
+constexpr int64_t kQueryTile = 32;  // query tokens per tile in prefill
+constexpr int kStep = 64;           // positions per online-softmax step (at most)
+constexpr int kGroups = kStep / kLanes;
+constexpr float kMinScore = -1e30f;
+// Below this many (query row, position) pairs, waking a second thread costs more than
+// it saves.
+constexpr int64_t kMinParallelWork = 16384;
+// Units wanted per thread before the blocks of a (tile, kv head) are split into parts,
+// and the fewest positions a part may have.
+constexpr int64_t kUnitsPerThread = 8;
+constexpr int64_t kMinPartPositions = 1024;
+
+// Per-thread state of one unit's rows, `nv` vectors per row: the query scaled by the
+// softmax scale, the same rotated, the output accumulator, running max and sum.
+struct Scratch {
+  std::vector<vfloat> query, rotated, acc;
+  std::vector<float> row_max, row_sum;
+  std::vector<int64_t> pos;  // each row's position in its sequence
+  void resize(int64_t rows, int64_t nv) {
+    query.resize(rows * nv);
+    rotated.resize(rows * nv);
+    acc.resize(rows * nv);
+    row_max.resize(rows);
+    row_sum.resize(rows);
+    pos.resize(rows);
+  }
+};
+
+inline float bfloat16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+// Lane l: the float value of the low 4 bits of lane l of x.
+inline vfloat nibble_values(vuint x) {
+#ifdef __AVX512F__
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return (vfloat)_mm512_permutexvar_ps((__m512i)x, table);  // reads the low 4 bits only
+#else
+  return __builtin_convertvector(x & 15u, vfloat);
+#endif
+}
+
+// 16 bytes zero-extended to 16 lanes.
+inline vuint widen_bytes(const uint8_t* p) {
+#ifdef __AVX512F__
+  return (vuint)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  typedef uint8_t vbyte __attribute__((vector_size(16)));
+  vbyte b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vuint);
+#endif
+}
+
+// One stage of a transpose: lanes of x whose bit log2(H) is set trade places with the
+// lanes of y whose bit is clear (transpose16's stage of distance H).
+constexpr int butterfly_low(int h, int j) { return (j / h) % 2 == 0 ? j : kLanes + j - h; }
+constexpr int butterfly_high(int h, int j) { return (j / h) % 2 == 0 ? j + h : kLanes + j; }
+
+template <int H, int... J>
+inline void butterfly(vuint& x, vuint& y, std::integer_sequence<int, J...>) {
+  const vuint low = __builtin_shufflevector(x, y, butterfly_low(H, J)...);
+  y = __builtin_shufflevector(x, y, butterfly_high(H, J)...);
+  x = low;
+}
+
+// Transposes the N x N blocks of N registers (block s: lanes s N .. s N + N - 1 of every
+// register): afterwards lane s N + m of register k holds what lane s N + k of register m
+// held. transpose16's last log2(N) stages.
+template <int N, int H = N / 2>
+inline void transpose_blocks(vuint* r) {
+  if constexpr (H >= 1) {
+    for (int i = 0; i < N; ++i)
+      if (!(i & H)) butterfly<H>(r[i], r[i + H], std::make_integer_sequence<int, kLanes>{});
+    transpose_blocks<N, H / 2>(r);
+  }
+}
+
+// x with lane t taken from lane (t % P) N + t / P (P = 16 / N): the token order back
+// from the lanes that transpose_blocks<N> leaves a tile's 16 code rows in.
+template <int N, int... T>
+inline vfloat tokens_in_order(vfloat x, std::integer_sequence<int, T...>) {
+  constexpr int P = kLanes / N;
+  if constexpr (P == 1) return x;
+  else return __builtin_shufflevector(x, x, (T % P * N + T / P)...);
+}
+
+// Rows of the largest divisor of RB whose NV-vector accumulators fit 24 registers: the
+// value passes' row blocks.
+template <int NV, int RB>
+constexpr int kValueRows = RB * NV <= 24 ? RB : RB % 2 == 0 && RB / 2 * NV <= 24 ? RB / 2 : 1;
+
+// One compact tile: block `block_size` tokens of one kv head (offsets as TileLayout's).
+template <int NV>
+struct CompactKeys {
+  static constexpr int kDim = NV * kLanes;
+  static constexpr int kRowBytes = kDim / 2;  // bytes of one token's codes
+  static constexpr bool kRotated = true;        // scored with the rotated query
+  static constexpr bool kZeros = true;          // values have zero points
+  const uint8_t* key_codes;
+  const uint8_t* value_codes;
+  const uint16_t* key_scale;
+  const uint16_t* key_zero;
+  const uint16_t* value_scale;
+  const uint16_t* value_zero;
+
+  static int64_t tile_bytes(int64_t block_size) {
+    return block_size * kDim + 4 * kDim + 4 * block_size;
+  }
+
+  CompactKeys(const uint8_t* tile, int64_t block_size) {
+    const int64_t codes = block_size * kRowBytes;
+    key_codes = tile;
+    value_codes = tile + codes;
+    key_scale = reinterpret_cast<const uint16_t*>(tile + 2 * codes);
+    key_zero = key_scale + kDim;
+    value_scale = key_zero + kDim;
+    value_zero = value_scale + block_size;
+  }
+
+  // RB rows' folded query q'[d] = q_rot[d] key_scale[d] (softmax scale included) and
+  // bias q_rot . key_zero.
+  template <int RB>
+  struct Query {
+    alignas(64) float folded[RB][kDim];
+    float bias[RB];
+  };
+
+  template <int RB>
+  void fold(const vfloat* rotated, Query<RB>& q) const {
+    for (int i = 0; i < RB; ++i) {
+      vfloat bias = vfloat{};
+      for (int j = 0; j < NV; ++j) {
+        const vfloat x = rotated[i * NV + j];
+        const vfloat folded = x * load(key_scale + j * kLanes);
+        std::memcpy(&q.folded[i][j * kLanes], &folded, sizeof folded);
+        bias = fmadd(x, load(key_zero + j * kLanes), bias);
+      }
+      q.bias[i] = hsum(bias);
+    }
+  }
+
+  // Scores of tokens t .. t + 15 (t a multiple of 16), one per lane. The 16 code rows
+  // (64 N bytes) load as N registers and transpose so that register k holds dword k of
+  // every token's row, i.e. channels 4k .. 4k + 3 (low nibbles) and 4k + D/2 .. (high):
+  // 8 shifts of it give 8 channels' codes of all 16 tokens. D = 256 goes in two halves.
+  // Each row sums into kAcc chains, so that RB of them keep the FMA units busy.
+  template <int RB>
+  void scores(const Query<RB>& q, int64_t t, int, int, vfloat (&out)[RB]) const {
+    constexpr int kWords = kDim / 8;  // dwords per code row
+    constexpr int N = std::min(kWords, kLanes);
+    constexpr int kAcc = RB >= 3 ? 2 : 8 / RB;
+    const uint8_t* codes = key_codes + t * kRowBytes;
+    vfloat acc[RB][kAcc] = {};
+    for (int half = 0; half < kWords / N; ++half) {
+      vuint col[N];
+      for (int r = 0; r < N; ++r)
+        std::memcpy(&col[r], codes + 64 * (r * (kWords / N) + half), sizeof col[r]);
+      transpose_blocks<N>(col);
+#pragma GCC unroll 16
+      for (int k = 0; k < N; ++k) {
+        const int word = half * N + k;
+#pragma GCC unroll 8
+        for (int n = 0; n < 8; ++n) {
+          const vfloat codes_f = nibble_values(n ? col[k] >> (4 * n) : col[k]);
+          const int dim = 4 * word + n / 2 + (n % 2) * kDim / 2;
+          for (int i = 0; i < RB; ++i)
+            acc[i][n % kAcc] = fmadd(broadcast(q.folded[i][dim]), codes_f, acc[i][n % kAcc]);
+        }
+      }
+    }
+    for (int i = 0; i < RB; ++i) {
+      vfloat sum = acc[i][0];
+      for (int a = 1; a < kAcc; ++a) sum += acc[i][a];
+      out[i] = tokens_in_order<N>(sum, std::make_integer_sequence<int, kLanes>{}) + q.bias[i];
+    }
+  }
+
+  vfloat value_scales(int64_t t, int, int) const { return load(value_scale + t); }
+  vfloat value_zeros(int64_t t) const { return load(value_zero + t); }
+
+  // acc[i] += sum over tokens step + [lo, hi) of weights[i][t] code[step + t] (weights:
+  // p * value scale).
+  template <int VB>
+  void values(int64_t step, int64_t lo, int64_t hi, const float* const* weights,
+              vfloat (&acc)[VB][NV]) const {
+    for (int64_t t = lo; t < hi; ++t) {
+      const uint8_t* row = value_codes + (step + t) * kRowBytes;
+      for (int h = 0; h < NV / 2; ++h) {  // bytes 16 h ..: channels 16 h .. (low), + D/2 (high)
+        const vuint bytes = widen_bytes(row + h * kLanes);
+        const vfloat low = nibble_values(bytes), high = nibble_values(bytes >> 4);
+        for (int i = 0; i < VB; ++i) {
+          const vfloat p = broadcast(weights[i][t]);
+          acc[i][h] = fmadd(p, low, acc[i][h]);
+          acc[i][NV / 2 + h] = fmadd(p, high, acc[i][NV / 2 + h]);
+        }
+      }
+    }
+  }
+};
+
+// One full block of one kv head: rows `token_stride` elements apart in K and V.
+template <typename Rows, int NV>
+struct FullKeys {
+  using Elem = typename Rows::Elem;
+  static constexpr bool kRotated = false;
+  static constexpr bool kZeros = false;
+  const Elem* k;
+  const Elem* v;
+  int64_t token_stride;
+
+  template <int RB>
+  struct Query {
+    const vfloat* rows;  // RB query rows, scaled
+  };
+
+  template <int RB>
+  void fold(const vfloat* query, Query<RB>& q) const {
+    q.rows = query;
+  }
+
+  // Scores of tokens t + lo .. t + hi - 1 in lanes lo .. hi - 1 (0 in the others, whose
+  // rows are never loaded): dot products, 16 summed at once by transpose_sum.
+  template <int RB>
+  void scores(const Query<RB>& q, int64_t t, int lo, int hi, vfloat (&out)[RB]) const {
+    vfloat parts[RB][kLanes];
+    alignas(64) float k_scales[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      k_scales[l] = 0.f;
+      if (l < lo || l >= hi) {
+        for (int i = 0; i < RB; ++i) parts[i][l] = vfloat{};
+        continue;
+      }
+      const Elem* row = k + (t + l) * token_stride;
+      vfloat key[NV];
+      for (int j = 0; j < NV; ++j) key[j] = Rows::widen(row + j * kLanes);
+      for (int i = 0; i < RB; ++i) {
+        vfloat a = q.rows[i * NV] * key[0];
+        for (int j = 1; j < NV; ++j) a = fmadd(q.rows[i * NV + j], key[j], a);
+        parts[i][l] = a;
+      }
+      k_scales[l] = row_scale<Rows>(row, NV * kLanes);
+    }
+    for (int i = 0; i < RB; ++i) {
+      out[i] = transpose_sum(parts[i]);
+      if constexpr (Rows::kScaled) out[i] *= load(k_scales);
+    }
+  }
+
+  // The value rows' scales in lanes lo .. hi - 1, 0 elsewhere (rows never loaded).
+  vfloat value_scales(int64_t t, int lo, int hi) const {
+    vfloat x = vfloat{};
+    for (int l = lo; l < hi; ++l) x[l] = row_scale<Rows>(v + (t + l) * token_stride, NV * kLanes);
+    return x;
+  }
+  vfloat value_zeros(int64_t) const { return vfloat{}; }
+
+  template <int VB>
+  void values(int64_t step, int64_t lo, int64_t hi, const float* const* weights,
+              vfloat (&acc)[VB][NV]) const {
+    for (int64_t t = lo; t < hi; ++t) {
+      const Elem* row = v + (step + t) * token_stride;
+      vfloat value[NV];
+      for (int j = 0; j < NV; ++j) value[j] = Rows::widen(row + j * kLanes);
+      for (int i = 0; i < VB; ++i) {
+        const vfloat p = broadcast(weights[i][t]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(p, value[j], acc[i][j]);
+      }
+    }
+  }
+};
+
+// Rows [r0, r0 + RB) of the scratch over positions [step, step + n) of a block (relative
+// to its first position `first`): scores, the online softmax, values. `q` is what
+// keys.fold made of the rows.
+template <int NV, int RB, typename Keys>
+void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, int64_t first,
+                 int64_t step, int64_t n, int64_t r0, const Shapes& s, Scratch& w) {
+  // Row i sees step positions [from[i], to[i]); the rows together [lo, hi).
+  int64_t from[RB], to[RB], lo = n, hi = 0;
+  bool any = false;
+  for (int i = 0; i < RB; ++i) {
+    const int64_t pos = w.pos[r0 + i] - first - step;  // the row's own position
+    to[i] = std::clamp<int64_t>(pos + 1, 0, n);
+    from[i] = s.sliding_window ? std::clamp<int64_t>(pos - s.sliding_window + 1, 0, n) : 0;
+    any = any || from[i] < to[i];
+    lo = std::min(lo, from[i]);
+    hi = std::max(hi, to[i]);
+  }
+  if (!any) return;
+  const int g_lo = static_cast<int>(lo / kLanes), g_hi = static_cast<int>((hi + kLanes - 1) / kLanes);
+  vfloat score[kGroups][RB];
+  for (int g = g_lo; g < g_hi; ++g) {
+    const int l_lo = static_cast<int>(std::max<int64_t>(lo - g * kLanes, 0));
+    const int l_hi = static_cast<int>(std::min<int64_t>(hi - g * kLanes, kLanes));
+    keys.template scores<RB>(q, step + g * kLanes, l_lo, l_hi, score[g]);
+  }
+  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  alignas(64) float weight[RB][kStep];  // p * value scale, by position in the step
+  float correction[RB], zero_sum[RB];
+  for (int i = 0; i < RB; ++i) {
+    vint visible[kGroups];
+    vfloat max = broadcast(kMinScore);
+    for (int g = g_lo; g < g_hi; ++g) {
+      vfloat x = score[g][i];
+      if (s.logit_softcap > 0.f) {
+        for (int l = 0; l < kLanes; ++l) x[l] = s.logit_softcap * std::tanh(x[l] / s.logit_softcap);
+      }
+      const vint index = lane + g * kLanes;
+      visible[g] = (index >= static_cast<int>(from[i])) & (index < static_cast<int>(to[i]));
+      x = visible[g] ? x : broadcast(kMinScore);
+      score[g][i] = x;
+      max = max > x ? max : x;
+    }
+    const float old_max = w.row_max[r0 + i];
+    const float new_max = std::max(old_max, hmax(max));
+    correction[i] = std::exp(old_max - new_max);
+    w.row_max[r0 + i] = new_max;
+    vfloat sum = vfloat{}, zeros = vfloat{};
+    for (int g = g_lo; g < g_hi; ++g) {
+      const vfloat p = visible[g] ? vexp(score[g][i] - new_max) : vfloat{};
+      sum += p;
+      const vfloat u = p * keys.value_scales(step + g * kLanes, std::max<int64_t>(lo - g * kLanes, 0),
+                                             std::min<int64_t>(hi - g * kLanes, kLanes));
+      std::memcpy(&weight[i][g * kLanes], &u, sizeof u);
+      if constexpr (Keys::kZeros) zeros = fmadd(p, keys.value_zeros(step + g * kLanes), zeros);
+    }
+    w.row_sum[r0 + i] = w.row_sum[r0 + i] * correction[i] + hsum(sum);
+    zero_sum[i] = hsum(zeros);
+  }
+  constexpr int VB = kValueRows<NV, RB>;
+  for (int v0 = 0; v0 < RB; v0 += VB) {
+    vfloat acc[VB][NV];
+    const float* weights[VB];
+    for (int i = 0; i < VB; ++i) {
+      weights[i] = weight[v0 + i];
+      for (int j = 0; j < NV; ++j) acc[i][j] = w.acc[(r0 + v0 + i) * NV + j] * correction[v0 + i];
+    }
+    keys.template values<VB>(step, lo, hi, weights, acc);
+    for (int i = 0; i < VB; ++i)
+      for (int j = 0; j < NV; ++j) {
+        if constexpr (Keys::kZeros) acc[i][j] += zero_sum[v0 + i];
+        w.acc[(r0 + v0 + i) * NV + j] = acc[i][j];
+      }
+  }
+}
+
+// All rows of the scratch over positions [first, first + n) of one block, RB rows at a
+// time: the largest RB <= 4 that divides the rows.
+template <int NV, int RB, typename Keys>
+void attend_block_rows(const Keys& keys, int64_t first, int64_t n, int64_t rows, const Shapes& s,
+                       Scratch& w) {
+  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+    typename Keys::template Query<RB> q;
+    keys.template fold<RB>(&(Keys::kRotated ? w.rotated : w.query)[r0 * NV], q);
+    for (int64_t step = 0; step < n; step += kStep)
+      attend_step<NV, RB>(keys, q, first, step, std::min<int64_t>(kStep, n - step), r0, s, w);
+  }
+}
+
+template <int NV, typename Keys>
+void attend_block(const Keys& keys, int64_t first, int64_t n, int64_t rows, const Shapes& s,
+                  Scratch& w) {
+  if (rows % 4 == 0) return attend_block_rows<NV, 4>(keys, first, n, rows, s, w);
+  if (rows % 3 == 0) return attend_block_rows<NV, 3>(keys, first, n, rows, s, w);
+  if (rows % 2 == 0) return attend_block_rows<NV, 2>(keys, first, n, rows, s, w);
+  attend_block_rows<NV, 1>(keys, first, n, rows, s, w);
+}
+
+// Query tokens [first_token, first_token + num_tokens) of sequence `seq`, the first at
+// position first_pos; they see positions [seen_begin, first_pos + num_tokens).
+struct Tile {
+  int64_t seq, first_token, num_tokens, first_pos, seen_begin;
+};
+
+// A tile under one kv head over blocks [block_begin, block_end) of its table. partial:
+// where in the partial-state buffer it leaves its rows' state (rows x (head_dim + 2)
+// floats: accumulators, maxima, sums) for merge_parts, or -1 when it covers all the
+// tile's blocks and writes the output itself.
+struct Unit {
+  int64_t tile, kv_head, block_begin, block_end, partial, cost;
+};
+
+// A tile under one kv head whose blocks `parts` units share, their states stored one
+// after another from `partial` on.
+struct Merge {
+  int64_t tile, kv_head, partial, parts;
+};
+
+// Row r of a tile under kv head h: query token first_token + r / group, query head
+// h group + r % group. Its element offset in q, q_rotated and out:
+int64_t row_offset(const Tile& tile, int64_t kv_head, int64_t r, const Shapes& s) {
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  return ((tile.first_token + r / group) * s.num_q_heads + kv_head * group + r % group) *
+         s.head_dim;
+}
+
+template <typename Rows, int NV>
+void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
+                 float* partials) {
+  const Shapes& s = b.full;
+  const int64_t rows = tile.num_tokens * (s.num_q_heads / s.num_kv_heads);
+  w.resize(rows, NV);
+  const auto* q = static_cast<const float*>(s.q);
+  const auto* q_rotated = static_cast<const float*>(b.q_rotated);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t off = row_offset(tile, unit.kv_head, r, s);
+    for (int j = 0; j < NV; ++j) {
+      w.query[r * NV + j] = load(q + off + j * kLanes) * s.scale;
+      w.rotated[r * NV + j] = load(q_rotated + off + j * kLanes) * s.scale;
+      w.acc[r * NV + j] = vfloat{};
+    }
+    w.pos[r] = tile.first_pos + r / (s.num_q_heads / s.num_kv_heads);
+    w.row_max[r] = kMinScore;
+    w.row_sum[r] = 0.f;
+  }
+  const int64_t block_size = int64_t{1} << s.block_size_shift;
+  const int64_t end = tile.first_pos + tile.num_tokens;  // past the last position seen
+  const int32_t* table = s.block_tables + tile.seq * s.max_blocks;
+  const int64_t tile_bytes = CompactKeys<NV>::tile_bytes(block_size);
+  const auto* k_cache = static_cast<const typename Rows::Elem*>(s.k_cache);
+  const auto* v_cache = static_cast<const typename Rows::Elem*>(s.v_cache);
+  for (int64_t block = unit.block_begin; block < unit.block_end; ++block) {
+    const int64_t entry = table[block], first = block * block_size;
+    const int64_t n = std::min(block_size, end - first);
+    if (entry >= b.num_full_blocks) {
+      const int64_t tile_index = (entry - b.num_full_blocks) * s.num_kv_heads + unit.kv_head;
+      attend_block<NV>(CompactKeys<NV>(b.tiles + tile_index * tile_bytes, block_size), first, n,
+                       rows, s, w);
+    } else {
+      const int64_t off = entry * s.block_stride + unit.kv_head * s.head_stride;
+      attend_block<NV>(FullKeys<Rows, NV>{k_cache + off, v_cache + off, s.token_stride}, first, n,
+                       rows, s, w);
+    }
+  }
+  if (unit.partial < 0) {
+    auto* out = static_cast<float*>(s.out);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.f / w.row_sum[r];
+      const int64_t off = row_offset(tile, unit.kv_head, r, s);
+      for (int j = 0; j < NV; ++j) {
+        const vfloat o = w.acc[r * NV + j] * inv;
+        std::memcpy(out + off + j * kLanes, &o, sizeof o);
+      }
+    }
+    return;
+  }
+  float* state = partials + unit.partial;
+  std::memcpy(state, w.acc.data(), rows * NV * sizeof(vfloat));
+  std::copy_n(w.row_max.data(), rows, state + rows * NV * kLanes);
+  std::copy_n(w.row_sum.data(), rows, state + rows * (NV * kLanes + 1));
+}
+
+// The output of m's tile under its kv head from the partial states of its units.
+void merge_parts(const Merge& m, const Tile& tile, const float* partials, const Shapes& s) {
+  const int64_t partial = m.partial, parts = m.parts;
+  const int64_t rows = tile.num_tokens * (s.num_q_heads / s.num_kv_heads);
+  const int64_t d = s.head_dim, part_floats = rows * (d + 2);
+  auto* out = static_cast<float*>(s.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    float max = kMinScore;
+    for (int64_t p = 0; p < parts; ++p)
+      max = std::max(max, partials[partial + p * part_floats + rows * d + r]);
+    float* o = out + row_offset(tile, m.kv_head, r, s);
+    std::fill_n(o, d, 0.f);
+    float sum = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* state = partials + partial + p * part_floats;
+      const float weight = std::exp(state[rows * d + r] - max);
+      sum += weight * state[rows * (d + 1) + r];
+      for (int64_t j = 0; j < d; ++j) o[j] += weight * state[r * d + j];
+    }
+    for (int64_t j = 0; j < d; ++j) o[j] /= sum;
+  }
+}
+
+template <typename Rows>
+void run(const Batch& b) {
+  const Shapes& s = b.full;
+  const int64_t block_size = int64_t{1} << s.block_size_shift;
+  const int64_t group = s.num_q_heads / s.num_kv_heads;
+  std::vector<Tile> tiles;
+  int64_t work = 0;  // query rows x positions seen, summed
+  for (int64_t i = 0; i < s.num_seqs; ++i) {
+    const int64_t start = s.query_start_loc[i];
+    const int64_t q_len = s.query_start_loc[i + 1] - start;
+    const int64_t context = s.seq_lens[i] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) {
+      const int64_t n = std::min(kQueryTile, q_len - t0);
+      const int64_t first_pos = context + t0;
+      const int64_t seen_begin =
+          s.sliding_window ? std::max<int64_t>(0, first_pos - s.sliding_window + 1) : 0;
+      tiles.push_back({i, start + t0, n, first_pos, seen_begin});
+      work += n * group * (first_pos + n - seen_begin);
+    }
+  }
+  const int threads = work < kMinParallelWork ? 1 : s.num_threads;
+  // Parts per (tile, kv head): enough units for kUnitsPerThread per thread, none shorter
+  // than kMinPartPositions.
+  const int64_t pairs = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
+  const int64_t parts_wanted =
+      threads > 1 ? std::max<int64_t>(1, (kUnitsPerThread * threads + pairs - 1) / pairs) : 1;
+  std::vector<Unit> units;
+  std::vector<Merge> merges;
+  int64_t partial_floats = 0;
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+    const Tile& tile = tiles[t];
+    const int64_t end = tile.first_pos + tile.num_tokens;
+    const int64_t block_begin = tile.seen_begin / block_size;
+    const int64_t block_end = (end + block_size - 1) / block_size;
+    const int64_t parts = std::clamp<int64_t>((end - tile.seen_begin) / kMinPartPositions, 1,
+                                              std::min(parts_wanted, block_end - block_begin));
+    const int64_t rows = tile.num_tokens * group;
+    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      if (parts > 1) merges.push_back({t, h, partial_floats, parts});
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t begin = block_begin + (block_end - block_begin) * p / parts;
+        const int64_t finish = block_begin + (block_end - block_begin) * (p + 1) / parts;
+        units.push_back({t, h, begin, finish, parts > 1 ? partial_floats : -1,
+                         rows * (finish - begin)});
+        if (parts > 1) partial_floats += rows * (s.head_dim + 2);
+      }
+    }
+  }
+  // Costliest first: dynamic scheduling then balances the two ends of the queue.
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& a, const Unit& u) { return a.cost > u.cost; });
+  std::vector<float> partials(partial_floats);
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_units; ++i) {
+      const Unit& unit = units[i];
+      const Tile& tile = tiles[unit.tile];
+      switch (s.head_dim) {
+        case 32: attend_unit<Rows, 2>(unit, tile, b, scratch, partials.data()); break;
+        case 64: attend_unit<Rows, 4>(unit, tile, b, scratch, partials.data()); break;
+        case 128: attend_unit<Rows, 8>(unit, tile, b, scratch, partials.data()); break;
+        default: attend_unit<Rows, 16>(unit, tile, b, scratch, partials.data()); break;
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_merges; ++i) {
+      merge_parts(merges[i], tiles[merges[i].tile], partials.data(), s);
+    }
+  }
+}
+
+}  // namespace
+
+namespace pagedllm {
+
+void paged_attention_compact(const CompactAttentionBatch& batch) {
+  switch (batch.full.kv_format) {
+    case KVFormat::kFloat32: return run<Float32Rows>(batch);
+    case KVFormat::kBFloat16: return run<BFloat16Rows>(batch);
+    case KVFormat::kFloat16: return run<Float16Rows>(batch);
+    case KVFormat::kInt8: return run<Int8Rows>(batch);
+    case KVFormat::kFp8E4M3: return run<Fp8Rows<kE4M3>>(batch);
+    case KVFormat::kFp8E5M2: return run<Fp8Rows<kE5M2>>(batch);
+  }
+}
+
+}  // namespace pagedllm
