@@ -16,7 +16,7 @@ from pagedllm.cpu.extension import avx512_kernels_available
 from pagedllm.cpu.kernel_choice import LinearKernel
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.kv_storage.kv_quant import KVCacheDtype
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from pagedllm.structured_output import COMPACT_JSON_BY_DEFAULT
 
 _DTYPES = {
@@ -275,10 +275,21 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype = knob(
         KVCacheDtype.AUTO,
         "KV cache format: auto (the model's dtype), bfloat16, float16, or 8-bit fp8_e4m3, "
-        "fp8_e5m2, int8 with a scale per token and KV head",
+        "fp8_e5m2, int8 with a scale per token and KV head; int4 keeps each sequence's "
+        "kv_recent_tokens in the model's dtype and re-encodes older blocks into 4 bits "
+        "(keys per channel over a block, values per token; docs/capacity.md)",
         KVCacheDtype,
     )
-    block_size: int = knob(16, "tokens per KV block (a power of two)")
+    kv_recent_tokens: int = knob(
+        128,
+        "kv_cache_dtype int4: each sequence's newest tokens kept in the model's dtype; a "
+        "block wholly behind them is re-encoded into 4 bits once",
+    )
+    block_size: int | None = knob(
+        None,
+        "tokens per KV block (a power of two); default 16, and 64 with kv_cache_dtype int4 "
+        "(its keys are grouped over a block: 3.56x smaller than bfloat16 at 64, 3.05x at 16)",
+    )
     kv_cache_memory: int | None = knob(
         None,
         "bytes for the whole KV pool, e.g. 2GiB; default 2GiB on the CPU, and on CUDA what "
@@ -392,6 +403,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.block_size is None:
+            self.block_size = 64 if self.kv_cache_dtype.by_age else 16
         validate_block_size(self.block_size)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -414,6 +427,28 @@ class EngineConfig:
         self._check_parallel()
         self._check_linear_kernel()
         self._check_attention_kernel()
+        self._check_by_age()
+
+    def _check_by_age(self) -> None:
+        """int4's compact blocks run on the CPU's paged kernel, allocated on demand."""
+        if not self.kv_cache_dtype.by_age:
+            return
+        if self.kv_recent_tokens < 0:
+            raise ValueError(f"kv_recent_tokens must be >= 0, got {self.kv_recent_tokens}")
+        unsupported = {
+            "device": self.device.type != "cpu",
+            "kv_allocation": self.kv_allocation is KVAllocation.CONTIGUOUS,
+            "preemption_mode": self.preemption_mode is not PreemptionMode.RECOMPUTE,
+            "speculative_config": self.speculative_config is not None
+            and self.speculative_config.method is SpeculativeMethod.DRAFT_MODEL,
+        }
+        refused = [name for name, bad in unsupported.items() if bad]
+        if refused:
+            raise ValueError(
+                "kv_cache_dtype='int4' runs on the CPU with paged allocation, recompute "
+                "preemption and no draft model for now; not with "
+                + ", ".join(f"{name}={getattr(self, name)!r}" for name in refused)
+            )
 
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes

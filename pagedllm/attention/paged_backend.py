@@ -10,9 +10,11 @@ from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
-from pagedllm.cpu import paged_attention, write_kv
+from pagedllm.cpu import paged_attention, paged_attention_compact, write_kv
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv.capacity import cdiv
+from pagedllm.kv_storage.compact_blocks import decode_tiles
+from pagedllm.kv_storage.int4_codec import hadamard
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows
 
@@ -34,6 +36,10 @@ class PagedAttentionBackend:
     running at least that many query rows in a step attends through torch's SDPA over
     its gathered K/V (:mod:`pagedllm.attention.sdpa_prefill`), the other rows through
     the paged kernel; soft-capped layers run every row paged.
+
+    Over a cache with compact blocks (``kv_cache_dtype="int4"``) every row runs through
+    the C++ kernel that reads both kinds (compact keys against the query rotated like
+    them, :mod:`pagedllm.kv_storage.compact_blocks`).
     """
 
     def __init__(self, kv_cache: KVCache, sdpa_min_rows: int | None = None) -> None:
@@ -113,6 +119,9 @@ class PagedAttentionBackend:
         slot_mapping, block_tables, seq_lens, query_start_loc = self.kernel_metadata(metadata)
         self.write(layer_idx, k, v, slot_mapping)
         keys, values = self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx)
+        if self.kv_cache.compact is not None:
+            tables = (block_tables, seq_lens, query_start_loc)
+            return self._by_age(layer_idx, q, keys, values, tables, metadata, options)
         if not self.uses_fast_kernel:
             fmt = self.kv_cache.format
             return reference_paged_attention(
@@ -136,6 +145,40 @@ class PagedAttentionBackend:
             out[split.paged_rows] = paged_out
         for chunk in split.chunks:
             out[chunk.start : chunk.end] = attend_chunk(query, keys, values, chunk, options)
+        return out.to(q.dtype)
+
+    def _by_age(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        metadata: AttentionMetadata,
+        options: AttentionOptions,
+    ) -> torch.Tensor:
+        """Attention over full-size and compact blocks: the C++ kernel, or without it
+        the reference over every block decoded."""
+        cache = self.kv_cache
+        compact = cache.compact
+        query = q.float().contiguous()
+        rotated = (query @ hadamard(cache.head_dim)).contiguous()
+        if not self.uses_fast_kernel:
+            fmt = cache.format
+            compact_keys, compact_values = decode_tiles(
+                compact.tiles(layer_idx), cache.block_size, cache.head_dim
+            )
+            all_keys = torch.cat([decode_rows(keys, fmt), compact_keys])
+            all_values = torch.cat([decode_rows(values, fmt), compact_values])
+            return reference_paged_attention(
+                q, all_keys, all_values, metadata, options.scale, options.sliding_window,
+                options.logit_softcap,
+            )  # fmt: skip
+        out = torch.empty_like(query)
+        paged_attention_compact(
+            out, query, rotated, keys, values, compact.tiles(layer_idx), cache.compact_offset,
+            *tables, options.scale, options.sliding_window or 0, options.logit_softcap or 0.0,
+        )  # fmt: skip
         return out.to(q.dtype)
 
     def write(
@@ -178,6 +221,8 @@ def sdpa_refusal(kv_cache: KVCache) -> str | None:
     float32 or bfloat16 cache on the CPU, in the model's dtype, which the caller
     checks, and the C++ paged kernel for the other rows)."""
     fmt = kv_cache.format
+    if kv_cache.compact is not None:
+        return "the KV cache keeps old blocks in 4 bits (int4), which only the paged kernel reads"
     if kv_cache.tensor.device.type != "cpu":
         return f"the KV cache is on {kv_cache.tensor.device.type}, not the CPU"
     if fmt.quantized or fmt.dtype not in (torch.float32, torch.bfloat16):

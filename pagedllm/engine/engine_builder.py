@@ -31,7 +31,14 @@ from pagedllm.engine.tensor_parallel.executor import TensorParallelExecutor
 from pagedllm.engine.tensor_parallel.worker import WorkerSetup, shared_settings
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
-from pagedllm.kv.capacity import draft_scratch_blocks, pool_blocks
+from pagedllm.kv.capacity import (
+    cdiv,
+    draft_scratch_blocks,
+    pool_blocks,
+    recent_blocks,
+    split_by_age,
+)
+from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.batch_invariance import variant_products
 from pagedllm.models.decoder import CausalDecoder
@@ -112,9 +119,13 @@ def build_engine(
             num_scratch,
             num_scratch * draft_bytes,
         )
-    num_blocks = pool_blocks(pool_budget, block_bytes, window is not None)
+    num_compact = 0
+    if config.kv_cache_dtype.by_age:
+        num_blocks, num_compact = _split_by_age(config, model, pool_budget, block_bytes, window)
+    else:
+        num_blocks = pool_blocks(pool_budget, block_bytes, window is not None)
     model_limit = loaded.config.max_position_embeddings
-    max_model_len = _max_model_len(config, model_limit, num_blocks, kv_budget)
+    max_model_len = _max_model_len(config, model_limit, num_blocks, kv_budget, num_compact)
     block_manager = BlockManager(
         num_blocks,
         config.block_size,
@@ -122,11 +133,17 @@ def build_engine(
         enable_prefix_caching=config.enable_prefix_caching,
         upfront_tokens=max_model_len if contiguous else None,
         sliding_window=window,
+        num_compact_blocks=num_compact,
+        recent_tokens=config.kv_recent_tokens if num_compact else None,
     )
     _log_pool(block_manager, max_model_len)
-    cache_blocks = num_blocks + (window is not None)
+    # the cache keeps a null block past the pool's for a window's released entries, and
+    # to start the ids of compact blocks after it
+    cache_blocks = num_blocks + (window is not None or num_compact > 0)
     swap_blocks = _swap_blocks(config, block_bytes)
-    worker = ModelWorker(config, model, cache_blocks, max_model_len, swap_blocks)
+    worker = ModelWorker(
+        config, model, cache_blocks, max_model_len, swap_blocks, num_compact_blocks=num_compact
+    )
     drafter = None
     if draft is not None:
         drafter = DraftWorker(config, draft, cache_blocks, num_scratch, max_model_len, swap_blocks)
@@ -135,7 +152,9 @@ def build_engine(
         if not config.disable_custom_all_reduce:  # the embedding's rows, in float32 at most
             largest = config.max_num_batched_tokens * loaded.config.hidden_size * 4
         settings = shared_settings(config)
-        setup = WorkerSetup(settings, cache_blocks, max_model_len, swap_blocks, largest)
+        setup = WorkerSetup(
+            settings, cache_blocks, max_model_len, swap_blocks, largest, num_compact
+        )
         executor.start_ranks(setup)
     _capture_graphs(config, model, worker.runner, max_model_len)
     scheduler = Scheduler(
@@ -260,11 +279,41 @@ def _block_bytes(config: EngineConfig, model: CausalDecoder) -> int:
     )
 
 
-def _max_model_len(config: EngineConfig, model_limit: int, num_blocks: int, kv_budget: int) -> int:
+def _split_by_age(
+    config: EngineConfig,
+    model: CausalDecoder,
+    budget: int,
+    block_bytes: int,
+    window: int | None,
+) -> tuple[int, int]:
+    """Full-size and compact blocks of an int4 pool
+    (:func:`~pagedllm.kv.capacity.split_by_age`): full ones for ``max_num_seqs``
+    decoding sequences' recent windows and two steps of batched tokens."""
+    mc = model.layer_config
+    if window is not None:
+        raise ValueError(
+            "kv_cache_dtype='int4' does not run with a model whose every layer slides yet"
+        )
+    layout = TileLayout(config.block_size, mc.head_dim)
+    compact_bytes = mc.num_layers * mc.num_kv_heads * layout.tile_bytes
+    block_size = config.block_size
+    wanted = config.max_num_seqs * recent_blocks(config.kv_recent_tokens, 1, block_size)
+    wanted += 2 * cdiv(config.max_num_batched_tokens, block_size)
+    return split_by_age(budget, block_bytes, compact_bytes, wanted)
+
+
+def _max_model_len(
+    config: EngineConfig, model_limit: int, num_blocks: int, kv_budget: int, num_compact: int = 0
+) -> int:
     """``max_model_len`` as configured, or the model's limit capped by the slots one
-    normal-priority request can ever hold (the pool less the reserve); ValueError when
-    the configured one exceeds either, or when the pool cannot hold two tokens."""
+    normal-priority request can ever hold (the pool less the reserve, and the compact
+    blocks where its full-size ones hold the recent window of a whole step); ValueError
+    when the configured one exceeds either, or when the pool cannot hold two tokens."""
     usable = num_blocks - num_reserved_blocks(num_blocks, config.reserved_fraction)
+    if num_compact:
+        step = config.max_num_batched_tokens
+        if usable >= recent_blocks(config.kv_recent_tokens, step, config.block_size):
+            usable += num_compact
     fits = usable * config.block_size
     requested = config.max_model_len
     if requested is not None and requested > model_limit:
@@ -288,6 +337,16 @@ def _max_model_len(config: EngineConfig, model_limit: int, num_blocks: int, kv_b
 def _log_pool(block_manager: BlockManager, max_model_len: int) -> None:
     pool = block_manager.pool
     block_size = block_manager.block_size
+    usable = pool.num_blocks - pool.num_reserved + pool.num_compact_blocks
+    if pool.num_compact_blocks:
+        logger.info(
+            "KV cache by age: %d full-size blocks for the newest %d tokens of each sequence "
+            "and %d compact 4-bit blocks (%d tokens) for the older ones",
+            pool.num_blocks,
+            block_manager.recent_tokens,
+            pool.num_compact_blocks,
+            pool.num_compact_blocks * block_size,
+        )
     logger.info(
         "KV cache pool: %d blocks x %d tokens = %d tokens (%d reserved blocks), "
         "max_model_len %d, maximum concurrency at max_model_len: %.2fx",
@@ -296,7 +355,7 @@ def _log_pool(block_manager: BlockManager, max_model_len: int) -> None:
         pool.num_blocks * block_size,
         pool.num_reserved,
         max_model_len,
-        (pool.num_blocks - pool.num_reserved) * block_size / max_model_len,
+        usable * block_size / max_model_len,
     )
     if block_manager.sliding_window is not None:
         logger.info(

@@ -266,7 +266,7 @@ class LLMEngine:
         """
         times = self.step_times
         t0 = time.perf_counter()
-        copies = BlockCopies(plan.swap_out, plan.swap_in, plan.block_copies)
+        copies = BlockCopies(plan.swap_out, plan.swap_in, plan.block_copies, plan.block_encodes)
         batch = self.runner.build_batch(plan)
         t1 = time.perf_counter()
         executor = self.executor

@@ -18,8 +18,11 @@ from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.layer_stack import LayerStack
 
 
-def make_kv_cache(config: EngineConfig, model: CausalDecoder, num_blocks: int) -> KVCache:
-    """A cache of ``num_blocks`` blocks for ``model``'s layers (its own KV heads)."""
+def make_kv_cache(
+    config: EngineConfig, model: CausalDecoder, num_blocks: int, num_compact_blocks: int = 0
+) -> KVCache:
+    """A cache of ``num_blocks`` full-size blocks and ``num_compact_blocks`` compact ones
+    for ``model``'s layers (its own KV heads)."""
     mc = model.layer_config
     return KVCache(
         mc.num_layers,
@@ -30,6 +33,7 @@ def make_kv_cache(config: EngineConfig, model: CausalDecoder, num_blocks: int) -
         config.dtype,
         device=config.device,
         kv_cache_dtype=config.kv_cache_dtype,
+        num_compact_blocks=num_compact_blocks,
     )
 
 
@@ -67,8 +71,9 @@ def make_swap_space(
 
 
 class ModelWorker:
-    """``model`` over a cache of ``num_cache_blocks`` blocks, with ``swap_blocks`` blocks
-    of swap space (none when 0; a ``swap_path`` gets ``rank`` appended past rank 0)."""
+    """``model`` over a cache of ``num_cache_blocks`` full-size blocks and
+    ``num_compact_blocks`` compact ones, with ``swap_blocks`` blocks of swap space (none
+    when 0; a ``swap_path`` gets ``rank`` appended past rank 0)."""
 
     def __init__(
         self,
@@ -78,9 +83,10 @@ class ModelWorker:
         max_model_len: int,
         swap_blocks: int,
         rank: int = 0,
+        num_compact_blocks: int = 0,
     ) -> None:
         self.model = model
-        self.kv_cache = make_kv_cache(config, model, num_cache_blocks)
+        self.kv_cache = make_kv_cache(config, model, num_cache_blocks, num_compact_blocks)
         self.runner = make_runner(config, model, self.kv_cache, max_model_len)
         suffix = f".rank{rank}" if rank else ""
         self.swap_space = make_swap_space(config, self.kv_cache, swap_blocks, suffix)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.kv.capacity import request_worst_case_blocks
+from pagedllm.kv.capacity import recent_blocks, request_worst_case_blocks
 from pagedllm.request_errors import InvalidRequestError
 from pagedllm.tokenizer import Tokenizer
 
@@ -72,9 +72,11 @@ class RequestValidator:
 
     def capacity_blocks(self, priority: int = 0) -> int:
         """Blocks one request of ``priority`` may ever hold: the whole pool when
-        ``priority < 0``, else the pool less the reserve."""
+        ``priority < 0``, else the pool less the reserve (full-size blocks, and the
+        compact ones: any block of a sequence but its recent ones may be compact)."""
         pool = self.block_manager.pool
-        return pool.num_blocks - (0 if priority < 0 else pool.num_reserved)
+        full = pool.num_blocks - (0 if priority < 0 else pool.num_reserved)
+        return full + pool.num_compact_blocks
 
     def worst_case_blocks(self, prompt_len: int, max_tokens: int, n: int) -> int:
         """Most blocks a request of ``n`` samples (or beams) of a ``prompt_len``-token
@@ -156,12 +158,29 @@ class RequestValidator:
         priority (:meth:`capacity_blocks`); any other request fits."""
         worst_case = self.worst_case_blocks(prompt_len, max_tokens, n)
         capacity = self.capacity_blocks(priority)
+        self._check_recent_blocks(n, capacity - self.block_manager.pool.num_compact_blocks)
         if worst_case > capacity:
             raise InvalidRequestError(
                 f"n={n} samples of up to {prompt_len + max_tokens} tokens each may need "
                 f"{worst_case} KV blocks, but the pool holds {capacity} for this request; "
                 "lower n or max_tokens",
                 "n" if n > 1 else "max_tokens",
+            )
+
+    def _check_recent_blocks(self, n: int, full_capacity: int) -> None:
+        """Refuse ``n`` samples whose recent windows alone (with compact blocks: the
+        blocks no sample can re-encode yet) exceed the full-size blocks it may hold."""
+        manager = self.block_manager
+        if manager.recent_tokens is None:
+            return
+        step = self.config.max_num_batched_tokens
+        needed = n * recent_blocks(manager.recent_tokens, step, manager.block_size)
+        if needed > full_capacity:
+            raise InvalidRequestError(
+                f"n={n} samples keep their newest {manager.recent_tokens} tokens in up to "
+                f"{needed} full-size KV blocks, but the pool holds {full_capacity} for this "
+                "request; lower n (or kv_recent_tokens)",
+                "n",
             )
 
 

@@ -84,7 +84,8 @@ class SchedulerOutput:
 
     Copies are ``(src, dst)`` block pairs, applied in this order: ``swap_out`` (pool ->
     swap space), ``swap_in`` (swap space -> pool), ``block_copies`` (copy-on-write
-    within the pool). ``released``: sequence ids that finished or were preempted since
+    within the pool); ``block_encodes`` (full -> compact blocks re-encoded by age) come
+    before all of them. ``released``: sequence ids that finished or were preempted since
     the previous plan.
     """
 
@@ -92,6 +93,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    block_encodes: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[TokenSequence] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
@@ -388,6 +390,7 @@ class Scheduler:
         if prefix is not None:
             seq.num_computed_tokens = prefix.num_tokens
         out.block_copies.extend(result.copies)
+        out.block_encodes.extend(result.encodes)
         start = min(seq.num_table_blocks_sent, result.first_changed)
         new_block_ids = manager.block_ids_from(seq.seq_id, start)
         seq.num_table_blocks_sent = start + len(new_block_ids)

@@ -10,6 +10,8 @@ the planner (:mod:`~pagedllm.plan.capacity`), so that none of them can disagree.
 - :func:`blocks_for_tokens`: the blocks a sequence of ``n`` tokens holds;
 - :func:`max_window_blocks`: the most a sequence holds under a sliding window;
 - :func:`request_worst_case_blocks`: the most a request of ``n`` samples (or beams) holds;
+- :func:`recent_blocks`: the most full-size blocks a sequence holds with compact ones;
+- :func:`split_by_age`: a budget's full-size and compact blocks;
 - :func:`block_bytes`: the bytes of one block;
 - :func:`pool_blocks`: the blocks a byte budget buys.
 """
@@ -70,6 +72,26 @@ def request_worst_case_blocks(
         bound = max_window_blocks(window, step_tokens, block_size)
         first, own = min(first, bound), min(own, bound)
     return first + (n - 1) * own
+
+
+def recent_blocks(recent_tokens: int, step_tokens: int, block_size: int) -> int:
+    """Most full-size blocks a sequence holds when blocks wholly behind its newest
+    ``recent_tokens`` are compact, during a step computing ``step_tokens`` after one that
+    computed as many (re-encoding follows the reservation, so the previous step's tokens
+    are not behind the window yet), misaligned by up to ``block_size - 1``:
+    ``ceil((recent_tokens + 2 * step_tokens + block_size - 1) / block_size)``."""
+    return cdiv(recent_tokens + 2 * step_tokens + block_size - 1, block_size)
+
+
+def split_by_age(
+    budget_bytes: int, full_block_bytes: int, compact_block_bytes: int, full_wanted: int
+) -> tuple[int, int]:
+    """Full-size and compact blocks of a ``budget_bytes`` pool whose old blocks are
+    compact: ``full_wanted`` full-size blocks (the running sequences' recent windows),
+    at most a quarter of the budget, and compact blocks with the rest."""
+    num_full = min(full_wanted, budget_bytes // 4 // full_block_bytes)
+    rest = budget_bytes - num_full * full_block_bytes
+    return num_full, max(0, rest // compact_block_bytes)
 
 
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, row_bytes: int) -> int:

@@ -1,11 +1,12 @@
 """A step's block moves, applied to one cache (and its swap space) in the order the
-scheduler's invariants need: blocks leave the pool (swap-out) before they are reused,
-come back (swap-in), then are copied on write. Under tensor parallelism every rank
+scheduler's invariants need: full blocks are re-encoded into compact ones first (the
+full block may be reused by any later move), blocks leave the pool (swap-out) before
+they are reused, come back (swap-in), then are copied on write. Under tensor parallelism every rank
 applies the same moves to its own slice of the cache."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.kv_storage.swap_space import SwapSpace
@@ -13,14 +14,17 @@ from pagedllm.kv_storage.swap_space import SwapSpace
 
 @dataclass(frozen=True)
 class BlockCopies:
-    """``(src, dst)`` block pairs: pool -> swap space, swap space -> pool, and within the
-    pool (copy-on-write)."""
+    """``(src, dst)`` block pairs: pool -> swap space, swap space -> pool, within the
+    pool (copy-on-write), and full -> compact (re-encoded by age)."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copy_on_write: list[tuple[int, int]]
+    encodes: list[tuple[int, int]] = field(default_factory=list)
 
     def apply(self, cache: KVCache, swap_space: SwapSpace | None) -> None:
+        if self.encodes:
+            cache.encode_blocks(self.encodes)
         if swap_space is not None:
             swap_space.copy_out(self.swap_out)
             swap_space.copy_in(self.swap_in)

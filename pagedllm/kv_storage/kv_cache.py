@@ -14,6 +14,12 @@ with the same kernel it decoded as fast or up to 20-30% slower, never clearly fa
 formats store a ``uint8`` tensor whose last axis is ``head_dim`` codes plus the row's
 scale, so every byte copy of whole blocks (copy-on-write, swapping) carries the scales.
 
+With ``kv_cache_dtype="int4"`` the cache also holds compact blocks
+(:class:`~pagedllm.kv_storage.compact_blocks.CompactKVCache`, :attr:`KVCache.compact`):
+block ids from :attr:`KVCache.compact_offset` on name them (the cache's own block count:
+its last full-size block is the null block, one past the pool's, never written),
+and :meth:`KVCache.encode_blocks` re-encodes full blocks into them.
+
 The cache holds memory, its layout and its format, and never writes a token: new K/V
 is written by the attention backend that reads it (docs/engine.md, "K/V storage and
 its writes"), into the per-layer views :meth:`KVCache.stored_key` and
@@ -29,7 +35,8 @@ import torch
 
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.kv.capacity import block_bytes, pool_blocks
-from pagedllm.kv_storage.kv_quant import KVCacheDtype, KVFormat, resolve_kv_format
+from pagedllm.kv_storage.compact_blocks import CompactKVCache, encode_tiles
+from pagedllm.kv_storage.kv_quant import KVCacheDtype, KVFormat, decode_rows, resolve_kv_format
 
 
 def bytes_per_block(
@@ -65,6 +72,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
+        num_compact_blocks: int = 0,
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -83,6 +91,12 @@ class KVCache:
         self._stored_values = [self.tensor[i, 1] for i in range(num_layers)]
         self._keys = [t.view(self.format.dtype) for t in self._stored_keys]
         self._values = [t.view(self.format.dtype) for t in self._stored_values]
+        self.compact_offset = num_blocks
+        self.compact: CompactKVCache | None = None
+        if num_compact_blocks:
+            self.compact = CompactKVCache(
+                num_layers, num_compact_blocks, block_size, num_kv_heads, head_dim, device
+            )
 
     def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The pool, zeroed and committed; on the CPU in a region advised for 2 MiB pages:
@@ -129,7 +143,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        """Bytes of the full-size blocks and the compact ones."""
+        compact = 0 if self.compact is None else self.compact.nbytes
+        return self.tensor.numel() * self.tensor.element_size() + compact
 
     def key(self, layer_idx: int) -> torch.Tensor:
         """Layer ``layer_idx``'s K, a view ``[num_blocks, num_kv_heads, block_size, row]`` of
@@ -149,6 +165,18 @@ class KVCache:
     def stored_value(self, layer_idx: int) -> torch.Tensor:
         """Layer ``layer_idx``'s V as allocated, shaped like :meth:`stored_key`."""
         return self._stored_values[layer_idx]
+
+    def encode_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Re-encodes full block ``src`` into compact block ``dst`` (an id from
+        :attr:`compact_offset` on) for every ``(src, dst)`` pair, every layer at once."""
+        if not pairs:
+            return
+        device = self.tensor.device
+        src, dst = torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
+        fmt = self.format
+        keys = decode_rows(self.tensor[:, 0].index_select(1, src).view(fmt.dtype), fmt)
+        values = decode_rows(self.tensor[:, 1].index_select(1, src).view(fmt.dtype), fmt)
+        self.compact.tensor.index_copy_(1, dst - self.compact_offset, encode_tiles(keys, values))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of

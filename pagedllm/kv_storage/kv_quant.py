@@ -24,6 +24,8 @@ import torch
 from pagedllm.choice import Choice, parse_choice
 
 SCALE_BYTES = 2  # one bfloat16 scale per row
+
+
 class KVCacheDtype(Choice):
     """``kv_cache_dtype`` values: the model's dtype, a 16-bit float, or 8 bits with a
     scale per token and KV head."""
@@ -34,6 +36,14 @@ class KVCacheDtype(Choice):
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
     INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def by_age(self) -> bool:
+        """Whether blocks change format with age: ``int4`` keeps recent tokens in the
+        model's dtype and re-encodes older blocks into compact 4-bit ones
+        (:mod:`pagedllm.kv_storage.compact_blocks`)."""
+        return self is KVCacheDtype.INT4
 
 
 @dataclass(frozen=True)
@@ -79,9 +89,10 @@ _FLOATS = {
 
 
 def resolve_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
-    """The format for a ``kv_cache_dtype`` option; ``"auto"`` is the model's dtype."""
+    """The format of full-size blocks for a ``kv_cache_dtype`` option: ``"auto"`` and
+    ``"int4"`` (whose recent blocks are full-size) are the model's dtype."""
     kv_cache_dtype = parse_choice(KVCacheDtype, kv_cache_dtype, "kv_cache_dtype")
-    if kv_cache_dtype is KVCacheDtype.AUTO:
+    if kv_cache_dtype in (KVCacheDtype.AUTO, KVCacheDtype.INT4):
         return KVFormat(str(model_dtype).removeprefix("torch."), model_dtype)
     if kv_cache_dtype in _QUANTIZED:
         return _QUANTIZED[kv_cache_dtype]

@@ -52,6 +52,8 @@ def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
         if not holds:
             return reason
     cache = attn.kv_cache
+    if cache.compact is not None:
+        return "old K/V blocks are 4-bit (int4), read by the by-age kernel"
     if cache.format.quantized or cache.format.dtype != model.dtype:
         return "the KV cache's format is not the model's dtype"
     return None
@@ -127,6 +129,11 @@ class LayerStack:
         layer's attention (as :meth:`~pagedllm.models.decoder.DecoderLayer.forward`)."""
         slots, tables, seq_lens, starts = self.attn.kernel_metadata(metadata)
         return self._stack.forward(
-            hidden.contiguous(), positions.contiguous(), slots, tables, seq_lens, starts,
+            hidden.contiguous(),
+            positions.contiguous(),
+            slots,
+            tables,
+            seq_lens,
+            starts,
             output_rows,
         )

@@ -51,6 +51,7 @@ SHARED_SETTINGS = (
     "activation_quantization",
     "dtype",
     "kv_cache_dtype",
+    "kv_recent_tokens",
     "block_size",
     "tensor_parallel_size",
 )
@@ -61,14 +62,15 @@ SHARED_SETTINGS = (
 class WorkerSetup:
     """Sent once by rank 0 after it sized the pool: its :data:`SHARED_SETTINGS`, the
     cache every rank allocates (blocks, window null block included), the runner's table
-    width, swap blocks, and the largest all-reduce (bytes) to run through shared memory
-    (``None``: gloo only)."""
+    width, swap blocks, the largest all-reduce (bytes) to run through shared memory
+    (``None``: gloo only), and the compact blocks (``kv_cache_dtype="int4"``)."""
 
     settings: dict[str, object]
     num_cache_blocks: int
     max_model_len: int
     swap_blocks: int
     all_reduce_bytes: int | None
+    num_compact_blocks: int = 0
 
 
 def shared_settings(config: EngineConfig) -> dict[str, object]:
@@ -179,6 +181,7 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
         setup.max_model_len,
         setup.swap_blocks,
         group.rank,
+        setup.num_compact_blocks,
     )
     compute_logits = loaded.model.compute_logits
     with torch.inference_mode():
