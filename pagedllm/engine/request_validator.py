@@ -169,12 +169,15 @@ class RequestValidator:
 
     def _check_recent_blocks(self, n: int, full_capacity: int) -> None:
         """Refuse ``n`` samples whose recent windows alone (with compact blocks: the
-        blocks no sample can re-encode yet) exceed the full-size blocks it may hold."""
+        blocks no sample can re-encode yet) exceed the full-size blocks it may hold:
+        one sample computing a whole step's tokens, the others decoding."""
         manager = self.block_manager
         if manager.recent_tokens is None:
             return
+        recent, block_size = manager.recent_tokens, manager.block_size
         step = self.config.max_num_batched_tokens
-        needed = n * recent_blocks(manager.recent_tokens, step, manager.block_size)
+        needed = recent_blocks(recent, step, block_size)
+        needed += (n - 1) * recent_blocks(recent, 1, block_size)
         if needed > full_capacity:
             raise InvalidRequestError(
                 f"n={n} samples keep their newest {manager.recent_tokens} tokens in up to "

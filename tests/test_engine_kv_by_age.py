@@ -1,0 +1,196 @@
+"""The engine with ``kv_cache_dtype="int4"`` on a tiny random model: blocks wholly behind
+each sequence's recent window are re-encoded into compact 4-bit blocks (a prompt's
+shared blocks once for all its samples, a cached prefix not again), the compact K/V
+are the encoded K/V of those positions, attention through the C++ kernel equals the
+reference over every block decoded, preemption and prefix caching keep working, and
+every block is free again at the end. Quality on the real model at long context:
+``benchmarks/kv_by_age.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import EngineConfig, LLMEngine, SamplingParams
+from pagedllm.attention.paged_backend import PagedAttentionBackend
+from pagedllm.kv_storage.compact_blocks import TileLayout, decode_tiles
+from pagedllm.kv_storage.kv_cache import KVCache
+
+BLOCK_SIZE = 16
+
+
+def make_engine(loaded, recent_tokens: int, **overrides) -> LLMEngine:
+    settings = dict(
+        dtype="float32",
+        kv_cache_dtype="int4",
+        kv_recent_tokens=recent_tokens,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory="8MiB",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        log_stats_interval=0,
+    )
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings), loaded)
+
+
+def prompt(length: int, seed: int = 0) -> dict:
+    return {"prompt_token_ids": [(31 * i + 7 * seed) % 480 + 3 for i in range(length)]}
+
+
+def run(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    """Every request to the end; the progress counts (compact entries included) are
+    checked after each step."""
+    for i, item in enumerate(prompts):
+        engine.add_request(str(i), item, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.scheduler.check_progress()
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+class EncodeCounter:
+    """Counts the full blocks ``cache`` re-encodes, wrapping its method."""
+
+    def __init__(self, cache: KVCache, monkeypatch) -> None:
+        self.pairs: list[tuple[int, int]] = []
+        encode = cache.encode_blocks
+
+        def counted(pairs):
+            self.pairs.extend(pairs)
+            encode(pairs)
+
+        monkeypatch.setattr(cache, "encode_blocks", counted)
+
+
+def test_defaults_group_keys_over_64_token_blocks(tiny_model):
+    config = EngineConfig(dtype="float32", kv_cache_dtype="int4", log_stats_interval=0)
+    assert config.block_size == 64 and config.kv_recent_tokens == 128
+    engine = LLMEngine(config, tiny_model)
+    pool = engine.block_manager.pool
+    assert pool.num_compact_blocks > 3 * pool.num_blocks  # a quarter of the bytes at most
+    assert engine.kv_cache.compact_offset == pool.compact_offset
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"kv_allocation": "contiguous"}, "kv_allocation"),
+        ({"preemption_mode": "swap", "swap_space": "64MiB"}, "preemption_mode"),
+        ({"kv_recent_tokens": -1}, "kv_recent_tokens"),
+    ],
+)
+def test_int4_refuses_what_it_does_not_run_with(overrides, named):
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(dtype="float32", kv_cache_dtype="int4", **overrides)
+
+
+def error_bounds(tile: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codec's bound for one tile: per token, the L2 error of a key (half a step
+    per rotated channel; the rotation keeps L2 norms) and the largest error of a value
+    element (half a step), each widened by the bfloat16 rounding of the zero point."""
+    layout = TileLayout(BLOCK_SIZE, head_dim)
+
+    def floats(offset: int, count: int) -> torch.Tensor:
+        return tile[offset : offset + 2 * count].contiguous().view(torch.bfloat16).float()
+
+    key_scale = floats(layout.key_scale_offset, head_dim)
+    key_zero = floats(layout.key_zero_offset, head_dim)
+    value_scale = floats(layout.value_scale_offset, BLOCK_SIZE)
+    value_zero = floats(layout.value_zero_offset, BLOCK_SIZE)
+    key_bound = (key_scale / 2 + key_zero.abs() / 256).norm() + 1e-4
+    return key_bound, value_scale / 2 + value_zero.abs() / 256 + 1e-4
+
+
+def test_compact_blocks_hold_their_positions_keys_and_values_within_the_codec_bound(
+    tiny_model, monkeypatch
+):
+    """Layer 0's K/V depend on the tokens alone: each compact block of a running
+    sequence decodes to the K/V a float cache holds for the same positions, within
+    the 4-bit codec's bound; the window's full-size blocks hold them exactly."""
+    engine = make_engine(tiny_model, recent_tokens=8)
+    counter = EncodeCounter(engine.kv_cache, monkeypatch)
+    engine.add_request("0", prompt(70), SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(30):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    table = engine.block_manager.block_table(seq.seq_id)
+    pool = engine.block_manager.pool
+    compact = [(i, b) for i, b in enumerate(table) if pool.is_compact(b)]
+    # re-encoded at the last reservation, from the tokens committed before that step
+    assert len(compact) == (seq.num_computed_tokens - 1 - 8) // BLOCK_SIZE > 3
+    assert [b for _, b in compact] == [c for _, c in counter.pairs]
+    reference = make_engine(tiny_model, recent_tokens=0, kv_cache_dtype="auto")
+    tokens = seq.all_token_ids[: seq.num_computed_tokens]
+    reference.add_request("0", {"prompt_token_ids": tokens}, SamplingParams(max_tokens=2))
+    (ref_seq,) = [*reference.scheduler.waiting]
+    while ref_seq.num_computed_tokens < len(tokens):
+        reference.step()
+    ref_table = reference.block_manager.block_table(ref_seq.seq_id)
+    tiles = engine.kv_cache.compact.tiles(0)
+    offset = engine.kv_cache.compact_offset
+    head_dim = engine.kv_cache.head_dim
+    for index, block_id in compact:
+        tile = tiles[block_id - offset]
+        keys, values = decode_tiles(tile, BLOCK_SIZE, head_dim)
+        want_keys = reference.kv_cache.key(0)[ref_table[index]].float()
+        want_values = reference.kv_cache.value(0)[ref_table[index]].float()
+        for head in range(tile.shape[0]):
+            key_bound, value_bound = error_bounds(tile[head], head_dim)
+            key_error = (keys[head] - want_keys[head]).norm(dim=-1)
+            assert (key_error <= key_bound).all(), (index, head, key_error.max(), key_bound)
+            value_error = (values[head] - want_values[head]).abs().amax(dim=-1)
+            assert (value_error <= value_bound).all(), (index, head)
+    for index in range(len(compact), seq.num_computed_tokens // BLOCK_SIZE):
+        torch.testing.assert_close(
+            engine.kv_cache.key(0)[table[index]], reference.kv_cache.key(0)[ref_table[index]]
+        )
+
+
+def test_the_kernel_equals_the_reference_over_every_block_decoded(tiny_model):
+    """Mixed tables (compact blocks, then full ones, partly filled last) in prefill
+    chunks and decode steps: greedy tokens through the C++ kernel equal those through
+    the reference that decodes every block."""
+    prompts = [prompt(90 + 13 * i, seed=i) for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    fast = run(make_engine(tiny_model, recent_tokens=5), prompts, greedy)
+    engine = make_engine(tiny_model, recent_tokens=5)
+    assert isinstance(engine.runner.attn, PagedAttentionBackend)
+    assert engine.runner.attn.uses_fast_kernel
+    engine.runner.attn.uses_fast_kernel = False
+    assert run(engine, prompts, greedy) == fast
+
+
+def test_shared_blocks_are_encoded_once_and_cached_ones_not_again(tiny_model, monkeypatch):
+    engine = make_engine(tiny_model, recent_tokens=0)
+    counter = EncodeCounter(engine.kv_cache, monkeypatch)
+    forked = SamplingParams(n=3, temperature=0.9, seed=1, max_tokens=20, ignore_eos=True)
+    run(engine, [prompt(100)], forked)
+    # the prompt's 6 full blocks once, then each sample's own (after token 100 + 20)
+    shared = 100 // BLOCK_SIZE
+    own = (100 + 20 - 1) // BLOCK_SIZE - shared
+    assert len(counter.pairs) == shared + 3 * own
+    assert len({full for full, _ in counter.pairs}) <= len(counter.pairs)
+    stats = engine.block_manager.pool.stats()
+    assert stats.used == 0 and stats.compact_used == 0 and stats.cached > 0
+    # the same prompt again: its cached compact blocks are hits, none is encoded again
+    counter.pairs.clear()
+    run(engine, [prompt(100)], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert engine.block_manager.stats().prefix_cache_hits >= (shared - 1) * BLOCK_SIZE
+    assert len(counter.pairs) <= 1
+
+
+def test_a_small_pool_preempts_by_recompute_and_frees_every_block(tiny_model):
+    engine = make_engine(
+        tiny_model, recent_tokens=16, kv_cache_memory="600KiB", max_num_batched_tokens=16
+    )
+    pool = engine.block_manager.pool
+    prompts = [prompt(60 + 20 * i, seed=i) for i in range(6)]
+    outputs = run(engine, prompts, SamplingParams(max_tokens=120, ignore_eos=True))
+    assert all(len(tokens) == 120 for (tokens,) in outputs)
+    assert engine.scheduler.num_preemptions > 0
+    stats = pool.stats()
+    assert stats.used == 0 and stats.compact_used == 0
