@@ -435,6 +435,11 @@ class EngineConfig:
             return
         if self.kv_recent_tokens < 0:
             raise ValueError(f"kv_recent_tokens must be >= 0, got {self.kv_recent_tokens}")
+        if self.block_size < 16:
+            raise ValueError(
+                f"kv_cache_dtype='int4' groups keys over a block of at least 16 tokens; "
+                f"block_size={self.block_size}"
+            )
         unsupported = {
             "device": self.device.type != "cpu",
             "kv_allocation": self.kv_allocation is KVAllocation.CONTIGUOUS,

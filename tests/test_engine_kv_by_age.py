@@ -81,6 +81,7 @@ def test_defaults_group_keys_over_64_token_blocks(tiny_model):
         ({"kv_allocation": "contiguous"}, "kv_allocation"),
         ({"preemption_mode": "swap", "swap_space": "64MiB"}, "preemption_mode"),
         ({"kv_recent_tokens": -1}, "kv_recent_tokens"),
+        ({"block_size": 8}, "block_size"),
     ],
 )
 def test_int4_refuses_what_it_does_not_run_with(overrides, named):

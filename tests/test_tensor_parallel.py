@@ -182,6 +182,19 @@ def test_two_ranks_generate_what_one_does(folders, name, gloo):
             assert_close(one[rid].prompt_logprobs[1:], two[rid].prompt_logprobs[1:])
 
 
+def test_int4_blocks_by_age_on_two_ranks_generate_what_one_does(folders):
+    """Each rank re-encodes its own heads of the same blocks into compact ones."""
+    by_age = dict(kv_cache_dtype="int4", kv_recent_tokens=4, block_size=16)
+    one_engine = make_engine(folders["kv2"], 1, **by_age)
+    one = outputs_of(one_engine, PROMPTS, GREEDY)
+    pool = one_engine.block_manager.pool
+    compact_ids = range(pool.compact_offset, pool.compact_offset + pool.num_compact_blocks)
+    assert any(pool.block_key(b) is not None for b in compact_ids)  # blocks were re-encoded
+    two_engine = make_engine(folders["kv2"], 2, **by_age)
+    assert two_engine.kv_cache.compact.num_kv_heads == 1
+    assert_same(one, outputs_of(two_engine, PROMPTS, GREEDY))
+
+
 def test_each_rank_holds_the_blocks_the_planner_counts(folders):
     from pagedllm.plan.capacity import blocks_per_rank
 

@@ -158,7 +158,8 @@ class RequestValidator:
         priority (:meth:`capacity_blocks`); any other request fits."""
         worst_case = self.worst_case_blocks(prompt_len, max_tokens, n)
         capacity = self.capacity_blocks(priority)
-        self._check_recent_blocks(n, capacity - self.block_manager.pool.num_compact_blocks)
+        full_capacity = capacity - self.block_manager.pool.num_compact_blocks
+        self._check_recent_blocks(prompt_len + max_tokens, n, full_capacity)
         if worst_case > capacity:
             raise InvalidRequestError(
                 f"n={n} samples of up to {prompt_len + max_tokens} tokens each may need "
@@ -167,15 +168,16 @@ class RequestValidator:
                 "n" if n > 1 else "max_tokens",
             )
 
-    def _check_recent_blocks(self, n: int, full_capacity: int) -> None:
-        """Refuse ``n`` samples whose recent windows alone (with compact blocks: the
-        blocks no sample can re-encode yet) exceed the full-size blocks it may hold:
-        one sample computing a whole step's tokens, the others decoding."""
+    def _check_recent_blocks(self, num_tokens: int, n: int, full_capacity: int) -> None:
+        """Refuse ``n`` samples of up to ``num_tokens`` tokens whose recent windows alone
+        (with compact blocks: the blocks no sample can re-encode yet) exceed the
+        full-size blocks it may hold: one sample computing a whole step's tokens, the
+        others decoding."""
         manager = self.block_manager
         if manager.recent_tokens is None:
             return
         recent, block_size = manager.recent_tokens, manager.block_size
-        step = self.config.max_num_batched_tokens
+        step = min(self.config.max_num_batched_tokens, num_tokens)
         needed = recent_blocks(recent, step, block_size)
         needed += (n - 1) * recent_blocks(recent, 1, block_size)
         if needed > full_capacity:
