@@ -430,7 +430,8 @@ class EngineConfig:
         self._check_by_age()
 
     def _check_by_age(self) -> None:
-        """int4's compact blocks run on the CPU's paged kernel, allocated on demand."""
+        """int4's compact blocks are allocated on demand (the attention backend refuses
+        them where its kernels do not read them)."""
         if not self.kv_cache_dtype.by_age:
             return
         if self.kv_recent_tokens < 0:
@@ -441,7 +442,6 @@ class EngineConfig:
                 f"block_size={self.block_size}"
             )
         unsupported = {
-            "device": self.device.type != "cpu",
             "kv_allocation": self.kv_allocation is KVAllocation.CONTIGUOUS,
             "preemption_mode": self.preemption_mode is not PreemptionMode.RECOMPUTE,
             "speculative_config": self.speculative_config is not None
@@ -450,8 +450,8 @@ class EngineConfig:
         refused = [name for name, bad in unsupported.items() if bad]
         if refused:
             raise ValueError(
-                "kv_cache_dtype='int4' runs on the CPU with paged allocation, recompute "
-                "preemption and no draft model for now; not with "
+                "kv_cache_dtype='int4' runs with paged allocation, recompute preemption "
+                "and no draft model for now; not with "
                 + ", ".join(f"{name}={getattr(self, name)!r}" for name in refused)
             )
 

@@ -40,6 +40,11 @@ class TritonAttentionBackend:
         device = kv_cache.tensor.device
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the Triton backend needs a CUDA cache, got one on {device}")
+        if kv_cache.compact is not None:
+            raise ValueError(
+                "kv_cache_dtype='int4' (compact 4-bit blocks) runs on the CPU's C++ kernel; "
+                "the Triton kernels do not read compact blocks yet"
+            )
         self.kv_cache = kv_cache
 
     def forward(
