@@ -78,6 +78,8 @@ class PreemptionMode(Choice):
 
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
+DEFAULT_BLOCK_SIZE = 16
+BY_AGE_BLOCK_SIZE = 64  # int4 groups keys over a block: 3.56x smaller than bfloat16 at 64
 """Bytes of the KV pool on the CPU when ``kv_cache_memory`` is not given."""
 
 _SIZE_UNITS = {
@@ -404,7 +406,8 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.block_size is None:
-            self.block_size = 64 if self.kv_cache_dtype.by_age else 16
+            by_age = self.kv_cache_dtype.by_age
+            self.block_size = BY_AGE_BLOCK_SIZE if by_age else DEFAULT_BLOCK_SIZE
         validate_block_size(self.block_size)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -15,6 +15,8 @@ from pagedllm import EngineConfig, LLMEngine, SamplingParams
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.kv_storage.compact_blocks import TileLayout, decode_tiles
 from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.plan.capacity import PLANNED_KV_DTYPES, ByAge, Workload, by_age_capacity
+from pagedllm.plan.model_shape import resolve_model
 
 BLOCK_SIZE = 16
 
@@ -195,3 +197,17 @@ def test_a_small_pool_preempts_by_recompute_and_frees_every_block(tiny_model):
     assert engine.scheduler.num_preemptions > 0
     stats = pool.stats()
     assert stats.used == 0 and stats.compact_used == 0
+
+
+def test_the_planner_splits_a_budget_as_the_engine_does(tiny_model):
+    budget = 5 << 20
+    engine = make_engine(tiny_model, recent_tokens=24, kv_cache_memory=budget, max_num_seqs=4)
+    model = resolve_model(str(tiny_model.source))
+    by_age = ByAge(24, 4, 64, torch.float32)
+    row = by_age_capacity(
+        model.config, BLOCK_SIZE, budget, Workload(100, 512), PLANNED_KV_DTYPES["int4"], by_age
+    )
+    pool = engine.block_manager.pool
+    assert (row.num_blocks, row.num_compact_blocks) == (pool.num_blocks, pool.num_compact_blocks)
+    assert row.compact_block_bytes * pool.num_compact_blocks == engine.kv_cache.compact.nbytes
+    assert engine.kv_cache.nbytes <= budget + row.block_bytes  # and the null block

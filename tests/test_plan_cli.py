@@ -66,7 +66,7 @@ def test_json_output_with_total_memory_and_shared_prefix(capsys):
     assert budget["weight_bytes"] == params
     assert budget["kv_bytes"] == 320 * 10**9 - params - budget["activation_reserve_bytes"]
     rows = {row["kv_dtype"]: row for row in plan["kv_dtypes"]}
-    assert set(rows) == {"float32", "bfloat16", "float16", "fp8", "int8"}
+    assert set(rows) == {"float32", "bfloat16", "float16", "fp8", "int8", "int4"}
     bf16 = rows["bfloat16"]
     assert bf16["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 2
     assert bf16["paged_seqs_with_prefix"] > bf16["paged_seqs"] > bf16["contiguous_seqs"]
@@ -166,7 +166,15 @@ def test_two_devices_json_is_per_device(capsys):
     assert two["block_elements_per_layer"] == one["block_elements_per_layer"] // 2
     for row_one, row_two in zip(one["kv_dtypes"], two["kv_dtypes"], strict=True):
         assert row_two["kv_bytes_per_token"] == row_one["kv_bytes_per_token"] // 2
-        assert row_two["num_blocks"] == budget["kv_bytes"] // row_two["block_bytes"]
+        if row_two["num_compact_blocks"]:  # int4: a quarter of the budget at most is full
+            compact = row_two["num_compact_blocks"] * row_two["compact_block_bytes"]
+            assert row_two["num_blocks"] * row_two["block_bytes"] <= budget["kv_bytes"] // 4
+            assert (
+                budget["kv_bytes"] - compact
+                < row_two["block_bytes"] * row_two["num_blocks"] + row_two["compact_block_bytes"]
+            )
+        else:
+            assert row_two["num_blocks"] == budget["kv_bytes"] // row_two["block_bytes"]
 
 
 def test_two_devices_text_says_per_device_and_the_kv_split(capsys, tmp_path):

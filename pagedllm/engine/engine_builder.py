@@ -32,8 +32,8 @@ from pagedllm.engine.tensor_parallel.worker import WorkerSetup, shared_settings
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import (
-    cdiv,
     draft_scratch_blocks,
+    full_blocks_wanted,
     pool_blocks,
     recent_blocks,
     split_by_age,
@@ -296,9 +296,12 @@ def _split_by_age(
         )
     layout = TileLayout(config.block_size, mc.head_dim)
     compact_bytes = mc.num_layers * mc.num_kv_heads * layout.tile_bytes
-    block_size = config.block_size
-    wanted = config.max_num_seqs * recent_blocks(config.kv_recent_tokens, 1, block_size)
-    wanted += 2 * cdiv(config.max_num_batched_tokens, block_size)
+    wanted = full_blocks_wanted(
+        config.max_num_seqs,
+        config.kv_recent_tokens,
+        config.max_num_batched_tokens,
+        config.block_size,
+    )
     return split_by_age(budget, block_bytes, compact_bytes, wanted)
 
 

@@ -11,6 +11,7 @@ the planner (:mod:`~pagedllm.plan.capacity`), so that none of them can disagree.
 - :func:`max_window_blocks`: the most a sequence holds under a sliding window;
 - :func:`request_worst_case_blocks`: the most a request of ``n`` samples (or beams) holds;
 - :func:`recent_blocks`: the most full-size blocks a sequence holds with compact ones;
+- :func:`full_blocks_wanted`: the full-size blocks a pool by age keeps for its windows;
 - :func:`split_by_age`: a budget's full-size and compact blocks;
 - :func:`block_bytes`: the bytes of one block;
 - :func:`pool_blocks`: the blocks a byte budget buys.
@@ -81,6 +82,16 @@ def recent_blocks(recent_tokens: int, step_tokens: int, block_size: int) -> int:
     are not behind the window yet), misaligned by up to ``block_size - 1``:
     ``ceil((recent_tokens + 2 * step_tokens + block_size - 1) / block_size)``."""
     return cdiv(recent_tokens + 2 * step_tokens + block_size - 1, block_size)
+
+
+def full_blocks_wanted(
+    max_num_seqs: int, recent_tokens: int, max_num_batched_tokens: int, block_size: int
+) -> int:
+    """Full-size blocks a pool whose old blocks are compact wants: the recent windows of
+    ``max_num_seqs`` decoding sequences and two steps of ``max_num_batched_tokens``
+    (a chunk and the one before it, not yet re-encoded)."""
+    windows = max_num_seqs * recent_blocks(recent_tokens, 1, block_size)
+    return windows + 2 * cdiv(max_num_batched_tokens, block_size)
 
 
 def split_by_age(

@@ -28,6 +28,16 @@ its weights join the first device's, and the scratch blocks of its guesses
 (:func:`~pagedllm.kv.capacity.draft_scratch_blocks`) come out of the KV budget before
 the pool is sized, as the engine does.
 
+K/V by age (``int4``): each sequence keeps its newest ``recent_tokens`` in full-size
+blocks of the model's dtype (bfloat16 here, or the weights' float dtype) and older
+blocks in compact 4-bit ones (:mod:`~pagedllm.kv_storage.compact_blocks`, scales and
+zeros included). The budget is split as the engine splits it
+(:func:`~pagedllm.kv.capacity.full_blocks_wanted`,
+:func:`~pagedllm.kv.capacity.split_by_age`, for ``max_num_seqs`` and
+``max_num_batched_tokens``); a sequence holds at most
+:func:`~pagedllm.kv.capacity.recent_blocks` full-size blocks, the rest compact. Its
+"KV per token" is a compact token's, contiguous allocation does not take it.
+
 Tensor parallelism (``tensor_parallel_size`` ranks, one per device, split as
 :class:`~pagedllm.models.partition.TensorPartition` says): weights, budgets, blocks
 and sequences are per device. A device's weights are those of the rank holding the most
@@ -46,10 +56,15 @@ import torch
 
 from pagedllm.kv.capacity import (
     blocks_for_tokens,
+    cdiv,
     draft_scratch_blocks,
+    full_blocks_wanted,
     pool_blocks,
+    recent_blocks,
     request_worst_case_blocks,
+    split_by_age,
 )
+from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.partition import TensorPartition
@@ -59,12 +74,14 @@ from pagedllm.plan.model_shape import ModelShape
 @dataclass(frozen=True)
 class KVDtype:
     """A KV cache element type and the engine's ``kv_cache_dtype`` that stores it;
-    ``quantized`` ones carry a bfloat16 scale per token and KV head."""
+    ``quantized`` ones carry a bfloat16 scale per token and KV head; ``by_age`` ones
+    (int4) keep recent tokens in ``torch_dtype`` and older blocks compact."""
 
     name: str
     torch_dtype: torch.dtype
     cache_format: str
     quantized: bool = False
+    by_age: bool = False
 
     @property
     def element_bytes(self) -> int:
@@ -78,6 +95,25 @@ KV_DTYPES: dict[str, KVDtype] = {
     "fp8": KVDtype("fp8", torch.float8_e4m3fn, "fp8_e4m3", quantized=True),
     "int8": KVDtype("int8", torch.int8, "int8", quantized=True),
 }
+"""The formats a block keeps for its whole life."""
+PLANNED_KV_DTYPES: dict[str, KVDtype] = {
+    **KV_DTYPES,
+    "int4": KVDtype("int4", torch.bfloat16, "int4", by_age=True),
+}
+"""Every format a plan can show: :data:`KV_DTYPES` and those that change with age."""
+
+
+@dataclass(frozen=True)
+class ByAge:
+    """The engine options that split a pool by age (``kv_recent_tokens``,
+    ``max_num_seqs``, ``max_num_batched_tokens``), and the dtype of its full-size
+    blocks (the model's)."""
+
+    recent_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    recent_dtype: torch.dtype = torch.bfloat16
+
 
 # Bytes per weight by storage type. The GGUF block formats are what the engine holds when
 # it runs a GGUF file's quantized matrices (bytes per block / weights per block, scales
@@ -152,17 +188,29 @@ def block_elements_per_layer(config: ModelConfig, block_size: int) -> int:
     return 2 * block_size * config.num_kv_heads * config.head_dim
 
 
-def block_bytes(config: ModelConfig, block_size: int, kv_dtype: KVDtype) -> int:
-    """Bytes of one block across all layers, K and V, scales included: exactly what the
-    engine's pool counts for ``kv_cache_dtype=kv_dtype.cache_format``."""
+def block_bytes(
+    config: ModelConfig,
+    block_size: int,
+    kv_dtype: KVDtype,
+    model_dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes of one (full-size) block across all layers, K and V, scales included:
+    exactly what the engine's pool counts for ``kv_cache_dtype=kv_dtype.cache_format``
+    and a model in ``model_dtype``."""
     return bytes_per_block(
         config.num_layers,
         block_size,
         config.num_kv_heads,
         config.head_dim,
-        torch.float32,
+        model_dtype,
         kv_cache_dtype=kv_dtype.cache_format,
     )
+
+
+def compact_block_bytes(config: ModelConfig, block_size: int) -> int:
+    """Bytes of one compact (4-bit) block across all layers, scales and zeros included."""
+    tile = TileLayout(block_size, config.head_dim).tile_bytes
+    return config.num_layers * config.num_kv_heads * tile
 
 
 def kv_rank_config(config: ModelConfig, tensor_parallel_size: int = 1) -> ModelConfig:
@@ -327,6 +375,8 @@ class DtypeCapacity:
     paged_seqs: int
     paged_seqs_with_prefix: int
     contiguous_seqs: int
+    num_compact_blocks: int = 0
+    compact_block_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -341,6 +391,7 @@ class CapacityPlan:
     rows: tuple[DtypeCapacity, ...]
     tensor_parallel_size: int = 1
     draft: DraftShape | None = None
+    by_age: ByAge | None = None
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -356,11 +407,14 @@ def dtype_capacity(
     kv_dtype: KVDtype,
     tensor_parallel_size: int = 1,
     draft: DraftShape | None = None,
+    by_age: ByAge | None = None,
 ) -> DtypeCapacity:
     """The figures of one KV dtype for a budget of ``kv_bytes`` bytes per device, on each
     of ``tensor_parallel_size`` devices (see :func:`blocks_per_rank`); a ``draft``
     model's K/V in every block and its scratch blocks counted."""
     rank_config = kv_rank_config(config, tensor_parallel_size)
+    if kv_dtype.by_age:
+        return by_age_capacity(rank_config, block_size, kv_bytes, workload, kv_dtype, by_age)
     per_token = kv_bytes_per_token(rank_config, kv_dtype)
     window = config.kv_window
     per_block = block_bytes(rank_config, block_size, kv_dtype)
@@ -391,14 +445,65 @@ def dtype_capacity(
     )
 
 
+def by_age_capacity(
+    config: ModelConfig,
+    block_size: int,
+    kv_bytes: int,
+    workload: Workload,
+    kv_dtype: KVDtype,
+    by_age: ByAge | None,
+) -> DtypeCapacity:
+    """An int4 row: the pool split as the engine splits it, and the sequences that fit
+    when each holds its recent window in full-size blocks and its shared prefix's
+    compact blocks once."""
+    if by_age is None:
+        raise ValueError(f"the {kv_dtype.name} row needs the options that split its pool")
+    if config.kv_window is not None:
+        raise ValueError(f"{kv_dtype.name} does not run with a model whose every layer slides")
+    full_bytes = block_bytes(config, block_size, kv_dtype, by_age.recent_dtype)
+    compact_bytes = compact_block_bytes(config, block_size)
+    wanted = full_blocks_wanted(
+        by_age.max_num_seqs, by_age.recent_tokens, by_age.max_num_batched_tokens, block_size
+    )
+    num_full, num_compact = split_by_age(kv_bytes, full_bytes, compact_bytes, wanted)
+    full_each = min(
+        cdiv(workload.avg_len, block_size), recent_blocks(by_age.recent_tokens, 1, block_size)
+    )
+
+    def fits(prefix_len: int) -> int:
+        shared = min(prefix_len // block_size, cdiv(workload.avg_len, block_size) - full_each)
+        own = cdiv(workload.avg_len, block_size) - full_each - shared
+        by_full = num_full // full_each
+        by_compact = by_full if own == 0 else max(0, num_compact - shared) // own
+        return min(by_full, by_compact)
+
+    return DtypeCapacity(
+        kv_dtype=kv_dtype.name,
+        element_bytes=kv_dtype.element_bytes,
+        kv_bytes_per_token=compact_bytes // block_size,
+        block_bytes_per_layer=block_elements_per_layer(config, block_size)
+        * by_age.recent_dtype.itemsize,
+        block_bytes=full_bytes,
+        batch_kv_bytes=workload.batch * workload.avg_len * compact_bytes // block_size,
+        num_blocks=num_full,
+        num_tokens=(num_full + num_compact) * block_size,
+        paged_seqs=fits(0),
+        paged_seqs_with_prefix=fits(workload.prefix_len),
+        contiguous_seqs=0,
+        num_compact_blocks=num_compact,
+        compact_block_bytes=compact_bytes,
+    )
+
+
 def plan_capacity(
     model: ModelShape,
     block_size: int,
     budget: MemoryBudget,
     workload: Workload,
-    kv_dtypes: tuple[str, ...] = tuple(KV_DTYPES),
+    kv_dtypes: tuple[str, ...] = tuple(PLANNED_KV_DTYPES),
     tensor_parallel_size: int = 1,
     draft: DraftShape | None = None,
+    by_age: ByAge | None = None,
 ) -> CapacityPlan:
     """Every figure of the plan, one row per name in ``kv_dtypes`` (the target's K/V; a
     ``draft``'s beside it); ``budget`` is per device, on each of
@@ -409,10 +514,13 @@ def plan_capacity(
             block_size,
             budget.kv_bytes,
             workload,
-            KV_DTYPES[name],
+            PLANNED_KV_DTYPES[name],
             tensor_parallel_size,
             draft,
+            by_age,
         )
         for name in kv_dtypes
     )
-    return CapacityPlan(model, block_size, budget, workload, rows, tensor_parallel_size, draft)
+    return CapacityPlan(
+        model, block_size, budget, workload, rows, tensor_parallel_size, draft, by_age
+    )

@@ -9,7 +9,7 @@ from pagedllm.kv.capacity import request_worst_case_blocks
 from pagedllm.kv_storage.kv_quant import SCALE_BYTES
 from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.capacity import (
-    KV_DTYPES,
+    PLANNED_KV_DTYPES,
     CapacityPlan,
     DtypeCapacity,
     block_elements_per_layer,
@@ -51,7 +51,7 @@ def gqa_explanation(plan: CapacityPlan) -> str:
             f"kv_heads x head_dim = {kv_width:,} equals the hidden size and the formula "
             "2 x layers x tokens x hidden x bytes is exact."
         )
-    workload, kv_dtype = plan.workload, KV_DTYPES[plan.rows[0].kv_dtype]
+    workload, kv_dtype = plan.workload, PLANNED_KV_DTYPES[plan.rows[0].kv_dtype]
     num_tokens = workload.batch * workload.avg_len
     batch_bytes = num_tokens * kv_bytes_per_token(config, kv_dtype)
     naive = hidden_size_estimate(config, num_tokens, kv_dtype.element_bytes)
@@ -154,6 +154,27 @@ def _workload_line(plan: CapacityPlan) -> str:
     return line
 
 
+def _by_age_line(plan: CapacityPlan, row: DtypeCapacity) -> str:
+    by_age = plan.by_age
+    dtype = str(by_age.recent_dtype).removeprefix("torch.")
+    return (
+        f"{row.kv_dtype} keeps each sequence's newest {by_age.recent_tokens:,} tokens in "
+        f"full-size {dtype} blocks and re-encodes older blocks into 4 bits (keys per channel "
+        f"over a block, values per token, scales and zeros included): "
+        f"{binary_bytes(row.compact_block_bytes)} per compact block against "
+        f"{binary_bytes(row.block_bytes)}; the pool holds {row.num_blocks:,} full-size blocks "
+        f"(for {by_age.max_num_seqs} sequences' windows and two steps of "
+        f"{by_age.max_num_batched_tokens:,} tokens, at most a quarter of the budget) and "
+        f"{row.num_compact_blocks:,} compact ones; 'KV per token' is a compact token's"
+    )
+
+
+def _blocks(row: DtypeCapacity) -> str:
+    if row.num_compact_blocks:
+        return f"{row.num_blocks:,} + {row.num_compact_blocks:,} compact"
+    return f"{row.num_blocks:,}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     return [
@@ -176,7 +197,7 @@ def _per_token_rows(plan: CapacityPlan) -> list[str]:
     rows = [
         [
             row.kv_dtype,
-            str(row.element_bytes),
+            "0.5" if row.num_compact_blocks else str(row.element_bytes),
             f"{row.kv_bytes_per_token:,} B",
             binary_bytes(row.block_bytes_per_layer),
             binary_bytes(row.block_bytes),
@@ -207,7 +228,7 @@ def _capacity_rows(plan: CapacityPlan) -> list[str]:
     for row in plan.rows:
         cells = [
             row.kv_dtype,
-            f"{row.num_blocks:,}",
+            _blocks(row),
             f"{row.num_tokens:,}",
             f"{row.paged_seqs:,}",
             f"{row.contiguous_seqs:,}",
@@ -237,8 +258,9 @@ def format_text(plan: CapacityPlan) -> str:
     lines += [f"Memory    {_memory_line(plan)}", f"Workload  {_workload_line(plan)}"]
     if plan.draft is not None:
         lines.append(f"Draft     {_draft_line(plan)}")
-    if any(KV_DTYPES[row.kv_dtype].quantized for row in plan.rows):
+    if any(PLANNED_KV_DTYPES[row.kv_dtype].quantized for row in plan.rows):
         lines.append(f"Scales    {QUANTIZED_SCALES} (in 'block, all layers' and the counts)")
+    lines += [f"By age    {_by_age_line(plan, row)}" for row in plan.rows if row.num_compact_blocks]
     lines += ["", f"KV cache per token and per block{_per_device(plan)}", *_per_token_rows(plan)]
     kv_budget = decimal_bytes(plan.budget.kv_bytes)
     lines += ["", f"Capacity of {kv_budget} of KV cache{_per_device(plan)}"]
