@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.gpu.compact_tiles import CompactOperands, compact_args
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
 from pagedllm.gpu.kv_codes import kernel_format
-from pagedllm.gpu.paged_tiles import LOG2_E, online_softmax_step, tile_offsets, tile_scores
+from pagedllm.gpu.paged_tiles import LOG2_E, attend_tile, tile_offsets
 from pagedllm.kv_storage.kv_quant import KVFormat
 
 # The window passed to the kernels when a layer has none: longer than any sequence.
@@ -41,6 +42,9 @@ def _decode_split_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    tiles_ptr,
+    compact_offset,
+    rotated_ptr,
     scale_log2,
     window,
     softcap,
@@ -51,6 +55,8 @@ def _decode_split_kernel(
     stride_blk,
     stride_head,
     stride_tok,
+    stride_cblk,
+    stride_chead,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -60,6 +66,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,6 +88,11 @@ def _decode_split_kernel(
     q_rows = q_ptr + seq.to(tl.int64) * stride_q_tok + heads * stride_q_head
     q = tl.load(q_rows[:, None] + dims[None, :], mask=head_ok[:, None], other=0.0)
     q = q.to(DOT_DTYPE)
+    rotated = q
+    if COMPACT:  # the rotated query has q's strides
+        rotated_rows = rotated_ptr + seq.to(tl.int64) * stride_q_tok + heads * stride_q_head
+        rotated = tl.load(rotated_rows[:, None] + dims[None, :], mask=head_ok[:, None], other=0.0)
+        rotated = rotated.to(DOT_DTYPE)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # finite: a tile wholly outside a row's window then adds nothing instead of NaN
@@ -92,14 +104,11 @@ def _decode_split_kernel(
             table, first, end, kv_head, stride_blk, stride_head, stride_tok, TILE_N, BLOCK_SIZE,
             lowest,
         )  # fmt: skip
-        scores = tile_scores(
-            q, k_cache_ptr, offsets, valid, scale_log2, softcap,
-            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION, SOFTCAP,
-        )  # fmt: skip
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        row_max, row_sum, acc = online_softmax_step(
-            scores, row_max, row_sum, acc, v_cache_ptr, offsets, valid,
-            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION,
+        row_max, row_sum, acc = attend_tile(
+            row_max, row_sum, acc, q, rotated, valid[None, :], table + first // BLOCK_SIZE,
+            k_cache_ptr, v_cache_ptr, offsets, valid, tiles_ptr, compact_offset, kv_head,
+            stride_cblk, stride_chead, scale_log2, softcap,
+            HEAD_DIM, BLOCK_SIZE, KV_FORMAT, DOT_DTYPE, PRECISION, SOFTCAP, COMPACT,
         )  # fmt: skip
 
     part = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_splits + split
@@ -186,6 +195,7 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    compact: CompactOperands | None = None,
     split_tokens: int | None = None,
     tile_tokens: int | None = None,
     num_warps: int = 4,
@@ -197,12 +207,15 @@ def decode_attention(
     ``block_tables`` (int32). ``max_seq_len`` bounds ``seq_lens`` (host int; under a CUDA
     graph, the bound the graph was captured with). ``sliding_window`` ``W``: the query
     sees only the last ``W`` positions; ``logit_softcap`` ``c``: scores become
-    ``c * tanh(score / c)``. ``split_tokens`` (a multiple of the
+    ``c * tanh(score / c)``. With ``compact``, table entries from ``compact.offset`` on
+    name its compact blocks, and a tile is one block. ``split_tokens`` (a multiple of the
     tile) overrides the split plan; ``tile_tokens``, ``num_warps``, ``num_stages`` tune
     the kernel. Returns ``q``'s shape and dtype."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    tile = tile_tokens or default_tile_tokens(block_size, fmt)
+    tile = tile_tokens or (default_tile_tokens(block_size, fmt) if compact is None else block_size)
+    if compact is not None and tile != block_size:
+        raise ValueError(f"over compact blocks a tile is one block ({block_size}), not {tile}")
     if num_stages is None:
         num_stages = 2 if fmt.quantized else 3
     if tile < max(16, block_size) or tile & (tile - 1):
@@ -226,11 +239,13 @@ def decode_attention(
         (num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device
     )
     part_sum = torch.empty_like(part_max)
+    tiles, compact_offset, rotated, stride_cblk, stride_chead = compact_args(compact, q, k_cache)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
+        tiles, compact_offset, rotated,
         scale * LOG2_E, sliding_window or NO_WINDOW, logit_softcap or 0.0, split_tokens,
         q.stride(0), q.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_cblk, stride_chead,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -240,6 +255,7 @@ def decode_attention(
         DOT_DTYPE=triton_dtype(operands),
         PRECISION=dot_precision(operands),
         SOFTCAP=bool(logit_softcap),
+        COMPACT=compact is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.gpu.compact_tiles import CompactOperands, compact_args
 from pagedllm.gpu.kernel_dtypes import dot_dtype, dot_precision, triton_dtype
 from pagedllm.gpu.kv_codes import kernel_format
-from pagedllm.gpu.paged_tiles import LOG2_E, online_softmax_step, tile_offsets, tile_scores
+from pagedllm.gpu.paged_tiles import LOG2_E, attend_tile, tile_offsets
 from pagedllm.gpu.triton_decode import NO_WINDOW
 from pagedllm.kv_storage.kv_quant import KVFormat
 
@@ -33,6 +34,9 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    tiles_ptr,
+    compact_offset,
+    rotated_ptr,
     scale_log2,
     window,
     softcap,
@@ -44,6 +48,8 @@ def _prefill_kernel(
     stride_blk,
     stride_head,
     stride_tok,
+    stride_cblk,
+    stride_chead,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -53,6 +59,7 @@ def _prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -72,6 +79,13 @@ def _prefill_kernel(
     q_rows = q_ptr + (q_start + token).to(tl.int64) * stride_q_tok + heads * stride_q_head
     q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(DOT_DTYPE)
+    rotated = q
+    if COMPACT:  # the rotated query has q's strides
+        rotated_rows = (
+            rotated_ptr + (q_start + token).to(tl.int64) * stride_q_tok + heads * stride_q_head
+        )
+        rotated = tl.load(rotated_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        rotated = rotated.to(DOT_DTYPE)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     end = seq_len - q_len + last_token + 1  # past the last position these rows see
@@ -87,17 +101,14 @@ def _prefill_kernel(
             table, first, end, kv_head, stride_blk, stride_head, stride_tok, BLOCK_N, BLOCK_SIZE,
             lowest,
         )  # fmt: skip
-        scores = tile_scores(
-            q, k_cache_ptr, offsets, valid, scale_log2, softcap,
-            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION, SOFTCAP,
-        )  # fmt: skip
         key_position = first + tl.arange(0, BLOCK_N)
         visible = (key_position[None, :] <= position[:, None]) & valid[None, :]
         visible = visible & (key_position[None, :] > position[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        row_max, row_sum, acc = online_softmax_step(
-            scores, row_max, row_sum, acc, v_cache_ptr, offsets, valid,
-            HEAD_DIM, KV_FORMAT, DOT_DTYPE, PRECISION,
+        row_max, row_sum, acc = attend_tile(
+            row_max, row_sum, acc, q, rotated, visible, table + first // BLOCK_SIZE,
+            k_cache_ptr, v_cache_ptr, offsets, valid, tiles_ptr, compact_offset, kv_head,
+            stride_cblk, stride_chead, scale_log2, softcap,
+            HEAD_DIM, BLOCK_SIZE, KV_FORMAT, DOT_DTYPE, PRECISION, SOFTCAP, COMPACT,
         )  # fmt: skip
 
     out = acc / row_sum[:, None]
@@ -122,6 +133,7 @@ def prefill_attention(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    compact: CompactOperands | None = None,
     block_m: int = 64,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -133,12 +145,15 @@ def prefill_attention(
     ``[num_blocks, num_kv_heads, block_size, row]`` read through ``block_tables``.
     ``max_query_len`` bounds the query lengths (host int). ``sliding_window`` ``W``: a
     row at position ``p`` sees positions ``p - W + 1 .. p`` only; ``logit_softcap``
-    ``c``: scores become ``c * tanh(score / c)``. Returns ``q``'s shape and dtype; makes
-    no host synchronisation."""
+    ``c``: scores become ``c * tanh(score / c)``. With ``compact``, table entries from
+    ``compact.offset`` on name its compact blocks, and ``block_n`` is one block. Returns
+    ``q``'s shape and dtype; makes no host synchronisation."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_n = block_n or max(block_size, 32)
+    block_n = block_n or (max(block_size, 32) if compact is None else block_size)
+    if compact is not None and block_n != block_size:
+        raise ValueError(f"over compact blocks block_n is one block ({block_size}), not {block_n}")
     if block_n < max(16, block_size) or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= max(16, block_size), got {block_n}")
     if block_m < 16 or block_m & (block_m - 1):
@@ -149,11 +164,13 @@ def prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     row_tiles = math.ceil(max_query_len * group / block_m)
+    tiles, compact_offset, rotated, stride_cblk, stride_chead = compact_args(compact, q, k_cache)
     _prefill_kernel[(num_seqs, row_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        tiles, compact_offset, rotated,
         scale * LOG2_E, sliding_window or NO_WINDOW, logit_softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_cblk, stride_chead,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -163,6 +180,7 @@ def prefill_attention(
         DOT_DTYPE=triton_dtype(operands),
         PRECISION=dot_precision(operands),
         SOFTCAP=bool(logit_softcap),
+        COMPACT=compact is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
