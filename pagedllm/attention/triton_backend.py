@@ -9,10 +9,12 @@ import torch
 
 from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.gpu.compact_tiles import CompactOperands
 from pagedllm.gpu.kernel_dtypes import QUERY_DTYPES
 from pagedllm.gpu.triton_decode import decode_attention
 from pagedllm.gpu.triton_kv_write import write_kv
 from pagedllm.gpu.triton_prefill import prefill_attention
+from pagedllm.kv_storage.int4_codec import hadamard
 from pagedllm.kv_storage.kv_cache import KVCache
 
 
@@ -29,6 +31,10 @@ class TritonAttentionBackend:
     cache's device: ``slot_mapping`` int64, the others int32. The cache lives on a CUDA
     device, or on the CPU under Triton's interpreter. ``head_dim`` must be a power of
     two from 16 to 256.
+
+    Over a cache with compact blocks (``kv_cache_dtype="int4"``) the kernels read both
+    kinds through the same tables, compact keys against the query rotated like them
+    (:mod:`pagedllm.gpu.compact_tiles`), one block per tile.
     """
 
     def __init__(self, kv_cache: KVCache) -> None:
@@ -40,12 +46,9 @@ class TritonAttentionBackend:
         device = kv_cache.tensor.device
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the Triton backend needs a CUDA cache, got one on {device}")
-        if kv_cache.compact is not None:
-            raise ValueError(
-                "kv_cache_dtype='int4' (compact 4-bit blocks) runs on the CPU's C++ kernel; "
-                "the Triton kernels do not read compact blocks yet"
-            )
         self.kv_cache = kv_cache
+        # H of order head_dim on the cache's device (float32), made once
+        self._hadamard = None if kv_cache.compact is None else hadamard(head_dim).to(device)
 
     def forward(
         self,
@@ -74,6 +77,11 @@ class TritonAttentionBackend:
         keys, values = cache.stored_key(layer_idx), cache.stored_value(layer_idx)
         write_kv(k.contiguous(), v.contiguous(), keys, values, metadata.slot_mapping, cache.format)
         q = q.contiguous()
+        compact = None
+        if cache.compact is not None:
+            # float32, contiguous like q: the kernels read it with q's strides
+            rotated = q.float() @ self._hadamard
+            compact = CompactOperands(cache.compact.tiles(layer_idx), cache.compact_offset, rotated)
         if metadata.is_decode_only:
             if num_tokens != metadata.num_seqs:
                 raise ValueError("a decode-only batch has one query row per sequence")
@@ -81,9 +89,11 @@ class TritonAttentionBackend:
                 q, keys, values, metadata.block_tables, metadata.seq_lens,
                 metadata.max_seq_len, options.scale, cache.format,
                 sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
+                compact=compact,
             )  # fmt: skip
         return prefill_attention(
             q, keys, values, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.max_query_len, options.scale, cache.format,
             sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
+            compact=compact,
         )  # fmt: skip
