@@ -5,7 +5,8 @@ pass keys, greedy agreement, capacity and decode attention time, per format and,
 Every measure runs ``LLMEngine`` as a user would (chunked prefill of
 ``--chunk`` tokens, prefix caching off so that no run borrows another's K/V):
 
-1. ``perplexity``: the first ``--max-len`` tokens of a novel (Pride and Prejudice, see
+1. ``perplexity``: the first ``--max-len`` tokens (at most the model's positions less
+   one) of a novel (Pride and Prejudice, see
    :func:`~pagedllm.bench.long_context.novel_text`) as one prompt, scored by its prompt
    logprobs; perplexity over the first 2k, 4k and 8k tokens, and the mean NLL
    difference to the first scheme over the second half of each.
@@ -76,17 +77,16 @@ def engine_for(args, loaded: LoadedModel, scheme: str, max_len: int) -> LLM:
 
 
 def perplexity_records(args, loaded: LoadedModel, token_ids: list[int]) -> None:
-    lengths = [n for n in (2048, 4096, 8192) if n <= len(token_ids) - 1]
+    lengths = sorted({min(n, len(token_ids) - 1) for n in (2048, 4096, 8192)})
     scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
     base = None
     for scheme in args.schemes:
         start = time.perf_counter()
-        llm = engine_for(args, loaded, scheme, len(token_ids) + 1)
+        llm = engine_for(args, loaded, scheme, len(token_ids) + 1)  # one token generated
         (output,) = llm.generate([{"prompt_token_ids": token_ids}], scored, use_tqdm=False)
-        nll = [
-            -entry[token].logprob
-            for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)
-        ]
+        scored_tokens = output.prompt_logprobs[1:]
+        assert [entry.token_id for entry in scored_tokens] == token_ids[1:]
+        nll = [-entry.logprob for entry in scored_tokens]
         base = base or nll
         record = {"measure": "perplexity", "scheme": scheme, "tokens": len(nll)}
         for n in lengths:
@@ -215,7 +215,9 @@ def main() -> None:
     if "capacity" in measures:
         capacity_records(args, loaded)
     if "perplexity" in measures:
-        token_ids = loaded.tokenizer.encode(novel_text())[: args.max_len + 1]
+        # the prompt and one generated token within the model's positions
+        limit = loaded.config.max_position_embeddings - 1
+        token_ids = loaded.tokenizer.encode(novel_text())[: min(args.max_len, limit)]
         perplexity_records(args, loaded, token_ids)
     if "passkey" in measures:
         passkey_records(args, loaded)

@@ -433,8 +433,8 @@ class EngineConfig:
         self._check_by_age()
 
     def _check_by_age(self) -> None:
-        """int4's compact blocks are allocated on demand (the attention backend refuses
-        them where its kernels do not read them)."""
+        """int4's compact blocks are allocated on demand, with recompute preemption
+        and without a draft model."""
         if not self.kv_cache_dtype.by_age:
             return
         if self.kv_recent_tokens < 0:
