@@ -36,6 +36,7 @@ import time
 import torch
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedllm.bench.agreement import agreement
 from pagedllm.bench.long_context import ANSWER_TOKENS, novel_text, passkey_prompt
 from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import synthetic_workload
@@ -142,18 +143,15 @@ def agreement_records(args, loaded: LoadedModel) -> None:
             prompts, greedy, use_tqdm=False
         )
         runs[scheme] = [out.outputs[0].token_ids for out in outputs]
-        first_diffs, equal = [], 0
-        for want, have in zip(runs[args.agreement_reference], runs[scheme], strict=True):
-            same = [a == b for a, b in zip(want, have, strict=True)]
-            equal += sum(same)
-            first_diffs.append(same.index(False) if False in same else len(same))
+        agreed = agreement(runs[args.agreement_reference], runs[scheme])
+        first_diffs = agreed.first_differences
         emit(
             measure="agreement",
             scheme=scheme,
             reference=args.agreement_reference,
             prompts=len(prompts),
             gen_tokens=args.gen_tokens,
-            equal_share=round(equal / (len(prompts) * args.gen_tokens), 4),
+            equal_share=round(agreed.equal_share, 4),
             mean_first_difference=round(sum(first_diffs) / len(first_diffs), 1),
             seconds=round(time.perf_counter() - start, 1),
         )

@@ -30,6 +30,7 @@ from importlib.metadata import metadata
 import torch
 
 from pagedllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedllm.bench.agreement import agreement
 from pagedllm.bench.chunked_nll import chunked_nll, text_cache
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows, resolve_kv_format
@@ -139,19 +140,15 @@ def agreement_records(args, loaded: LoadedModel, token_ids: list[int]) -> None:
         reference = runs.get("auto")
         if reference is None:
             continue
-        first_diffs, equal = [], 0
-        for want, have in zip(reference, runs[name], strict=True):
-            same = [a == b for a, b in zip(want, have, strict=True)]
-            equal += sum(same)
-            first_diffs.append(same.index(False) if False in same else len(same))
+        agreed = agreement(reference, runs[name])
         emit(
             record="agreement",
             kv_cache_dtype=name,
             prompts=args.prompts,
             prompt_len=args.prompt_len,
             gen_tokens=args.gen_tokens,
-            equal_share=round(equal / (args.prompts * args.gen_tokens), 4),
-            first_difference=first_diffs,
+            equal_share=round(agreed.equal_share, 4),
+            first_difference=agreed.first_differences,
             seconds=round(time.perf_counter() - begin, 1),
         )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import mmap
 import sys
 
@@ -61,6 +62,18 @@ def release_free_memory() -> bool:
 
 
 HUGE_PAGE = 2 << 20  # bytes
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed, committed tensor of ``shape`` for a pool read all over (the KV cache),
+    on the CPU in a region advised for 2 MiB pages (:func:`huge_page_region`): decode
+    reads one block of 16 rows per (block, head) from all over the pool, and in 4 KiB
+    pages nearly every block missed the TLB (bfloat16 decode attention 1.09-1.16x faster
+    in huge pages, float32 1.00-1.04x, on a 2-core Zen 4)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return huge_page_region(nbytes, commit=True)[:nbytes].view(dtype).view(shape)
 
 
 def huge_page_region(nbytes: int, huge_pages: bool = True, commit: bool = False) -> torch.Tensor:

@@ -30,12 +30,11 @@ key, and ``@ H`` turns it back.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from pagedllm.cpu.allocator import huge_page_region
+from pagedllm.cpu.allocator import zeroed_pool
 from pagedllm.kv_storage.int4_codec import hadamard, quantize_groups
 
 
@@ -168,12 +167,7 @@ class CompactKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_blocks, num_kv_heads, self.layout.tile_bytes)
-        device = torch.device(device)
-        if device.type == "cpu":
-            nbytes = math.prod(shape)
-            self.tensor = huge_page_region(nbytes, commit=True)[:nbytes].view(shape)
-        else:
-            self.tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self.tensor = zeroed_pool(shape, torch.uint8, torch.device(device))
         self._layers = [self.tensor[i] for i in range(num_layers)]
 
     @property

@@ -28,12 +28,11 @@ its writes"), into the per-layer views :meth:`KVCache.stored_key` and
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from pagedllm.cpu.allocator import huge_page_region
+from pagedllm.cpu.allocator import zeroed_pool
 from pagedllm.kv.capacity import block_bytes, pool_blocks
 from pagedllm.kv_storage.compact_blocks import CompactKVCache, encode_tiles
 from pagedllm.kv_storage.kv_quant import KVCacheDtype, KVFormat, decode_rows, resolve_kv_format
@@ -85,7 +84,7 @@ class KVCache:
         self.dtype = self.format.storage_dtype
         row = self.format.row_width(head_dim)
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, row)
-        self.tensor = self._zeros(shape, torch.device(device))
+        self.tensor = zeroed_pool(shape, self.dtype, torch.device(device))
         # Per-layer views made once: a view per layer per step costs a few microseconds.
         self._stored_keys = [self.tensor[i, 0] for i in range(num_layers)]
         self._stored_values = [self.tensor[i, 1] for i in range(num_layers)]
@@ -97,16 +96,6 @@ class KVCache:
             self.compact = CompactKVCache(
                 num_layers, num_compact_blocks, block_size, num_kv_heads, head_dim, device
             )
-
-    def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """The pool, zeroed and committed; on the CPU in a region advised for 2 MiB pages:
-        decode reads one block of 16 rows per (block, head) from all over the pool, and in
-        4 KiB pages nearly every block missed the TLB (bfloat16 decode attention
-        1.09-1.16x faster in huge pages, float32 1.00-1.04x, on a 2-core Zen 4)."""
-        if device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=device)
-        nbytes = math.prod(shape) * self.dtype.itemsize
-        return huge_page_region(nbytes, commit=True)[:nbytes].view(self.dtype).view(shape)
 
     @classmethod
     def from_budget(
