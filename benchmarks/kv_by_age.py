@@ -17,6 +17,9 @@ Every measure runs ``LLMEngine`` as a user would (chunked prefill of
    each output first differs.
 4. ``capacity``: tokens per GiB of one sequence of ``--max-len`` tokens, counting
    compact blocks, their scales and the full-size blocks of its recent window.
+5. ``decode``: one sequence's decode speed (tokens/s after its first token, the whole
+   engine step) after a prompt of each ``--decode-contexts`` length, schemes in
+   alternating rounds, medians of ``--rounds``.
 
 Schemes: a ``kv_cache_dtype`` (``float32`` is the model's own, ``auto``), and
 ``int4@R`` for ``int4`` with ``kv_recent_tokens=R``.
@@ -31,6 +34,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import time
 
 import torch
@@ -157,6 +161,42 @@ def agreement_records(args, loaded: LoadedModel) -> None:
         )
 
 
+def decode_seconds(llm: LLM, prompt_ids: list[int], num_tokens: int) -> float:
+    """Seconds per generated token after the first, stepping ``llm``'s engine."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    engine.add_request("decode", {"prompt_token_ids": prompt_ids}, params)
+    start = None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if start is None and outputs and outputs[0].outputs[0].token_ids:
+            start = time.perf_counter()
+    return (time.perf_counter() - start) / (num_tokens - 1)
+
+
+def decode_records(args, loaded: LoadedModel) -> None:
+    contexts = [int(n) for n in args.decode_contexts.split(",")]
+    text = loaded.tokenizer.encode(novel_text())
+    for context in contexts:
+        engines = {s: engine_for(args, loaded, s, context + args.gen_tokens) for s in args.schemes}
+        times: dict[str, list[float]] = {s: [] for s in args.schemes}
+        for _ in range(args.rounds):
+            for scheme, llm in engines.items():
+                times[scheme].append(decode_seconds(llm, text[:context], args.gen_tokens))
+        base = statistics.median(times[args.schemes[0]])
+        for scheme, seconds in times.items():
+            median = statistics.median(seconds)
+            emit(
+                measure="decode",
+                scheme=scheme,
+                context=context,
+                tokens_per_s=round(1 / median, 2),
+                vs_first=round(base / median, 3),
+                runs=[round(1 / s, 2) for s in seconds],
+            )
+        del engines
+
+
 def capacity_records(args, loaded: LoadedModel) -> None:
     """Bytes one ``--max-len``-token sequence holds per format (the engine's own block
     arithmetic), and tokens per GiB against bfloat16."""
@@ -205,6 +245,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="agreement prompts")
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--agreement-reference", default="bfloat16")
+    parser.add_argument("--decode-contexts", default="2048,8000")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
     measures = args.measure.split(",")
@@ -221,6 +263,8 @@ def main() -> None:
         passkey_records(args, loaded)
     if "agreement" in measures:
         agreement_records(args, loaded)
+    if "decode" in measures:
+        decode_records(args, loaded)
 
 
 if __name__ == "__main__":
