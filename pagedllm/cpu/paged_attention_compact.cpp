@@ -56,31 +56,56 @@ constexpr int64_t kMinParallelWork = 16384;
 constexpr int64_t kUnitsPerThread = 8;
 constexpr int64_t kMinPartPositions = 1024;
 // Blocks are scattered, so the hardware prefetcher cannot run ahead of a unit: each
-// block's data are fetched this many blocks ahead.
+// block's data are fetched this many blocks ahead (Ahead).
 constexpr int64_t kBlocksAhead = 2;
 
 // Per-thread state of one unit's rows, `nv` vectors per row: the query scaled by the
-// softmax scale, the same rotated, the output accumulator, running max and sum.
+// softmax scale, the same rotated, the output accumulator, running max; and 16 partial
+// sums each of the softmax denominator and of p times the value zero points (added to
+// every channel at the end).
 struct Scratch {
-  std::vector<vfloat> query, rotated, acc;
-  std::vector<float> row_max, row_sum;
+  std::vector<vfloat> query, rotated, acc, row_sum, zeros;
+  std::vector<float> row_max;
   std::vector<int64_t> pos;  // each row's position in its sequence
   void resize(int64_t rows, int64_t nv) {
     query.resize(rows * nv);
     rotated.resize(rows * nv);
     acc.resize(rows * nv);
-    row_max.resize(rows);
     row_sum.resize(rows);
+    zeros.resize(rows);
+    row_max.resize(rows);
     pos.resize(rows);
   }
 };
 
-// Fetches the cache lines of [p, p + bytes) into L2.
-inline void prefetch_lines(const void* p, int64_t bytes) {
+// Fetches the cache lines of [p, p + bytes) into L2. Inlined early on purpose: GCC 12
+// takes a function of prefetches alone for one without effects and drops the calls.
+[[gnu::always_inline]] inline void prefetch_lines(const void* p, int64_t bytes) {
   const auto* c = static_cast<const char*>(p);
   const char* line = c - reinterpret_cast<uintptr_t>(c) % 64;
   for (; line < c + bytes; line += 64) __builtin_prefetch(line, 0, 1);
 }
+
+// The block a unit reads kBlocksAhead blocks after the current one, fetched into L2 one
+// slice per 16 positions scored: a compact block's tile, or a full block's K and V rows.
+// All of a block at once (72 lines of a tile) overflows the queue of misses: measured
+// no faster than no prefetch at all.
+struct Ahead {
+  const char* tile = nullptr;  // or
+  const char* k = nullptr;     // and v: a full block's first rows, `stride` bytes apart
+  const char* v = nullptr;
+  int64_t block_size = 0, bytes = 0, stride = 0;  // bytes: of the tile, or of a row
+
+  // The data of positions [t, t + 16).
+  [[gnu::always_inline]] void fetch(int64_t t) const {
+    if (tile) return prefetch_lines(tile + bytes * t / block_size, bytes * kLanes / block_size);
+    if (!k) return;
+    for (int64_t l = t; l < t + kLanes; ++l) {
+      prefetch_lines(k + l * stride, bytes);
+      prefetch_lines(v + l * stride, bytes);
+    }
+  }
+};
 
 // Lane l: the float value of the low 4 bits of lane l of x.
 inline vfloat nibble_values(vuint x) {
@@ -101,6 +126,44 @@ inline vuint widen_bytes(const uint8_t* p) {
   vbyte b;
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vuint);
+#endif
+}
+
+// acc + in lane l the sum over its 4 bytes b of byte b of x (unsigned) times byte b of w
+// (signed): the VNNI dot product of bytes.
+inline vint dot_bytes(vint acc, vuint x, vint w) {
+#ifdef __AVX512VNNI__
+  return (vint)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)x, (__m512i)w);
+#else
+  for (int b = 0; b < 4; ++b) acc += (vint)((x >> (8 * b)) & 255u) * ((w << (24 - 8 * b)) >> 24);
+  return acc;
+#endif
+}
+
+// The 4 bytes at p in every lane.
+inline vint broadcast_word(const int8_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, sizeof x);
+  return vint{} + x;
+}
+
+// x rounded to the nearest integers.
+inline vint round_to_int(vfloat x) {
+#ifdef __AVX512F__
+  return (vint)_mm512_cvtps_epi32((__m512)x);
+#else
+  return __builtin_convertvector(x + (x < 0.f ? vfloat{} - 0.5f : vfloat{} + 0.5f), vint);
+#endif
+}
+
+// Stores the low byte of each lane of x at p .. p + 15.
+inline void store_low_bytes(int8_t* p, vint x) {
+#ifdef __AVX512F__
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)x));
+#else
+  typedef int8_t vbyte __attribute__((vector_size(16)));
+  const vbyte b = __builtin_convertvector(x, vbyte);
+  std::memcpy(p, &b, sizeof b);
 #endif
 }
 
@@ -155,12 +218,13 @@ struct CompactKeys {
   const uint16_t* key_zero;
   const uint16_t* value_scale;
   const uint16_t* value_zero;
+  Ahead ahead;
 
   static int64_t tile_bytes(int64_t block_size) {
     return block_size * kDim + 4 * kDim + 4 * block_size;
   }
 
-  CompactKeys(const uint8_t* tile, int64_t block_size) {
+  CompactKeys(const uint8_t* tile, int64_t block_size, const Ahead& next) : ahead(next) {
     const int64_t codes = block_size * kRowBytes;
     key_codes = tile;
     value_codes = tile + codes;
@@ -170,40 +234,64 @@ struct CompactKeys {
     value_zero = value_scale + block_size;
   }
 
-  // RB rows' folded query q'[d] = q_rot[d] key_scale[d] (softmax scale included) and
-  // bias q_rot . key_zero.
+  // RB rows' folded query q'[d] = q_rot[d] key_scale[d] (softmax scale included) as
+  // integers Q[d] ~ q'[d] / scale of at most kLimbRange, kept in kLimbs signed bytes
+  // (limbs) L_l with Q = sum_l 256^l L_l, and the bias q_rot . key_zero. 24-bit integers:
+  // a score is off by at most D/2 * 15 / kLimbRange of max |q'| (~1e-4 at D = 128),
+  // float32's own order of error.
+  static constexpr int kLimbs = 3;
+  // The largest Q whose limbs are all within a signed byte, 127 (1 + 256 + 65536), less
+  // a margin for the rounding of max |q'| / scale.
+  static constexpr float kLimbRange = 127.f * (1 + 256 + 65536) - 64;
   template <int RB>
   struct Query {
-    alignas(64) float folded[RB][kDim];
-    float bias[RB];
+    alignas(64) int8_t limbs[RB][kLimbs][kDim];
+    float scale[RB], bias[RB];
   };
 
   template <int RB>
   void fold(const vfloat* rotated, Query<RB>& q) const {
     for (int i = 0; i < RB; ++i) {
-      vfloat bias = vfloat{};
+      vfloat folded[NV], bias = vfloat{}, magnitude = vfloat{};
       for (int j = 0; j < NV; ++j) {
         const vfloat x = rotated[i * NV + j];
-        const vfloat folded = x * load(key_scale + j * kLanes);
-        std::memcpy(&q.folded[i][j * kLanes], &folded, sizeof folded);
+        folded[j] = x * load(key_scale + j * kLanes);
         bias = fmadd(x, load(key_zero + j * kLanes), bias);
+        const vfloat a = folded[j] < 0.f ? -folded[j] : folded[j];
+        magnitude = magnitude > a ? magnitude : a;
       }
+      const float max = hmax(magnitude);
+      const float inverse = max > 0.f ? kLimbRange / max : 0.f;
+      q.scale[i] = max / kLimbRange;
       q.bias[i] = hsum(bias);
+      for (int j = 0; j < NV; ++j) {
+        // Limb l is the low byte of Q_l, Q_0 = Q and Q_{l+1} = (Q_l + 128) >> 8: signed
+        // digits, so Q_l - L_l is a multiple of 256.
+        vint digits = round_to_int(folded[j] * inverse);
+        for (int l = 0; l < kLimbs; ++l) {
+          store_low_bytes(&q.limbs[i][l][j * kLanes], digits);
+          digits = (digits + 128) >> 8;
+        }
+      }
     }
   }
 
   // Scores of tokens t .. t + 15 (t a multiple of 16), one per lane. The 16 code rows
   // (64 N bytes) load as N registers and transpose so that register k holds dword k of
-  // every token's row, i.e. channels 4k .. 4k + 3 (low nibbles) and 4k + D/2 .. (high):
-  // 8 shifts of it give 8 channels' codes of all 16 tokens. D = 256 goes in two halves.
-  // Each row sums into kAcc chains, so that RB of them keep the FMA units busy.
+  // every token's row: channels 4k .. 4k + 3 in its low nibbles, 4k + D/2 .. in its high
+  // ones, which a mask (and a shift) turn into 4 bytes of codes per lane to meet 4 bytes
+  // of a limb in the dot product of bytes. D = 256 goes in two halves.
   template <int RB>
   void scores(const Query<RB>& q, int64_t t, int, int, vfloat (&out)[RB]) const {
+    ahead.fetch(t);
     constexpr int kWords = kDim / 8;  // dwords per code row
     constexpr int N = std::min(kWords, kLanes);
-    constexpr int kAcc = RB >= 3 ? 2 : 8 / RB;
     const uint8_t* codes = key_codes + t * kRowBytes;
-    vfloat acc[RB][kAcc] = {};
+    // The limbs are the same for every 16 tokens; read through a pointer the compiler
+    // cannot follow, else it hoists their broadcasts out of the caller's loop and spills.
+    const int8_t* limbs = &q.limbs[0][0][0];
+    asm volatile("" : "+r"(limbs));
+    vint acc[RB][kLimbs] = {};
     for (int half = 0; half < kWords / N; ++half) {
       vuint col[N];
       for (int r = 0; r < N; ++r)
@@ -212,19 +300,21 @@ struct CompactKeys {
 #pragma GCC unroll 16
       for (int k = 0; k < N; ++k) {
         const int word = half * N + k;
-#pragma GCC unroll 8
-        for (int n = 0; n < 8; ++n) {
-          const vfloat codes_f = nibble_values(n ? col[k] >> (4 * n) : col[k]);
-          const int dim = 4 * word + n / 2 + (n % 2) * kDim / 2;
-          for (int i = 0; i < RB; ++i)
-            acc[i][n % kAcc] = fmadd(broadcast(q.folded[i][dim]), codes_f, acc[i][n % kAcc]);
-        }
+        const vuint low = col[k] & 0x0F0F0F0Fu, high = (col[k] >> 4) & 0x0F0F0F0Fu;
+        for (int i = 0; i < RB; ++i)
+          for (int l = 0; l < kLimbs; ++l) {
+            const int8_t* limb = limbs + (i * kLimbs + l) * kDim + 4 * word;
+            acc[i][l] = dot_bytes(acc[i][l], low, broadcast_word(limb));
+            acc[i][l] = dot_bytes(acc[i][l], high, broadcast_word(limb + kDim / 2));
+          }
       }
     }
     for (int i = 0; i < RB; ++i) {
-      vfloat sum = acc[i][0];
-      for (int a = 1; a < kAcc; ++a) sum += acc[i][a];
-      out[i] = tokens_in_order<N>(sum, std::make_integer_sequence<int, kLanes>{}) + q.bias[i];
+      // |sum of limb l| <= D * 15 * 128: limbs 0 and 1 add up exactly in 32 bits.
+      const vfloat sum = __builtin_convertvector(acc[i][2], vfloat) * 65536.f +
+                         __builtin_convertvector((acc[i][1] << 8) + acc[i][0], vfloat);
+      out[i] = tokens_in_order<N>(sum * q.scale[i] + q.bias[i],
+                                  std::make_integer_sequence<int, kLanes>{});
     }
   }
 
@@ -260,6 +350,7 @@ struct FullKeys {
   const Elem* k;
   const Elem* v;
   int64_t token_stride;
+  Ahead ahead;
 
   template <int RB>
   struct Query {
@@ -275,6 +366,7 @@ struct FullKeys {
   // rows are never loaded): dot products, 16 summed at once by transpose_sum.
   template <int RB>
   void scores(const Query<RB>& q, int64_t t, int lo, int hi, vfloat (&out)[RB]) const {
+    ahead.fetch(t);
     vfloat parts[RB][kLanes];
     alignas(64) float k_scales[kLanes];
     for (int l = 0; l < kLanes; ++l) {
@@ -328,14 +420,16 @@ struct FullKeys {
 template <int NV, int RB, typename Keys>
 void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, int64_t first,
                  int64_t step, int64_t n, int64_t r0, const Shapes& s, Scratch& w) {
-  // Row i sees step positions [from[i], to[i]); the rows together [lo, hi).
+  // Row i sees step positions [from[i], to[i]); the rows together [lo, hi); all of
+  // them all n when `whole`.
   int64_t from[RB], to[RB], lo = n, hi = 0;
-  bool any = false;
+  bool any = false, whole = n % kLanes == 0;
   for (int i = 0; i < RB; ++i) {
     const int64_t pos = w.pos[r0 + i] - first - step;  // the row's own position
     to[i] = std::clamp<int64_t>(pos + 1, 0, n);
     from[i] = s.sliding_window ? std::clamp<int64_t>(pos - s.sliding_window + 1, 0, n) : 0;
     any = any || from[i] < to[i];
+    whole = whole && from[i] == 0 && to[i] == n;
     lo = std::min(lo, from[i]);
     hi = std::max(hi, to[i]);
   }
@@ -348,37 +442,49 @@ void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, i
     keys.template scores<RB>(q, step + g * kLanes, l_lo, l_hi, score[g]);
   }
   const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  alignas(64) float weight[RB][kStep];  // p * value scale, by position in the step
-  float correction[RB], zero_sum[RB];
+  vint visible[kGroups][RB];  // unless whole
+  static_assert(RB <= 4, "max_of_rows reduces four rows");
+  vfloat chunk_max[4];
+  for (int i = 0; i < 4; ++i) chunk_max[i] = broadcast(kMinScore);
   for (int i = 0; i < RB; ++i) {
-    vint visible[kGroups];
-    vfloat max = broadcast(kMinScore);
     for (int g = g_lo; g < g_hi; ++g) {
       vfloat x = score[g][i];
       if (s.logit_softcap > 0.f) {
         for (int l = 0; l < kLanes; ++l) x[l] = s.logit_softcap * std::tanh(x[l] / s.logit_softcap);
       }
-      const vint index = lane + g * kLanes;
-      visible[g] = (index >= static_cast<int>(from[i])) & (index < static_cast<int>(to[i]));
-      x = visible[g] ? x : broadcast(kMinScore);
+      if (!whole) {
+        const vint index = lane + g * kLanes;
+        visible[g][i] = (index >= static_cast<int>(from[i])) & (index < static_cast<int>(to[i]));
+        x = visible[g][i] ? x : broadcast(kMinScore);
+      }
       score[g][i] = x;
-      max = max > x ? max : x;
+      chunk_max[i] = chunk_max[i] > x ? chunk_max[i] : x;
     }
-    const float old_max = w.row_max[r0 + i];
-    const float new_max = std::max(old_max, hmax(max));
-    correction[i] = std::exp(old_max - new_max);
-    w.row_max[r0 + i] = new_max;
+  }
+  // The rows' maxima before and after this step, row i in lane i.
+  float* row_max = &w.row_max[r0];
+  vfloat old_max = broadcast(kMinScore);
+  std::memcpy(&old_max, row_max, RB * sizeof(float));
+  const vfloat chunk_maxima = max_of_rows(chunk_max);
+  const vfloat new_max = old_max > chunk_maxima ? old_max : chunk_maxima;
+  std::memcpy(row_max, &new_max, RB * sizeof(float));
+  // exp(old max - new max) per row: exactly 1 where the maximum did not move.
+  const vfloat correction = vexp(old_max - new_max);
+  alignas(64) float weight[RB][kStep];  // p * value scale, by position in the step
+  for (int i = 0; i < RB; ++i) {
     vfloat sum = vfloat{}, zeros = vfloat{};
     for (int g = g_lo; g < g_hi; ++g) {
-      const vfloat p = visible[g] ? vexp(score[g][i] - new_max) : vfloat{};
+      vfloat p = vexp(score[g][i] - new_max[i]);
+      if (!whole) p = visible[g][i] ? p : vfloat{};
       sum += p;
-      const vfloat u = p * keys.value_scales(step + g * kLanes, std::max<int64_t>(lo - g * kLanes, 0),
-                                             std::min<int64_t>(hi - g * kLanes, kLanes));
+      const int l_lo = static_cast<int>(std::max<int64_t>(lo - g * kLanes, 0));
+      const int l_hi = static_cast<int>(std::min<int64_t>(hi - g * kLanes, kLanes));
+      const vfloat u = p * keys.value_scales(step + g * kLanes, l_lo, l_hi);
       std::memcpy(&weight[i][g * kLanes], &u, sizeof u);
       if constexpr (Keys::kZeros) zeros = fmadd(p, keys.value_zeros(step + g * kLanes), zeros);
     }
-    w.row_sum[r0 + i] = w.row_sum[r0 + i] * correction[i] + hsum(sum);
-    zero_sum[i] = hsum(zeros);
+    w.row_sum[r0 + i] = w.row_sum[r0 + i] * correction[i] + sum;
+    w.zeros[r0 + i] = w.zeros[r0 + i] * correction[i] + zeros;
   }
   constexpr int VB = kValueRows<NV, RB>;
   for (int v0 = 0; v0 < RB; v0 += VB) {
@@ -390,10 +496,7 @@ void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, i
     }
     keys.template values<VB>(step, lo, hi, weights, acc);
     for (int i = 0; i < VB; ++i)
-      for (int j = 0; j < NV; ++j) {
-        if constexpr (Keys::kZeros) acc[i][j] += zero_sum[v0 + i];
-        w.acc[(r0 + v0 + i) * NV + j] = acc[i][j];
-      }
+      for (int j = 0; j < NV; ++j) w.acc[(r0 + v0 + i) * NV + j] = acc[i][j];
   }
 }
 
@@ -464,7 +567,7 @@ void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
     }
     w.pos[r] = tile.first_pos + r / (s.num_q_heads / s.num_kv_heads);
     w.row_max[r] = kMinScore;
-    w.row_sum[r] = 0.f;
+    w.row_sum[r] = w.zeros[r] = vfloat{};
   }
   const int64_t block_size = int64_t{1} << s.block_size_shift;
   const int64_t end = tile.first_pos + tile.num_tokens;  // past the last position seen
@@ -472,7 +575,8 @@ void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
   const int64_t tile_bytes = CompactKeys<NV>::tile_bytes(block_size);
   const auto* k_cache = static_cast<const typename Rows::Elem*>(s.k_cache);
   const auto* v_cache = static_cast<const typename Rows::Elem*>(s.v_cache);
-  const int64_t row_bytes = (s.head_dim + (Rows::kScaled ? 2 : 0)) * sizeof(typename Rows::Elem);
+  const int64_t elem = sizeof(typename Rows::Elem);
+  const int64_t row_bytes = (s.head_dim + (Rows::kScaled ? 2 : 0)) * elem;
   // Where a block's data are under this kv head: its tile, or its K and V rows from
   // element offset full_offset on.
   const auto tile_of = [&](int64_t entry) {
@@ -481,43 +585,47 @@ void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
   const auto full_offset = [&](int64_t entry) {
     return entry * s.block_stride + unit.kv_head * s.head_stride;
   };
-  const auto prefetch = [&](int64_t block) {
-    const int64_t entry = table[block];
-    if (entry >= b.num_full_blocks) return prefetch_lines(tile_of(entry), tile_bytes);
-    const int64_t off = full_offset(entry);
-    for (int64_t t = 0; t < std::min(block_size, end - block * block_size); ++t) {
-      prefetch_lines(k_cache + off + t * s.token_stride, row_bytes);
-      prefetch_lines(v_cache + off + t * s.token_stride, row_bytes);
-    }
-  };
   for (int64_t block = unit.block_begin; block < unit.block_end; ++block) {
-    if (block + kBlocksAhead < unit.block_end) prefetch(block + kBlocksAhead);
+    Ahead ahead;
+    if (block + kBlocksAhead < unit.block_end) {
+      const int64_t next = table[block + kBlocksAhead];
+      if (next >= b.num_full_blocks) {
+        ahead = {reinterpret_cast<const char*>(tile_of(next)), nullptr, nullptr, block_size,
+                 tile_bytes, 0};
+      } else {
+        const int64_t off = full_offset(next);
+        ahead = {nullptr, reinterpret_cast<const char*>(k_cache + off),
+                 reinterpret_cast<const char*>(v_cache + off), block_size, row_bytes,
+                 s.token_stride * elem};
+      }
+    }
     const int64_t entry = table[block], first = block * block_size;
     const int64_t n = std::min(block_size, end - first);
     if (entry >= b.num_full_blocks) {
-      attend_block<NV>(CompactKeys<NV>(tile_of(entry), block_size), first, n, rows, s, w);
+      attend_block<NV>(CompactKeys<NV>(tile_of(entry), block_size, ahead), first, n, rows, s, w);
     } else {
       const int64_t off = full_offset(entry);
-      attend_block<NV>(FullKeys<Rows, NV>{k_cache + off, v_cache + off, s.token_stride}, first, n,
-                       rows, s, w);
+      attend_block<NV>(FullKeys<Rows, NV>{k_cache + off, v_cache + off, s.token_stride, ahead},
+                       first, n, rows, s, w);
     }
   }
-  if (unit.partial < 0) {
-    auto* out = static_cast<float*>(s.out);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float inv = 1.f / w.row_sum[r];
-      const int64_t off = row_offset(tile, unit.kv_head, r, s);
-      for (int j = 0; j < NV; ++j) {
-        const vfloat o = w.acc[r * NV + j] * inv;
-        std::memcpy(out + off + j * kLanes, &o, sizeof o);
-      }
+  // Each row's accumulator with the zero points' share, and its softmax denominator:
+  // the output once divided, or the unit's partial state.
+  auto* out = static_cast<float*>(s.out);
+  float* state = unit.partial < 0 ? nullptr : partials + unit.partial;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float zeros = hsum(w.zeros[r]), sum = hsum(w.row_sum[r]);
+    const float inv = state ? 1.f : 1.f / sum;
+    float* dst = state ? state + r * NV * kLanes : out + row_offset(tile, unit.kv_head, r, s);
+    for (int j = 0; j < NV; ++j) {
+      const vfloat o = (w.acc[r * NV + j] + zeros) * inv;
+      std::memcpy(dst + j * kLanes, &o, sizeof o);
     }
-    return;
+    if (state) {
+      state[rows * NV * kLanes + r] = w.row_max[r];
+      state[rows * (NV * kLanes + 1) + r] = sum;
+    }
   }
-  float* state = partials + unit.partial;
-  std::memcpy(state, w.acc.data(), rows * NV * sizeof(vfloat));
-  std::copy_n(w.row_max.data(), rows, state + rows * NV * kLanes);
-  std::copy_n(w.row_sum.data(), rows, state + rows * (NV * kLanes + 1));
 }
 
 // The output of m's tile under its kv head from the partial states of its units.
