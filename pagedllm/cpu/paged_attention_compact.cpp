@@ -13,15 +13,20 @@
 // state is merged with the other parts' afterwards. A row is one (query token, query
 // head) pair; rows go through a block RB at a time (grouped-query attention: the heads
 // of one kv head share every code loaded), the softmax online, one step per block or per
-// kStep positions of a longer one. Everything accumulates in float32.
+// kStep positions of a longer one, in float32.
 //
 // A compact key block is scored with its codes as they are: per channel d the folded
 // query q'[d] = q_rot[d] * key_scale[d] and once per block and row the bias
-// q_rot . key_zero, so that score_t = bias + sum_d q'[d] code[t][d]. 16 tokens' code
-// rows are transposed in registers to one vector per 4 bytes (8 channels) with a token
-// per lane, whose nibbles become float32 through a 16-entry table, so the scores come
-// out one token per lane without horizontal sums. Values accumulate
-// p_t value_scale[t] code[t][d] channel by channel and sum_t p_t value_zero[t] apart.
+// q_rot . key_zero, so that score_t = bias + sum_d q'[d] code[t][d]. The folded query
+// goes in 24-bit fixed point, three signed bytes, to meet the codes in VNNI dot products
+// of bytes summed exactly in 32 bits: 64 code products take 3 instructions and a mask,
+// against 4 float32 multiply-adds and 8 instructions to turn nibbles into floats. 16
+// tokens' code rows are transposed in registers to one vector per 4 bytes with a token
+// per lane, so the scores come out one token per lane without horizontal sums. Values accumulate p_t value_scale[t] code[t][d] in float32, channel
+// by channel, and sum_t p_t value_zero[t] apart. At 8k positions, SmolLM2's heads
+// (9 query, 3 kv, 64 channels) and blocks of 64, decode measured ~21 cycles per position
+// and kv head, about half of paged_attention's over bfloat16 blocks (AMD Zen 5; see
+// benchmarks/attention_compact.py).
 
 #include <immintrin.h>
 
@@ -113,7 +118,9 @@ struct Ahead {
 // within the product's memory operand (the kernel measured 1.05x faster without it).
 inline vint dot_bytes(vint acc, vuint x, const int8_t* w) {
 #ifdef __AVX512VNNI__
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*reinterpret_cast<const int32_t*>(w)));
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(x), "m"(*reinterpret_cast<const int32_t*>(w)));
   return acc;
 #else
   int32_t word;
@@ -285,7 +292,8 @@ struct CompactKeys {
       const float inverse = max > 0.f ? kLimbRange / max : 0.f;
       q.scale[i] = max / kLimbRange;
       q.bias[i] = hsum(bias);
-      for (int j = 0; j < NV; ++j) store_limbs(folded[j], inverse, &q.limbs[i][0][j * kLanes], kDim);
+      for (int j = 0; j < NV; ++j)
+        store_limbs(folded[j], inverse, &q.limbs[i][0][j * kLanes], kDim);
     }
   }
 
@@ -334,7 +342,7 @@ struct CompactKeys {
   // acc[i] = acc[i] correction[i] + the sum over step positions t in [lo, hi) of
   // weight[i][t] code[step + t] (weight: p times the value scale), VB rows at a time.
   template <int RB>
-  void values(int64_t step, int64_t lo, int64_t hi, int, int, const float (&weight)[RB][kStep],
+  void values(int64_t step, int64_t lo, int64_t hi, const float (&weight)[RB][kStep],
               vfloat correction, vfloat* acc) const {
     constexpr int VB = kValueRows<NV, RB>;
     for (int v0 = 0; v0 < RB; v0 += VB) {
@@ -409,8 +417,10 @@ struct FullKeys {
     }
   }
 
-  // The value rows' scales in lanes lo .. hi - 1, 0 elsewhere (rows never loaded).
+  // The value rows' scales in lanes lo .. hi - 1, 0 elsewhere (rows never loaded); 1 in
+  // every lane for rows without scales.
   vfloat value_scales(int64_t t, int lo, int hi) const {
+    if constexpr (!Rows::kScaled) return broadcast(1.f);
     vfloat x = vfloat{};
     for (int l = lo; l < hi; ++l) x[l] = row_scale<Rows>(v + (t + l) * token_stride, NV * kLanes);
     return x;
@@ -419,7 +429,7 @@ struct FullKeys {
 
   // As CompactKeys::values.
   template <int RB>
-  void values(int64_t step, int64_t lo, int64_t hi, int, int, const float (&weight)[RB][kStep],
+  void values(int64_t step, int64_t lo, int64_t hi, const float (&weight)[RB][kStep],
               vfloat correction, vfloat* acc) const {
     constexpr int VB = kValueRows<NV, RB>;
     for (int v0 = 0; v0 < RB; v0 += VB) {
@@ -461,7 +471,8 @@ void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, i
     hi = std::max(hi, to[i]);
   }
   if (!any) return;
-  const int g_lo = static_cast<int>(lo / kLanes), g_hi = static_cast<int>((hi + kLanes - 1) / kLanes);
+  const int g_lo = static_cast<int>(lo / kLanes);
+  const int g_hi = static_cast<int>((hi + kLanes - 1) / kLanes);
   vfloat score[kGroups][RB];
   for (int g = g_lo; g < g_hi; ++g) {
     const int l_lo = static_cast<int>(std::max<int64_t>(lo - g * kLanes, 0));
@@ -513,7 +524,7 @@ void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, i
     w.row_sum[r0 + i] = w.row_sum[r0 + i] * correction[i] + sum;
     w.zeros[r0 + i] = w.zeros[r0 + i] * correction[i] + zeros;
   }
-  keys.template values<RB>(step, lo, hi, g_lo, g_hi, weight, correction, &w.acc[r0 * NV]);
+  keys.template values<RB>(step, lo, hi, weight, correction, &w.acc[r0 * NV]);
 }
 
 // All rows of the scratch over positions [first, first + n) of one block, RB rows at a
