@@ -200,6 +200,13 @@ def test_other_head_dims_and_formats(head_dim, fmt_name):
     assert_matches(kernel_output(case), oracle_output(case))
 
 
+@pytest.mark.parametrize("ratio", [5, 7])
+def test_query_heads_in_no_multiple_of_2_to_4(ratio):
+    """Rows go 4 at a time and the 1 or 3 left over when no count up to 4 divides them."""
+    case = build_case([1200, 77], [1, 33], 64, ratio, 1, 128, "int8", "compact_first", seed=ratio)
+    assert_matches(kernel_output(case), oracle_output(case))
+
+
 @pytest.mark.parametrize("layout", ["compact_first", "shuffled"])
 @pytest.mark.parametrize(("window", "softcap"), [(37, 0.0), (200, 0.0), (0, 8.0), (150, 5.0)])
 def test_sliding_window_and_softcap(layout, window, softcap):

@@ -22,10 +22,11 @@
 // of bytes summed exactly in 32 bits: 64 code products take 3 instructions and a mask,
 // against 4 float32 multiply-adds and 8 instructions to turn nibbles into floats. 16
 // tokens' code rows are transposed in registers to one vector per 4 bytes with a token
-// per lane, so the scores come out one token per lane without horizontal sums. Values accumulate p_t value_scale[t] code[t][d] in float32, channel
-// by channel, and sum_t p_t value_zero[t] apart. At 8k positions, SmolLM2's heads
-// (9 query, 3 kv, 64 channels) and blocks of 64, decode measured ~21 cycles per position
-// and kv head, about half of paged_attention's over bfloat16 blocks (AMD Zen 5; see
+// per lane, so the scores come out one token per lane without horizontal sums. Values
+// accumulate p_t value_scale[t] code[t][d] in float32, channel by channel, and
+// sum_t p_t value_zero[t] apart. At 8k positions, SmolLM2's heads (9 query, 3 kv, 64
+// channels) and blocks of 64, decode measured ~21 cycles per position and kv head, about
+// half of paged_attention's over bfloat16 blocks (AMD Zen 5; see
 // benchmarks/attention_compact.py).
 
 #include <immintrin.h>
@@ -301,7 +302,8 @@ struct CompactKeys {
   // (64 N bytes) load as N registers and transpose so that register k holds dword k of
   // every token's row: channels 4k .. 4k + 3 in its low nibbles, 4k + D/2 .. in its high
   // ones, which a mask (and a shift) turn into 4 bytes of codes per lane to meet 4 bytes
-  // of a limb in the dot product of bytes. D = 256 goes in two halves.
+  // of a limb in the dot product of bytes. D = 256 goes in two halves. Each row's limbs
+  // sum in kSets interleaved chains, so that there are at least 9 to keep the units busy.
   template <int RB>
   void scores(const Query<RB>& q, int64_t t, int, int, vfloat (&out)[RB]) const {
     ahead.fetch(t);
@@ -312,7 +314,8 @@ struct CompactKeys {
     // cannot follow, else it hoists their broadcasts out of the caller's loop and spills.
     const int8_t* limbs = &q.limbs[0][0][0];
     asm volatile("" : "+r"(limbs));
-    vint acc[RB][kLimbs] = {};
+    constexpr int kSets = RB >= 3 ? 1 : 4 / RB;
+    vint acc[kSets][RB][kLimbs] = {};
     for (int half = 0; half < kWords / N; ++half) {
       vuint col[N];
       for (int r = 0; r < N; ++r)
@@ -322,16 +325,19 @@ struct CompactKeys {
       for (int k = 0; k < N; ++k) {
         const int word = half * N + k;
         const vuint low = col[k] & 0x0F0F0F0Fu, high = (col[k] >> 4) & 0x0F0F0F0Fu;
+        vint(&set)[RB][kLimbs] = acc[k % kSets];
         for (int i = 0; i < RB; ++i)
           for (int l = 0; l < kLimbs; ++l) {
             const int8_t* limb = limbs + (i * kLimbs + l) * kDim + 4 * word;
-            acc[i][l] = dot_bytes(acc[i][l], low, limb);
-            acc[i][l] = dot_bytes(acc[i][l], high, limb + kDim / 2);
+            set[i][l] = dot_bytes(set[i][l], low, limb);
+            set[i][l] = dot_bytes(set[i][l], high, limb + kDim / 2);
           }
       }
     }
     for (int i = 0; i < RB; ++i) {
-      out[i] = tokens_in_order<N>(limbs_sum(acc[i]) * q.scale[i] + q.bias[i],
+      for (int c = 1; c < kSets; ++c)
+        for (int l = 0; l < kLimbs; ++l) acc[0][i][l] += acc[c][i][l];
+      out[i] = tokens_in_order<N>(limbs_sum(acc[0][i]) * q.scale[i] + q.bias[i],
                                   std::make_integer_sequence<int, kLanes>{});
     }
   }
@@ -527,12 +533,12 @@ void attend_step(const Keys& keys, const typename Keys::template Query<RB>& q, i
   keys.template values<RB>(step, lo, hi, weight, correction, &w.acc[r0 * NV]);
 }
 
-// All rows of the scratch over positions [first, first + n) of one block, RB rows at a
-// time: the largest RB <= 4 that divides the rows.
+// Rows [begin, end) of the scratch over positions [first, first + n) of one block, RB
+// rows at a time.
 template <int NV, int RB, typename Keys>
-void attend_block_rows(const Keys& keys, int64_t first, int64_t n, int64_t rows, const Shapes& s,
-                       Scratch& w) {
-  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+void attend_block_rows(const Keys& keys, int64_t first, int64_t n, int64_t begin, int64_t end,
+                       const Shapes& s, Scratch& w) {
+  for (int64_t r0 = begin; r0 < end; r0 += RB) {
     typename Keys::template Query<RB> q;
     keys.template fold<RB>(&(Keys::kRotated ? w.rotated : w.query)[r0 * NV], q);
     for (int64_t step = 0; step < n; step += kStep)
@@ -540,13 +546,18 @@ void attend_block_rows(const Keys& keys, int64_t first, int64_t n, int64_t rows,
   }
 }
 
+// All rows of the scratch: RB rows at a time, the largest RB <= 4 that divides them, or
+// 4 and the 1 or 3 left over.
 template <int NV, typename Keys>
 void attend_block(const Keys& keys, int64_t first, int64_t n, int64_t rows, const Shapes& s,
                   Scratch& w) {
-  if (rows % 4 == 0) return attend_block_rows<NV, 4>(keys, first, n, rows, s, w);
-  if (rows % 3 == 0) return attend_block_rows<NV, 3>(keys, first, n, rows, s, w);
-  if (rows % 2 == 0) return attend_block_rows<NV, 2>(keys, first, n, rows, s, w);
-  attend_block_rows<NV, 1>(keys, first, n, rows, s, w);
+  if (rows % 4 == 0) return attend_block_rows<NV, 4>(keys, first, n, 0, rows, s, w);
+  if (rows % 3 == 0) return attend_block_rows<NV, 3>(keys, first, n, 0, rows, s, w);
+  if (rows % 2 == 0) return attend_block_rows<NV, 2>(keys, first, n, 0, rows, s, w);
+  const int64_t fours = rows / 4 * 4;
+  attend_block_rows<NV, 4>(keys, first, n, 0, fours, s, w);
+  if (rows - fours == 3) return attend_block_rows<NV, 3>(keys, first, n, fours, rows, s, w);
+  attend_block_rows<NV, 1>(keys, first, n, fours, rows, s, w);
 }
 
 // Query tokens [first_token, first_token + num_tokens) of sequence `seq`, the first at
