@@ -7,10 +7,11 @@
 // key scales and zeros and per-token value scales and zeros. Full blocks are scored with
 // the query, compact ones with the rotated query: (q H).(k H) = q.k.
 //
-// A work unit is one kv head of a query tile (up to 32 tokens of one sequence) over a
-// range of its blocks: all its blocks, or, when there are too few units to keep every
-// thread busy (decode of a few long sequences), a part of them whose partial softmax
-// state is merged with the other parts' afterwards. A row is one (query token, query
+// A work unit is a query tile (up to 32 tokens of one sequence) under every kv head, or
+// one of them where there are too few units to keep every thread busy, over a range of
+// its blocks: all its blocks, or, with too few units still (decode of a few long
+// sequences), a part of them whose partial softmax state is merged with the other parts'
+// afterwards. A row is one (query token, query
 // head) pair; rows go through a block RB at a time (grouped-query attention: the heads
 // of one kv head share every code loaded), the softmax online, one step per block or per
 // kStep positions of a longer one, in float32.
@@ -57,8 +58,8 @@ constexpr float kMinScore = -1e30f;
 // Below this many (query row, position) pairs, waking a second thread costs more than
 // it saves.
 constexpr int64_t kMinParallelWork = 16384;
-// Units wanted per thread before the blocks of a (tile, kv head) are split into parts,
-// and the fewest positions a part may have.
+// Units wanted per thread, before units take one kv head each rather than all and
+// before a tile's blocks are split into parts; and the fewest positions a part may have.
 constexpr int64_t kUnitsPerThread = 8;
 constexpr int64_t kMinPartPositions = 1024;
 // Blocks are scattered, so the hardware prefetcher cannot run ahead of a unit: each
@@ -546,18 +547,19 @@ void attend_block_rows(const Keys& keys, int64_t first, int64_t n, int64_t begin
   }
 }
 
-// All rows of the scratch: RB rows at a time, the largest RB <= 4 that divides them, or
-// 4 and the 1 or 3 left over.
+// Rows [begin, begin + rows) of the scratch: RB rows at a time, the largest RB <= 4 that
+// divides them, or 4 and the 1 or 3 left over.
 template <int NV, typename Keys>
-void attend_block(const Keys& keys, int64_t first, int64_t n, int64_t rows, const Shapes& s,
-                  Scratch& w) {
-  if (rows % 4 == 0) return attend_block_rows<NV, 4>(keys, first, n, 0, rows, s, w);
-  if (rows % 3 == 0) return attend_block_rows<NV, 3>(keys, first, n, 0, rows, s, w);
-  if (rows % 2 == 0) return attend_block_rows<NV, 2>(keys, first, n, 0, rows, s, w);
-  const int64_t fours = rows / 4 * 4;
-  attend_block_rows<NV, 4>(keys, first, n, 0, fours, s, w);
-  if (rows - fours == 3) return attend_block_rows<NV, 3>(keys, first, n, fours, rows, s, w);
-  attend_block_rows<NV, 1>(keys, first, n, fours, rows, s, w);
+void attend_block(const Keys& keys, int64_t first, int64_t n, int64_t begin, int64_t rows,
+                  const Shapes& s, Scratch& w) {
+  const int64_t end = begin + rows;
+  if (rows % 4 == 0) return attend_block_rows<NV, 4>(keys, first, n, begin, end, s, w);
+  if (rows % 3 == 0) return attend_block_rows<NV, 3>(keys, first, n, begin, end, s, w);
+  if (rows % 2 == 0) return attend_block_rows<NV, 2>(keys, first, n, begin, end, s, w);
+  const int64_t fours = begin + rows / 4 * 4;
+  attend_block_rows<NV, 4>(keys, first, n, begin, fours, s, w);
+  if (end - fours == 3) return attend_block_rows<NV, 3>(keys, first, n, fours, end, s, w);
+  attend_block_rows<NV, 1>(keys, first, n, fours, end, s, w);
 }
 
 // Query tokens [first_token, first_token + num_tokens) of sequence `seq`, the first at
@@ -566,25 +568,29 @@ struct Tile {
   int64_t seq, first_token, num_tokens, first_pos, seen_begin;
 };
 
-// A tile under one kv head over blocks [block_begin, block_end) of its table. partial:
-// where in the partial-state buffer it leaves its rows' state (rows x (head_dim + 2)
-// floats: accumulators, maxima, sums) for merge_parts, or -1 when it covers all the
-// tile's blocks and writes the output itself.
+// A tile under kv heads [kv_head, kv_head + num_heads) over blocks [block_begin,
+// block_end) of its table, block by block, the heads in turn: a block's tiles (or K/V
+// rows) of all heads, adjacent in the pool, are read together. partial: where in the
+// partial-state buffer it leaves its rows' state (rows x (head_dim + 2) floats:
+// accumulators, maxima, sums) for merge_parts, or -1 when it covers all the tile's
+// blocks and writes the output itself.
 struct Unit {
-  int64_t tile, kv_head, block_begin, block_end, partial, cost;
+  int64_t tile, kv_head, num_heads, block_begin, block_end, partial, cost;
 };
 
-// A tile under one kv head whose blocks `parts` units share, their states stored one
-// after another from `partial` on.
+// A tile under kv heads [kv_head, kv_head + num_heads) whose blocks `parts` units share,
+// their states stored one after another from `partial` on.
 struct Merge {
-  int64_t tile, kv_head, partial, parts;
+  int64_t tile, kv_head, num_heads, partial, parts;
 };
 
-// Row r of a tile under kv head h: query token first_token + r / group, query head
-// h group + r % group. Its element offset in q, q_rotated and out:
+// Row r of a tile from kv head h on: query token first_token + r % per_head / group,
+// query head h group + r (mod per_head, the tile's rows under one kv head). Its element
+// offset in q, q_rotated and out:
 int64_t row_offset(const Tile& tile, int64_t kv_head, int64_t r, const Shapes& s) {
-  const int64_t group = s.num_q_heads / s.num_kv_heads;
-  return ((tile.first_token + r / group) * s.num_q_heads + kv_head * group + r % group) *
+  const int64_t group = s.num_q_heads / s.num_kv_heads, per_head = tile.num_tokens * group;
+  const int64_t head = kv_head + r / per_head, row = r % per_head;
+  return ((tile.first_token + row / group) * s.num_q_heads + head * group + row % group) *
          s.head_dim;
 }
 
@@ -592,7 +598,8 @@ template <typename Rows, int NV>
 void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
                  float* partials) {
   const Shapes& s = b.full;
-  const int64_t rows = tile.num_tokens * (s.num_q_heads / s.num_kv_heads);
+  const int64_t group = s.num_q_heads / s.num_kv_heads, per_head = tile.num_tokens * group;
+  const int64_t rows = per_head * unit.num_heads;
   w.resize(rows, NV);
   const auto* q = static_cast<const float*>(s.q);
   const auto* q_rotated = static_cast<const float*>(b.q_rotated);
@@ -603,7 +610,7 @@ void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
       w.rotated[r * NV + j] = load(q_rotated + off + j * kLanes) * s.scale;
       w.acc[r * NV + j] = vfloat{};
     }
-    w.pos[r] = tile.first_pos + r / (s.num_q_heads / s.num_kv_heads);
+    w.pos[r] = tile.first_pos + r % per_head / group;
     w.row_max[r] = kMinScore;
     w.row_sum[r] = w.zeros[r] = vfloat{};
   }
@@ -615,36 +622,40 @@ void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
   const auto* v_cache = static_cast<const typename Rows::Elem*>(s.v_cache);
   const int64_t elem = sizeof(typename Rows::Elem);
   const int64_t row_bytes = (s.head_dim + (Rows::kScaled ? 2 : 0)) * elem;
-  // Where a block's data are under this kv head: its tile, or its K and V rows from
+  // Where a block's data are under kv head h: its tile, or its K and V rows from
   // element offset full_offset on.
-  const auto tile_of = [&](int64_t entry) {
-    return b.tiles + ((entry - b.num_full_blocks) * s.num_kv_heads + unit.kv_head) * tile_bytes;
+  const auto tile_of = [&](int64_t entry, int64_t h) {
+    return b.tiles + ((entry - b.num_full_blocks) * s.num_kv_heads + h) * tile_bytes;
   };
-  const auto full_offset = [&](int64_t entry) {
-    return entry * s.block_stride + unit.kv_head * s.head_stride;
+  const auto full_offset = [&](int64_t entry, int64_t h) {
+    return entry * s.block_stride + h * s.head_stride;
   };
   for (int64_t block = unit.block_begin; block < unit.block_end; ++block) {
-    Ahead ahead;
-    if (block + kBlocksAhead < unit.block_end) {
-      const int64_t next = table[block + kBlocksAhead];
-      if (next >= b.num_full_blocks) {
-        ahead = {reinterpret_cast<const char*>(tile_of(next)), nullptr, nullptr, block_size,
-                 tile_bytes, 0};
-      } else {
-        const int64_t off = full_offset(next);
-        ahead = {nullptr, reinterpret_cast<const char*>(k_cache + off),
-                 reinterpret_cast<const char*>(v_cache + off), block_size, row_bytes,
-                 s.token_stride * elem};
-      }
-    }
     const int64_t entry = table[block], first = block * block_size;
     const int64_t n = std::min(block_size, end - first);
-    if (entry >= b.num_full_blocks) {
-      attend_block<NV>(CompactKeys<NV>(tile_of(entry), block_size, ahead), first, n, rows, s, w);
-    } else {
-      const int64_t off = full_offset(entry);
-      attend_block<NV>(FullKeys<Rows, NV>{k_cache + off, v_cache + off, s.token_stride, ahead},
-                       first, n, rows, s, w);
+    for (int64_t i = 0; i < unit.num_heads; ++i) {
+      const int64_t h = unit.kv_head + i;
+      Ahead ahead;
+      if (block + kBlocksAhead < unit.block_end) {
+        const int64_t next = table[block + kBlocksAhead];
+        if (next >= b.num_full_blocks) {
+          ahead = {reinterpret_cast<const char*>(tile_of(next, h)), nullptr, nullptr,
+                   block_size, tile_bytes, 0};
+        } else {
+          const int64_t off = full_offset(next, h);
+          ahead = {nullptr, reinterpret_cast<const char*>(k_cache + off),
+                   reinterpret_cast<const char*>(v_cache + off), block_size, row_bytes,
+                   s.token_stride * elem};
+        }
+      }
+      if (entry >= b.num_full_blocks) {
+        attend_block<NV>(CompactKeys<NV>(tile_of(entry, h), block_size, ahead), first, n,
+                         i * per_head, per_head, s, w);
+      } else {
+        const int64_t off = full_offset(entry, h);
+        attend_block<NV>(FullKeys<Rows, NV>{k_cache + off, v_cache + off, s.token_stride, ahead},
+                         first, n, i * per_head, per_head, s, w);
+      }
     }
   }
   // Each row's accumulator with the zero points' share, and its softmax denominator:
@@ -666,10 +677,10 @@ void attend_unit(const Unit& unit, const Tile& tile, const Batch& b, Scratch& w,
   }
 }
 
-// The output of m's tile under its kv head from the partial states of its units.
+// The output of m's tile under its kv heads from the partial states of its units.
 void merge_parts(const Merge& m, const Tile& tile, const float* partials, const Shapes& s) {
   const int64_t partial = m.partial, parts = m.parts;
-  const int64_t rows = tile.num_tokens * (s.num_q_heads / s.num_kv_heads);
+  const int64_t rows = tile.num_tokens * (s.num_q_heads / s.num_kv_heads) * m.num_heads;
   const int64_t d = s.head_dim, part_floats = rows * (d + 2);
   auto* out = static_cast<float*>(s.out);
   for (int64_t r = 0; r < rows; ++r) {
@@ -710,28 +721,39 @@ void run(const Batch& b) {
     }
   }
   const int threads = work < kMinParallelWork ? 1 : s.num_threads;
-  // Parts per (tile, kv head): enough units for kUnitsPerThread per thread, none shorter
-  // than kMinPartPositions.
-  const int64_t pairs = static_cast<int64_t>(tiles.size()) * s.num_kv_heads;
-  const int64_t parts_wanted =
-      threads > 1 ? std::max<int64_t>(1, (kUnitsPerThread * threads + pairs - 1) / pairs) : 1;
+  // A tile's visible blocks, and in how many parts they may split: none shorter than
+  // kMinPartPositions, and with one thread none at all.
+  const auto blocks_of = [&](const Tile& tile) {
+    const int64_t end = tile.first_pos + tile.num_tokens;
+    return std::pair(tile.seen_begin / block_size, (end + block_size - 1) / block_size);
+  };
+  const auto max_parts = [&](const Tile& tile) {
+    const auto [begin, end] = blocks_of(tile);
+    const int64_t positions = tile.first_pos + tile.num_tokens - tile.seen_begin;
+    return threads > 1 ? std::clamp<int64_t>(positions / kMinPartPositions, 1, end - begin) : 1;
+  };
+  // Units take all kv heads at once (Unit) where that leaves kUnitsPerThread of them per
+  // thread once tiles are split, else one kv head each.
+  const int64_t wanted = kUnitsPerThread * threads;
+  int64_t together = 0;
+  for (const Tile& tile : tiles) together += max_parts(tile);
+  const int64_t heads = threads == 1 || together >= wanted ? s.num_kv_heads : 1;
+  const int64_t pairs = static_cast<int64_t>(tiles.size()) * (s.num_kv_heads / heads);
+  const int64_t parts_wanted = (wanted + pairs - 1) / pairs;
   std::vector<Unit> units;
   std::vector<Merge> merges;
   int64_t partial_floats = 0;
   for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
     const Tile& tile = tiles[t];
-    const int64_t end = tile.first_pos + tile.num_tokens;
-    const int64_t block_begin = tile.seen_begin / block_size;
-    const int64_t block_end = (end + block_size - 1) / block_size;
-    const int64_t parts = std::clamp<int64_t>((end - tile.seen_begin) / kMinPartPositions, 1,
-                                              std::min(parts_wanted, block_end - block_begin));
-    const int64_t rows = tile.num_tokens * group;
-    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-      if (parts > 1) merges.push_back({t, h, partial_floats, parts});
+    const auto [block_begin, block_end] = blocks_of(tile);
+    const int64_t parts = std::min(parts_wanted, max_parts(tile));
+    const int64_t rows = tile.num_tokens * group * heads;
+    for (int64_t h = 0; h < s.num_kv_heads; h += heads) {
+      if (parts > 1) merges.push_back({t, h, heads, partial_floats, parts});
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t begin = block_begin + (block_end - block_begin) * p / parts;
         const int64_t finish = block_begin + (block_end - block_begin) * (p + 1) / parts;
-        units.push_back({t, h, begin, finish, parts > 1 ? partial_floats : -1,
+        units.push_back({t, h, heads, begin, finish, parts > 1 ? partial_floats : -1,
                          rows * (finish - begin)});
         if (parts > 1) partial_floats += rows * (s.head_dim + 2);
       }
