@@ -79,7 +79,6 @@ class PreemptionMode(Choice):
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 DEFAULT_BLOCK_SIZE = 16
-BY_AGE_BLOCK_SIZE = 64  # int4 groups keys over a block: 3.56x smaller than bfloat16 at 64
 """Bytes of the KV pool on the CPU when ``kv_cache_memory`` is not given."""
 
 _SIZE_UNITS = {
@@ -287,10 +286,11 @@ class EngineConfig:
         "kv_cache_dtype int4: each sequence's newest tokens kept in the model's dtype; a "
         "block wholly behind them is re-encoded into 4 bits once",
     )
-    block_size: int | None = knob(
-        None,
-        "tokens per KV block (a power of two); default 16, and 64 with kv_cache_dtype int4 "
-        "(its keys are grouped over a block: 3.56x smaller than bfloat16 at 64, 3.05x at 16)",
+    block_size: int = knob(
+        DEFAULT_BLOCK_SIZE,
+        "tokens per KV block (a power of two); kv_cache_dtype int4 groups keys over a block: "
+        "3.05x smaller than bfloat16 at 16, 3.56x at 64 at some cost in quality "
+        "(docs/capacity.md)",
     )
     kv_cache_memory: int | None = knob(
         None,
@@ -405,9 +405,6 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.block_size is None:
-            by_age = self.kv_cache_dtype.by_age
-            self.block_size = BY_AGE_BLOCK_SIZE if by_age else DEFAULT_BLOCK_SIZE
         validate_block_size(self.block_size)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -68,9 +68,9 @@ class EncodeCounter:
         monkeypatch.setattr(cache, "encode_blocks", counted)
 
 
-def test_defaults_group_keys_over_64_token_blocks(tiny_model):
+def test_defaults_keep_128_recent_tokens_and_a_quarter_of_the_bytes_full_size(tiny_model):
     config = EngineConfig(dtype="float32", kv_cache_dtype="int4", log_stats_interval=0)
-    assert config.block_size == 64 and config.kv_recent_tokens == 128
+    assert config.block_size == 16 and config.kv_recent_tokens == 128
     engine = LLMEngine(config, tiny_model)
     pool = engine.block_manager.pool
     assert pool.num_compact_blocks > 3 * pool.num_blocks  # a quarter of the bytes at most
