@@ -60,7 +60,7 @@ constexpr float kMinScore = -1e30f;
 constexpr int64_t kMinParallelWork = 16384;
 // Units wanted per thread, before units take one kv head each rather than all and
 // before a tile's blocks are split into parts; and the fewest positions a part may have.
-constexpr int64_t kUnitsPerThread = 8;
+constexpr int64_t kUnitsPerThread = 4;
 constexpr int64_t kMinPartPositions = 1024;
 // Blocks are scattered, so the hardware prefetcher cannot run ahead of a unit: each
 // block's data are fetched this many blocks ahead (Ahead).
