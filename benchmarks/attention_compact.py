@@ -4,8 +4,8 @@ One layer-like call per step: ``num_seqs`` sequences of ``context`` tokens decod
 token each, SmolLM2-135M's heads (9 query heads, 3 KV heads, head_dim 64). Formats:
 bfloat16 blocks (the paged kernel with a bfloat16 query, as a bfloat16 model runs it),
 int8 and float32 blocks (the paged kernel, float32 query) and all-compact block tables
-(``paged_attention_compact``, float32 query and its rotation); block size 64 for all, 16
-too for the full formats. Two cache states: ``warm`` repeats one layer's call, so its K/V
+(``paged_attention_compact``, float32 query and its rotation); block sizes 64 and 16
+(the engine's default for int4). Two cache states: ``warm`` repeats one layer's call, so its K/V
 stay in the CPU's caches where they fit; ``cold`` calls enough layers in turn (at least
 ``--cold-mb`` of K/V per format) that each finds its K/V in memory, as an engine step
 does. Candidates are timed in turns; prints one JSON line per (state, sequences,
@@ -63,7 +63,7 @@ class Layer:
         q = source["q"][:num_seqs]
         self.out = torch.empty_like(q)
         if fmt == "compact":
-            tiles = source["tiles"]
+            tiles = source[f"tiles{block_size}"]
             self.tiles = pinned((num_blocks, *tiles.shape[1:]), torch.uint8)
             self.tiles.copy_(tiles.repeat(-(-num_blocks // len(tiles)), 1, 1)[:num_blocks])
             self.q, self.q_rotated = q, (q @ hadamard(HEAD_DIM)).contiguous()
@@ -96,17 +96,20 @@ class Layer:
 
 def sources(max_tokens: int, max_seqs: int) -> dict[str, torch.Tensor]:
     """Random K/V once, in every format: rows ``[2, max_tokens, kv heads, row]`` per full
-    format, 64-token tiles for compact layers (cycled: their values do not change the
-    time), and the queries."""
+    format, up to 4096 tokens' tiles per compact block size (cycled: their values do not change
+    the time), and the queries."""
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, max_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     out = {"q": torch.randn(max_seqs, NUM_Q_HEADS, HEAD_DIM, generator=gen)}
     for fmt in FULL_FORMATS:
         spec = resolve_kv_format("auto" if fmt == "float32" else fmt, torch.float32)
         out[fmt] = encode_rows(kv, spec).view(spec.dtype)
-    keys, values = kv[:, :4096].reshape(2, 64, 64, NUM_KV_HEADS, HEAD_DIM).transpose(2, 3)
-    out["tiles"] = encode_tiles(keys, values)
-    assert out["tiles"].shape[-1] == TileLayout(64, HEAD_DIM).tile_bytes
+    tokens = min(4096, max_tokens) // 64 * 64
+    for size in (64, 16):
+        blocks = kv[:, :tokens].reshape(2, tokens // size, size, NUM_KV_HEADS, HEAD_DIM)
+        keys, values = blocks.transpose(2, 3)
+        out[f"tiles{size}"] = encode_tiles(keys, values)
+        assert out[f"tiles{size}"].shape[-1] == TileLayout(size, HEAD_DIM).tile_bytes
     return out
 
 
@@ -124,8 +127,7 @@ def race(candidates: dict[str, Callable[[], None]], reps: int) -> dict[str, floa
 
 
 def bench(num_seqs: int, context: int, reps: int, cold_mb: float, source: dict) -> None:
-    variants = [(fmt, 64) for fmt in (*FULL_FORMATS, "compact")]
-    variants += [(fmt, 16) for fmt in FULL_FORMATS]
+    variants = [(fmt, size) for size in (64, 16) for fmt in (*FULL_FORMATS, "compact")]
     stacks: dict[tuple[str, int], list[Layer]] = {}
     for fmt, block_size in variants:
         first = Layer(fmt, num_seqs, context, block_size, source)
