@@ -161,4 +161,9 @@ def test_backend_write_and_cache_copy_blocks_carry_scales(name):
 
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        resolve_kv_format("int4", torch.float32)
+        resolve_kv_format("int2", torch.float32)
+
+
+def test_int4_keeps_its_recent_blocks_in_the_models_dtype():
+    assert resolve_kv_format("int4", torch.bfloat16).dtype == torch.bfloat16
+    assert not resolve_kv_format("int4", torch.float32).quantized
