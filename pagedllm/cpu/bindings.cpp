@@ -95,6 +95,68 @@ bool avx512_kernels_available() { return pagedllm::avx512_kernels_available(); }
 
 namespace pagedllm::tensor_ops {
 
+// Checks the step's metadata (int32, contiguous, query_start_loc spanning q's
+// num_tokens rows) and that every used table entry of every sequence is below
+// num_blocks; returns the number of sequences.
+int64_t check_tables(int64_t num_tokens, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+              query_start_loc.is_contiguous());
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens, "query_start_loc must span q");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[i], "sequence ", i, ": bad query length");
+    const int64_t used_blocks = (lens[i] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", i,
+                " is longer than its block table");
+    const int32_t* table = block_tables.data_ptr<int32_t>() + i * block_tables.size(1);
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", i, " refers to block ",
+                  table[b], " outside the cache");
+    }
+  }
+  return num_seqs;
+}
+
+// The kernels' view of one call, its tensors checked by the caller.
+pagedllm::AttentionBatch attention_batch(const at::Tensor& out, const at::Tensor& q,
+                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens,
+                                         const at::Tensor& query_start_loc, double scale,
+                                         int64_t sliding_window, double logit_softcap,
+                                         pagedllm::KVFormat format) {
+  return {q.data_ptr(),
+          out.data_ptr(),
+          k_cache.data_ptr(),
+          v_cache.data_ptr(),
+          block_tables.data_ptr<int32_t>(),
+          seq_lens.data_ptr<int32_t>(),
+          query_start_loc.data_ptr<int32_t>(),
+          seq_lens.size(0),
+          q.size(1),
+          k_cache.size(1),
+          q.size(2),
+          __builtin_ctzll(k_cache.size(2)),
+          block_tables.size(1),
+          k_cache.stride(0),
+          k_cache.stride(1),
+          k_cache.stride(2),
+          static_cast<float>(scale),
+          sliding_window,
+          static_cast<float>(logit_softcap),
+          format,
+          q.scalar_type() == at::kBFloat16,
+          at::get_num_threads()};
+}
+
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -109,10 +171,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(q.scalar_type() == at::kFloat ||
               (q.scalar_type() == at::kBFloat16 && format == pagedllm::KVFormat::kBFloat16),
               "q must be float32, or bfloat16 over a bfloat16 cache");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-              query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
-              query_start_loc.is_contiguous());
   const int64_t block_size = k_cache.size(2);
   TORCH_CHECK((block_size & (block_size - 1)) == 0, "block size must be a power of two");
   const int64_t row = q.size(2) + (is_scaled(format) ? kScaleBytes : 0);
@@ -120,46 +178,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
               q.size(2) <= kLanes * kMaxVectors,
               "head_dim must fit the cache rows, be a multiple of 16 and at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must span q");
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = starts[i + 1] - starts[i];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[i], "sequence ", i, ": bad query length");
-    const int64_t used_blocks = (lens[i] + block_size - 1) / block_size;
-    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", i,
-                " is longer than its block table");
-    const int32_t* table = block_tables.data_ptr<int32_t>() + i * block_tables.size(1);
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "sequence ", i,
-                  " refers to block ", table[b], " outside the cache");
-    }
-  }
-  pagedllm::AttentionBatch batch{q.data_ptr(),
-                                 out.data_ptr(),
-                                 k_cache.data_ptr(),
-                                 v_cache.data_ptr(),
-                                 block_tables.data_ptr<int32_t>(),
-                                 lens,
-                                 starts,
-                                 num_seqs,
-                                 q.size(1),
-                                 k_cache.size(1),
-                                 q.size(2),
-                                 __builtin_ctzll(block_size),
-                                 block_tables.size(1),
-                                 k_cache.stride(0),
-                                 k_cache.stride(1),
-                                 k_cache.stride(2),
-                                 static_cast<float>(scale),
-                                 sliding_window,
-                                 static_cast<float>(logit_softcap),
-                                 format,
-                                 q.scalar_type() == at::kBFloat16,
-                                 at::get_num_threads()};
-  pagedllm::paged_attention(batch);
+  check_tables(q.size(0), block_tables, seq_lens, query_start_loc, block_size, k_cache.size(0));
+  pagedllm::paged_attention(attention_batch(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                            query_start_loc, scale, sliding_window,
+                                            logit_softcap, format));
 }
 
 // paged_attention over block tables mixing full blocks (entries below num_full_blocks)
@@ -194,50 +216,11 @@ void paged_attention_compact(const at::Tensor& out, const at::Tensor& q,
               "tiles are contiguous uint8 [num_compact_blocks, num_kv_heads, ", tile_bytes, "]");
   TORCH_CHECK(num_full_blocks >= 0 && num_full_blocks <= k_cache.size(0),
               "num_full_blocks must be within the cache");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-              query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() &&
-              query_start_loc.is_contiguous());
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs);
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must span q");
-  const int64_t num_blocks = num_full_blocks + tiles.size(0);
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = starts[i + 1] - starts[i];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[i], "sequence ", i, ": bad query length");
-    const int64_t used_blocks = (lens[i] + block_size - 1) / block_size;
-    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", i,
-                " is longer than its block table");
-    const int32_t* table = block_tables.data_ptr<int32_t>() + i * block_tables.size(1);
-    for (int64_t b = 0; b < used_blocks; ++b) {
-      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", i, " refers to block ",
-                  table[b], " outside the cache");
-    }
-  }
-  const pagedllm::AttentionBatch full{q.data_ptr(),
-                                      out.data_ptr(),
-                                      k_cache.data_ptr(),
-                                      v_cache.data_ptr(),
-                                      block_tables.data_ptr<int32_t>(),
-                                      lens,
-                                      starts,
-                                      num_seqs,
-                                      q.size(1),
-                                      k_cache.size(1),
-                                      head_dim,
-                                      __builtin_ctzll(block_size),
-                                      block_tables.size(1),
-                                      k_cache.stride(0),
-                                      k_cache.stride(1),
-                                      k_cache.stride(2),
-                                      static_cast<float>(scale),
-                                      sliding_window,
-                                      static_cast<float>(logit_softcap),
-                                      format,
-                                      false,
-                                      at::get_num_threads()};
+  check_tables(q.size(0), block_tables, seq_lens, query_start_loc, block_size,
+               num_full_blocks + tiles.size(0));
+  const pagedllm::AttentionBatch full =
+      attention_batch(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                      sliding_window, logit_softcap, format);
   pagedllm::paged_attention_compact(
       {full, q_rotated.data_ptr(), tiles.data_ptr<uint8_t>(), num_full_blocks});
 }
