@@ -70,10 +70,20 @@ def build_case(
         v_cache[physical, :, pos % block_size] = v.transpose(0, 1)
         keys.append(k)
         values.append(v)
+    metadata = read_only_metadata(block_tables, seq_lens, query_lens)
+    q = randn(metadata.num_tokens, num_q_heads, head_dim)
+    return PagedCase(q, k_cache, v_cache, metadata, keys, values, head_dim**-0.5)
+
+
+def read_only_metadata(
+    block_tables: torch.Tensor, seq_lens: list[int], query_lens: list[int]
+) -> AttentionMetadata:
+    """Metadata of a step whose queries write nothing (every slot -1): sequences of
+    ``seq_lens`` tokens, the last ``query_lens`` of each queried."""
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    metadata = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
         block_tables=block_tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -81,8 +91,6 @@ def build_case(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )
-    q = randn(starts[-1], num_q_heads, head_dim)
-    return PagedCase(q, k_cache, v_cache, metadata, keys, values, head_dim**-0.5)
 
 
 def sdpa_expected(case: PagedCase, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from paged_cases import read_only_metadata
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
@@ -98,18 +99,8 @@ def build_case(
     v_cache = encode_rows(randn(*full_shape), fmt).view(fmt.dtype)
     compact_shape = (num_compact, num_kv_heads, block_size, head_dim)
     tiles = encode_tiles(randn(*compact_shape), randn(*compact_shape))
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
-        block_tables=tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
-    q = randn(starts[-1], num_q_heads, head_dim) * query_scale
+    metadata = read_only_metadata(tables, seq_lens, query_lens)
+    q = randn(metadata.num_tokens, num_q_heads, head_dim) * query_scale
     return MixedCase(q, k_cache, v_cache, tiles, metadata, fmt, head_dim**-0.5)
 
 
