@@ -19,10 +19,8 @@ import argparse
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +32,7 @@ from pagedllm.attention.attention_choice import (
     crossover,
     time_prefill,
 )
+from pagedllm.bench.race import race
 from pagedllm.cpu import paged_attention
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.cpu.extension import ops
@@ -43,19 +42,6 @@ NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 9, 3, 64  # SmolLM2-135M's a
 
 def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
-
-
-def race(candidates: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds per call of each candidate, timed in turns after one warm-up."""
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for fn in candidates.values():
-        fn()
-    for _ in range(reps):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def memory_bandwidth(reps: int) -> dict[str, float]:

@@ -22,12 +22,11 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from pagedllm.bench.race import race
 from pagedllm.cpu import paged_attention, paged_attention_compact
 from pagedllm.cpu.allocator import huge_page_region
 from pagedllm.cpu.extension import ops
@@ -111,19 +110,6 @@ def sources(max_tokens: int, max_seqs: int) -> dict[str, torch.Tensor]:
         out[f"tiles{size}"] = encode_tiles(keys, values)
         assert out[f"tiles{size}"].shape[-1] == TileLayout(size, HEAD_DIM).tile_bytes
     return out
-
-
-def race(candidates: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median seconds per call of each candidate, timed in turns after one warm-up."""
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for fn in candidates.values():
-        fn()
-    for _ in range(reps):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(num_seqs: int, context: int, reps: int, cold_mb: float, source: dict) -> None:
