@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.kv.prefix_hash import BlockKey
 from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_tiers.disk_tier import DiskTier
 from pagedllm.kv_tiers.host_tier import HostTier
 from pagedllm.kv_tiers.tier_moves import MoveKind
 from pagedllm.kv_tiers.tiered_cache import TieredCache
@@ -146,3 +149,92 @@ def test_pinned_slots_are_not_spilled_into():
 def test_a_host_tier_needs_a_slot(slots):
     with pytest.raises(ValueError, match="at least one slot"):
         host_tier(slots)
+
+
+class DiskSetup(Setup):
+    """:class:`Setup` over a disk tier in ``directory``."""
+
+    def __init__(self, directory, host_slots: int = 1, wait_limit: float = 30.0) -> None:
+        super().__init__(host_slots)
+        self.pool.remove_listener(self.tiers)
+        host = host_tier(host_slots)
+        fingerprint = bytes(range(32))
+        self.disk = DiskTier(directory, 1 << 20, host.block_bytes, fingerprint)
+        self.tiers = TieredCache(self.cache.tensor, BLOCK_SIZE, host, self.disk, wait_limit)
+        self.pool.add_listener(self.tiers)
+
+    def evict_all(self) -> None:
+        """Allocate the whole pool (evicting every cached block), apply, free."""
+        taken = self.pool.allocate(self.pool.num_free)
+        self.tiers.apply(self.tiers.take_moves())
+        self.pool.free(taken)
+
+    def wait_loads(self, request) -> None:
+        deadline = time.monotonic() + 30
+        while not self.tiers.admissible(request):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+
+def test_host_evictions_demote_to_disk_and_prefetch_brings_them_back(tmp_path):
+    s = DiskSetup(tmp_path / "tier")
+    saved = {n: s.block(s.cache_block(n)) for n in (0, 10)}
+    s.evict_all()  # keys 0 and 10 spill through the one host slot: 0 is demoted
+    assert digest(0) in s.disk and digest(10) not in s.disk
+    s.cache.tensor.zero_()
+    s.tiers.prefetch("request", [key(0), key(10)], in_pool=lambda k: False)
+    s.wait_loads("request")  # loading key 0 first writes key 10 (the slot's) to disk
+    assert digest(10) in s.disk
+    slots = s.tiers.host_run([key(0), key(10)])
+    assert len(slots) == 1  # one slot: key 0 came back, key 10 went down
+    (target,) = s.pool.allocate(1)
+    s.tiers.fill(slots, [key(0)], [target])
+    s.tiers.apply(s.tiers.take_moves())
+    assert torch.equal(s.block(target), saved[0])
+    stats = s.tiers.stats()
+    assert (stats.disk_hits, stats.host_hits, stats.loaded_blocks) == (1, 0, 1)
+    assert stats.prefetch_lead_s >= 0 and stats.prefetch_wait_s > 0
+    s.tiers.close()
+
+
+def test_a_corrupted_entry_is_never_filled(tmp_path):
+    s = DiskSetup(tmp_path / "tier")
+    s.cache_block(0)
+    s.cache_block(10)
+    s.evict_all()  # key 0 on disk
+    for extent in (tmp_path / "tier").glob("*.extent"):
+        data = bytearray(extent.read_bytes())
+        data[128 + 200] ^= 0xFF  # inside the first slot's payload (after its header)
+        extent.write_bytes(bytes(data))
+    s.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
+    s.wait_loads("request")
+    assert s.tiers.host_run([key(0)]) == []
+    assert s.tiers.stats().failed_loads == 1 and digest(0) not in s.disk
+    s.tiers.close()
+
+
+def test_persisted_blocks_are_found_after_a_restart(tmp_path):
+    s = DiskSetup(tmp_path / "tier")
+    saved = {n: s.block(s.cache_block(n)) for n in (0, 10)}
+    cached = [(key(n).digest, s.pool.lookup(key(n))) for n in (0, 10)]
+    assert s.tiers.persist(cached) == 2
+    s.tiers.close()
+    again = DiskSetup(tmp_path / "tier")
+    again.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
+    again.wait_loads("request")
+    (slot,) = again.tiers.host_run([key(0)])
+    (target,) = again.pool.allocate(1)
+    again.tiers.fill([slot], [key(0)], [target])
+    again.tiers.apply(again.tiers.take_moves())
+    assert torch.equal(again.block(target), saved[0])
+    again.tiers.close()
+
+
+def test_a_request_waits_for_its_loads_at_most_the_wait_limit(tmp_path):
+    s = DiskSetup(tmp_path / "tier", wait_limit=0.0)
+    s.cache_block(0)
+    s.cache_block(10)
+    s.evict_all()
+    s.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
+    assert s.tiers.admissible("request")  # the limit passed: admitted with what arrived
+    s.tiers.close()
