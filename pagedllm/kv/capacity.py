@@ -13,6 +13,7 @@ the planner (:mod:`~pagedllm.plan.capacity`), so that none of them can disagree.
 - :func:`recent_blocks`: the most full-size blocks a sequence holds with compact ones;
 - :func:`full_blocks_wanted`: the full-size blocks a pool by age keeps for its windows;
 - :func:`split_by_age`: a budget's full-size and compact blocks;
+- :func:`swap_split`: a swap space's full-size and compact blocks;
 - :func:`block_bytes`: the bytes of one block;
 - :func:`pool_blocks`: the blocks a byte budget buys.
 """
@@ -103,6 +104,27 @@ def split_by_age(
     num_full = min(full_wanted, budget_bytes // 4 // full_block_bytes)
     rest = budget_bytes - num_full * full_block_bytes
     return num_full, max(0, rest // compact_block_bytes)
+
+
+def swap_split(
+    swap_bytes: int,
+    full_block_bytes: int,
+    compact_block_bytes: int,
+    num_full: int,
+    num_compact: int,
+) -> tuple[int, int]:
+    """Full-size and compact blocks of a ``swap_bytes`` swap space beside a pool of
+    ``num_full`` full-size and ``num_compact`` compact blocks: its bytes split in the
+    proportion of the pool's bytes (a preempted sequence parks the pool's mix of recent
+    full-size and older compact blocks), the full-size share rounded down to whole
+    blocks and the rest compact. Without compact blocks, every byte goes to full-size
+    blocks."""
+    if not num_compact:
+        return swap_bytes // full_block_bytes, 0
+    pool_full = num_full * full_block_bytes
+    pool_bytes = pool_full + num_compact * compact_block_bytes
+    full = swap_bytes * pool_full // pool_bytes // full_block_bytes
+    return full, (swap_bytes - full * full_block_bytes) // compact_block_bytes
 
 
 def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, row_bytes: int) -> int:

@@ -160,11 +160,22 @@ class KVCache:
         :attr:`compact_offset` on) for every ``(src, dst)`` pair, every layer at once."""
         if not pairs:
             return
-        device = self.tensor.device
-        src, dst = torch.tensor(pairs, dtype=torch.long, device=device).unbind(1)
+        src, dst = torch.tensor(pairs, dtype=torch.long, device=self.tensor.device).unbind(1)
+        self._encode(self.tensor.index_select(2, src), dst)
+
+    def encode_full(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Encodes full blocks given as stored, ``[num_layers, 2, n, num_kv_heads,
+        block_size, row]`` on the cache's device (blocks parked in a swap space), into
+        the compact blocks ``block_ids`` (ids from :attr:`compact_offset` on): the same
+        bits :meth:`encode_blocks` gives the same bytes in a pool block."""
+        dst = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        self._encode(blocks, dst)
+
+    def _encode(self, blocks: torch.Tensor, dst: torch.Tensor) -> None:
+        """Stored full ``blocks`` ``[num_layers, 2, n, ...]`` into compact ids ``dst``."""
         fmt = self.format
-        keys = decode_rows(self.tensor[:, 0].index_select(1, src).view(fmt.dtype), fmt)
-        values = decode_rows(self.tensor[:, 1].index_select(1, src).view(fmt.dtype), fmt)
+        keys = decode_rows(blocks[:, 0].view(fmt.dtype), fmt)
+        values = decode_rows(blocks[:, 1].view(fmt.dtype), fmt)
         self.compact.tensor.index_copy_(1, dst - self.compact_offset, encode_tiles(keys, values))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
