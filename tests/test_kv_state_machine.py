@@ -11,7 +11,9 @@ window, each sequence reads back only the positions its next query can see, hold
 block before them, and prefix hits need only the cached blocks inside the window.
 With compact blocks (precision by age), full blocks wholly behind a recent window are
 re-encoded into compact ones (the shadow copies their content, as the cache encodes
-it) and a prefix hit takes compact blocks only behind its own window.
+it) and a prefix hit takes compact blocks only behind its own window; a swap-in brings
+a parked table's compact entries back compact (and the restored blocks behind the
+window, while compact blocks are free), the shadow copying their content in.
 Listeners on the pool (the events the dashboard and kv-events stream are built from)
 must see every change: a mirror kept from the events alone equals the pool.
 """
@@ -155,16 +157,27 @@ class KVManagerMachine(RuleBasedStateMachine):
         first = block_id * self.block_size
         return tuple(self.memory.get(first + offset) for offset in range(self.block_size))
 
-    def write(self, seq_id, shadow, new_tokens, high_priority, commit, prefix=None, restored=0):
+    def write(
+        self,
+        seq_id,
+        shadow,
+        new_tokens,
+        high_priority,
+        commit,
+        prefix=None,
+        restored=0,
+        compact_end=0,
+    ):
         """Reserve slots for ``new_tokens``, copy, write their K/V, and ``commit`` them
         (else they wait, as when the engine schedules before the model step has run).
         The first ``restored`` of them are copied in (a swap-in): those out of the window
-        of the first computed one get no slot.
+        of the first computed one get no slot, those of logical blocks before
+        ``compact_end`` (parked compact) land in compact blocks.
 
         Returns False (after checking nothing changed) when the blocks are not available.
         """
         manager, block_size = self.manager, self.block_size
-        args = (seq_id, len(new_tokens), high_priority, prefix, restored)
+        args = (seq_id, len(new_tokens), high_priority, prefix, restored, compact_end)
         expected_ok = manager.can_append(*args)
         starts = seq_id not in manager
         before = self.snapshot()
@@ -199,14 +212,20 @@ class KVManagerMachine(RuleBasedStateMachine):
         first_query = len(shadow.tokens) + restored
         for slot, token in zip(result.slots, new_tokens, strict=True):
             shadow.tokens.append(token)
+            position = len(shadow.tokens) - 1
             if slot < 0:
-                position = len(shadow.tokens) - 1
                 assert position < first_query, "a computed token has no slot"
                 assert position <= first_query - manager.sliding_window, "in the window"
                 continue
             assert self.pool.ref_count(slot // block_size) == 1, "wrote a shared block"
-            assert not self.pool.is_compact(slot // block_size), "wrote a compact block"
-            self.memory[slot] = shadow.content(len(shadow.tokens) - 1)
+            compact = self.pool.is_compact(slot // block_size)
+            if position >= first_query:
+                assert not compact, "wrote a compact block"
+            elif position // block_size < compact_end:
+                assert compact, "a parked compact block came back full"
+            elif compact:  # copied in, or re-encoded from its parked bytes
+                event("a restored block came back compact")
+            self.memory[slot] = shadow.content(position)
         self.seqs[seq_id] = shadow
         if commit:
             self.commit(seq_id)
@@ -234,11 +253,14 @@ class KVManagerMachine(RuleBasedStateMachine):
             content = self.block_content(block_id)
             assert self.cached_content.setdefault(key.digest, content) == content
 
-    def admit(self, new_tokens, high_priority, shadow, prefix, restored=0, commit=True):
+    def admit(
+        self, new_tokens, high_priority, shadow, prefix, restored=0, commit=True, compact_end=0
+    ):
         """Start a sequence; commit its tokens, or only the ``restored`` ones (as the
         scheduler does at a swap-in: the others wait for the step)."""
         seq_id = self.new_id()
-        if not self.write(seq_id, shadow, new_tokens, high_priority, commit, prefix, restored):
+        args = (prefix, restored, compact_end)
+        if not self.write(seq_id, shadow, new_tokens, high_priority, commit, *args):
             assert seq_id not in self.manager
         elif not commit:
             self.commit(seq_id, restored)
@@ -269,14 +291,18 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @rule(prompt=PROMPTS, high_priority=st.booleans(), salt=SALTS, data=st.data())
     def swap_in(self, prompt, high_priority, salt, data):
-        """A preempted sequence coming back: its cached prefix, then tokens whose K/V are
-        copied in (restored), then tokens computed now."""
-        prefix = self.manager.find_cached_prefix(prompt, (salt,))
+        """A preempted sequence coming back, as the scheduler brings it: of its
+        ``parked`` computed tokens, the cached prefix found for a swap-in, then tokens
+        whose K/V are copied in (restored), then tokens computed now. Its parked table
+        had ``compact_end`` compact entries (at most those behind the window)."""
+        parked = data.draw(st.integers(0, max(0, len(prompt) - 1)), label="parked tokens")
+        prefix = self.manager.find_cached_prefix(prompt[: parked + 1], (salt,), for_swap_in=True)
         skipped = prefix.num_tokens
-        restored = data.draw(st.integers(0, len(prompt) - skipped))
+        compact_end = data.draw(st.integers(0, self.manager.compact_before(parked)))
         shadow = ShadowSequence(salt, prompt[:skipped], num_committed=skipped)
         commit = data.draw(st.booleans(), label="commit the computed tokens too")
-        self.admit(prompt[skipped:], high_priority, shadow, prefix, restored, commit)
+        args = (prefix, parked - skipped, commit, compact_end)
+        self.admit(prompt[skipped:], high_priority, shadow, *args)
 
     @precondition(lambda self: self.seqs)
     @rule(
@@ -503,7 +529,44 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert stats.evictable == stats.cached
 
 
+class CompactKVManagerMachine(KVManagerMachine):
+    """The same machine over pools with compact blocks (on demand, no window) only, so
+    that re-encoding, twins and swap-ins bringing compact blocks back are common."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        num_blocks=st.integers(1, 32),
+        reserved_fraction=st.sampled_from([0.0, 0.1, 0.25]),
+        enable_prefix_caching=st.booleans(),
+        recent_tokens=st.sampled_from([0, 3, 7]),
+        num_compact_blocks=st.integers(1, 24),
+    )
+    def setup(
+        self,
+        block_size,
+        num_blocks,
+        reserved_fraction,
+        enable_prefix_caching,
+        recent_tokens,
+        num_compact_blocks,
+    ):
+        super().setup(
+            block_size,
+            num_blocks,
+            reserved_fraction,
+            enable_prefix_caching,
+            upfront_tokens=None,
+            sliding_window=None,
+            recent_tokens=recent_tokens,
+            num_compact_blocks=num_compact_blocks,
+        )
+
+
 KVManagerMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None
 )
 test_kv_manager_state_machine = KVManagerMachine.TestCase
+CompactKVManagerMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None
+)
+test_kv_manager_state_machine_with_compact_blocks = CompactKVManagerMachine.TestCase

@@ -50,11 +50,20 @@ Precision by age (``recent_tokens`` ``R`` with compact blocks, ``kv_cache_dtype=
 once a sequence has ``c`` committed tokens, each full block wholly before position
 ``c - R`` is re-encoded into a compact block, once, as the sequence's slots are next
 reserved (:meth:`BlockTable.compact`; the pairs travel in the plan and the cache encodes
-them before anything else). The full block returns to the pool, or, while others still
-read it, stays theirs until they pass it too and take its twin
+them before any move but a swap-out). The full block returns to the pool, or, while
+others still read it, stays theirs until they pass it too and take its twin
 (:mod:`pagedllm.kv.block_pool`). A prefix-cache hit takes a compact block only behind
 the window of its first computed token, so a cached prompt is read at the precision a
 cold one would be.
+
+A swap-in (``num_restored`` tokens copied back, ``restored_compact_end`` the parked
+table's ``compact_end``) brings every parked block back in its own kind: the logical
+blocks before ``restored_compact_end`` get compact blocks (their compact bytes are
+copied in), and so, while compact blocks are free, do the other whole blocks behind the
+window of the restored tokens (the re-encoding the sequence's next reservation would
+make; the swap-in encodes them from their parked bytes); the rest are full. Its prefix
+hit (``find_cached_prefix(..., for_swap_in=True)``) ends before the first cached block
+of another kind than that.
 """
 
 from __future__ import annotations
@@ -223,17 +232,31 @@ class BlockManager:
                 usable = length
         return usable
 
+    def _restorable_hit(self, block_ids: list[int | None], hit: int, num_tokens: int) -> int:
+        """The longest hit of at most ``hit`` blocks for a swap-in of ``num_tokens``
+        computed tokens: compact blocks wholly behind their window, full ones after."""
+        if self.recent_tokens is None:
+            return hit
+        behind = self.compact_before(num_tokens)
+        for index, block_id in enumerate(block_ids[:hit]):
+            if self.pool.is_compact(block_id) != (index < behind):
+                return index
+        return hit
+
     # -- prefix cache --------------------------------------------------------------------
 
     def find_cached_prefix(
-        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()
+        self, token_ids: Sequence[int], extra_keys: tuple[str, ...] = (), for_swap_in: bool = False
     ) -> CachedPrefix:
         """The longest cached prefix of ``token_ids`` (a query): a chain of cached full
         blocks from the start or, with a sliding window, the longest run of whole blocks
         whose blocks inside the window of the next token are all cached.
 
         Covers at most ``len(token_ids) - 1`` tokens rounded down to whole blocks; empty
-        when prefix caching is off.
+        when prefix caching is off. ``for_swap_in``: the hit starts a swap-in of a
+        sequence whose first ``len(token_ids) - 1`` tokens were computed; with compact
+        blocks it ends before the first block of another kind than the restored
+        sequence holds there (see the module's docstring).
         """
         block_ids: list[int | None] = []
         keys: list[BlockKey] = []
@@ -249,7 +272,10 @@ class BlockManager:
                 run = 0 if block_id is None else run + 1
                 if len(block_ids) - run <= self.live_from(len(block_ids) * self.block_size):
                     hit = len(block_ids)
-        hit = self._usable_hit(block_ids, hit)
+        if for_swap_in:
+            hit = self._restorable_hit(block_ids, hit, max(0, len(token_ids) - 1))
+        else:
+            hit = self._usable_hit(block_ids, hit)
         num_null = self.live_from(hit * self.block_size)
         null = self.pool.null_block
         return CachedPrefix(
@@ -276,6 +302,39 @@ class BlockManager:
         new_from = max(len(prefix.block_ids), self.live_from(prefix.num_tokens + num_restored))
         return revived + max(0, total_blocks - new_from)
 
+    def _restored_compact(
+        self, prefix: CachedPrefix | None, num_restored: int, restored_compact_end: int
+    ) -> int | None:
+        """Compact blocks a sequence starting on ``prefix`` with ``num_restored`` tokens
+        copied in takes for them (see the module's docstring): those parked compact
+        (logical blocks before ``restored_compact_end``) and, while compact blocks are
+        free, the other whole blocks behind the window of the tokens restored. None when
+        the parked compact ones do not fit. Raises ValueError on misuse: a compact end
+        without compact blocks or inside the window, or a prefix of full blocks before
+        compact ones (not found ``for_swap_in``)."""
+        if self.recent_tokens is None:
+            if restored_compact_end:
+                raise ValueError("restored compact blocks need a pool with compact blocks")
+            return 0
+        held = () if prefix is None else prefix.held_block_ids
+        first = len(held)  # compact blocks exclude a sliding window: no null entries
+        num_tokens = (0 if prefix is None else prefix.num_tokens) + num_restored
+        behind = self.compact_before(num_tokens)
+        if restored_compact_end > behind:
+            raise ValueError(
+                f"{restored_compact_end} restored compact blocks reach into the recent "
+                f"window of {num_tokens} restored tokens"
+            )
+        pool = self.pool
+        revived = sum(1 for b in held if pool.ref_count(b) == 0 and pool.is_compact(b))
+        free = pool.num_compact_free - revived
+        if restored_compact_end - first > free:
+            return None
+        count = max(0, min(behind - first, free))
+        if count and not all(pool.is_compact(block_id) for block_id in held):
+            raise ValueError("a swap-in starts on a prefix found for_swap_in")
+        return count
+
     def _check_prefix(self, prefix: CachedPrefix) -> None:
         keys = prefix.keys[prefix.num_null_blocks :]
         for block_id, key in zip(prefix.held_block_ids, keys, strict=True):
@@ -290,13 +349,13 @@ class BlockManager:
         high_priority: bool,
         prefix: CachedPrefix | None,
         num_restored: int,
+        num_compact: int,
     ) -> _Sequence | None:
         """Register ``seq_id`` (on the blocks of ``prefix`` if given, with its upfront
-        blocks under that policy) if its first ``num_new_tokens`` tokens fit; else None,
-        changing nothing."""
-        if prefix is not None:
-            self._check_prefix(prefix)
-        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix, num_restored)
+        blocks under that policy) if its first ``num_new_tokens`` tokens fit, the first
+        ``num_compact`` blocks after the prefix being compact ones; else None, changing
+        nothing. The caller checked that ``prefix`` is not stale."""
+        needed = self._start_blocks_needed(num_new_tokens, prefix, num_restored) - num_compact
         if not self.pool.can_allocate(needed, high_priority):
             return None
         if prefix is None:
@@ -329,16 +388,26 @@ class BlockManager:
         num_new_tokens: int,
         prefix: CachedPrefix | None = None,
         num_restored: int = 0,
+        restored_compact_end: int = 0,
     ) -> int:
-        """Free blocks an append of ``num_new_tokens`` tokens would take from the pool.
+        """Free full-size blocks an append of ``num_new_tokens`` tokens would take from
+        the pool.
 
         Counts new blocks, copy-on-write copies and evictable blocks a prefix hit revives
-        (``num_restored`` as in :meth:`allocate_slots`).
+        (``num_restored`` and ``restored_compact_end`` as in :meth:`allocate_slots`; the
+        restored blocks that come back compact are not counted).
         """
         seq = self._seqs.get(seq_id)
         if seq is not None:
             live_from = self.live_from(self._first_query(seq, num_restored))
             return seq.table.num_blocks_needed(num_new_tokens, live_from)
+        compact = self._restored_compact(prefix, num_restored, restored_compact_end) or 0
+        return self._start_blocks_needed(num_new_tokens, prefix, num_restored) - compact
+
+    def _start_blocks_needed(
+        self, num_new_tokens: int, prefix: CachedPrefix | None, num_restored: int
+    ) -> int:
+        """Free blocks a new sequence takes, every new one full-size."""
         if prefix is None:
             total = cdiv(max(num_new_tokens, self.upfront_tokens or 0), self.block_size)
             return max(0, total - self.live_from(num_restored))
@@ -352,11 +421,15 @@ class BlockManager:
         high_priority: bool = False,
         prefix: CachedPrefix | None = None,
         num_restored: int = 0,
+        restored_compact_end: int = 0,
     ) -> bool:
         """Whether :meth:`allocate_slots` with the same arguments would succeed now (a
-        query for monitoring and tests; allocating needs no check first)."""
-        needed = self.num_blocks_needed(seq_id, num_new_tokens, prefix, num_restored)
-        return self.pool.can_allocate(needed, high_priority)
+        query for monitoring and tests; allocating needs no check first): both kinds of
+        blocks it takes are free."""
+        args = (seq_id, num_new_tokens, prefix, num_restored, restored_compact_end)
+        if seq_id not in self._seqs and self._restored_compact(*args[2:]) is None:
+            return False
+        return self.pool.can_allocate(self.num_blocks_needed(*args), high_priority)
 
     def allocate_slots(
         self,
@@ -365,6 +438,7 @@ class BlockManager:
         high_priority: bool = False,
         prefix: CachedPrefix | None = None,
         num_restored: int = 0,
+        restored_compact_end: int = 0,
     ) -> AppendResult | None:
         """Reserve slots for the ``num_new_tokens`` tokens ``seq_id`` computes next, or
         return None and change nothing when the blocks are not available to this priority.
@@ -373,12 +447,18 @@ class BlockManager:
         tokens then follow the prefix's ``num_tokens``). ``num_restored``: the first new
         tokens whose K/V are copied in rather than computed (a swap-in); with a sliding
         window, blocks outside the window of the first computed token are null entries
-        (slots ``-1``), never allocated. The result's ``first_changed`` is 0 for a sequence
-        created here. Raises ValueError on misuse: a prefix for an existing sequence, or a
-        stale prefix. Counts its block-table lookups and its time (:meth:`stats`).
+        (slots ``-1``), never allocated; with compact blocks, the logical blocks before
+        ``restored_compact_end`` (the parked table's ``compact_end``) and those behind the
+        window of the restored tokens come back compact while compact blocks are free
+        (their slots are compact ids times the block size). The result's
+        ``first_changed`` is 0 for a sequence created here. Raises ValueError on misuse:
+        a prefix or a restored compact end for an existing sequence, or a stale prefix.
+        Counts its block-table lookups and its time (:meth:`stats`).
         """
         start = time.perf_counter()
-        result = self._allocate_slots(seq_id, num_new_tokens, high_priority, prefix, num_restored)
+        result = self._allocate_slots(
+            seq_id, num_new_tokens, high_priority, prefix, num_restored, restored_compact_end
+        )
         elapsed = time.perf_counter() - start
         self._allocation_calls += 1
         self._allocation_seconds += elapsed
@@ -392,22 +472,39 @@ class BlockManager:
         high_priority: bool,
         prefix: CachedPrefix | None,
         num_restored: int,
+        restored_compact_end: int,
     ) -> AppendResult | None:
         seq = self._seqs.get(seq_id)
         started = seq is None
+        num_compact = 0
         if started:
-            seq = self._start(seq_id, num_new_tokens, high_priority, prefix, num_restored)
+            if prefix is not None:
+                self._check_prefix(prefix)
+            num_compact = self._restored_compact(prefix, num_restored, restored_compact_end)
+            if num_compact is None:
+                return None
+            seq = self._start(
+                seq_id, num_new_tokens, high_priority, prefix, num_restored, num_compact
+            )
             if seq is None:
                 return None
-        elif prefix is not None:
-            raise ValueError(f"sequence {seq_id!r} exists; a prefix only starts a sequence")
+        elif prefix is not None or restored_compact_end:
+            raise ValueError(
+                f"sequence {seq_id!r} exists; a prefix or restored compact blocks only start "
+                f"a sequence"
+            )
         live_from = self.live_from(self._first_query(seq, num_restored))
         table = seq.table
+        restored_slots = table.append_compact(num_compact) if num_compact else []
         room = len(table.block_ids) * self.block_size - table.num_tokens  # slots held, unused
         try:
-            result = table.append_slots(num_new_tokens, high_priority, live_from)
+            result = table.append_slots(
+                num_new_tokens - len(restored_slots), high_priority, live_from
+            )
         except OutOfBlocksError:
             return None
+        if restored_slots:
+            result.slots = restored_slots + result.slots
         self._table_lookups += num_new_tokens
         self._table_hits += min(num_new_tokens, room)
         if self.recent_tokens is not None:
@@ -600,6 +697,11 @@ class BlockManager:
     def num_null_blocks(self, seq_id: SeqId) -> int:
         """Leading null entries of ``seq_id``'s table (released by the sliding window)."""
         return self._seqs[seq_id].table.num_null
+
+    def compact_end(self, seq_id: SeqId) -> int:
+        """Leading entries of ``seq_id``'s table that are null or compact
+        (:attr:`BlockTable.compact_end`)."""
+        return self._seqs[seq_id].table.compact_end
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Tokens ``seq_id`` has slots for."""

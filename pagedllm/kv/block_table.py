@@ -41,7 +41,7 @@ class AppendResult:
     ``first_changed``: the first logical block whose entry the append changed (a copy,
     a release, a new block, a re-encoded one); the table's length when no entry
     changed. Entries before it are as they were. ``encodes``: ``(full_block,
-    compact_block)`` pairs whose K/V the cache re-encodes before anything else
+    compact_block)`` pairs whose K/V the cache re-encodes before any move but a swap-out
     (:meth:`BlockTable.compact`).
     """
 
@@ -62,7 +62,8 @@ class BlockTable:
         num_null: int = 0,
     ):
         """Adopt ``block_ids`` holding ``num_tokens``: the first ``num_null`` are null
-        entries, the caller hands over the references of the others."""
+        entries, the caller hands over the references of the others; the compact ones
+        among them come first (a prefix hit's) and count toward :attr:`compact_end`."""
         self._pool = pool
         self._block_size = pool.block_size
         self._block_ids: list[int] = [] if block_ids is None else block_ids
@@ -73,6 +74,10 @@ class BlockTable:
         self.num_tokens = num_tokens
         self.num_null = num_null
         self.compact_end = num_null
+        while self.compact_end < len(self._block_ids) and pool.is_compact(
+            self._block_ids[self.compact_end]
+        ):
+            self.compact_end += 1
 
     @property
     def block_ids(self) -> list[int]:
@@ -197,6 +202,21 @@ class BlockTable:
             self.compact_end = index + 1
         return pairs, first_changed
 
+    def append_compact(self, num_blocks: int) -> list[int]:
+        """Append ``num_blocks`` compact blocks for whole blocks of restored tokens (a
+        swap-in copies their compact K/V in, or encodes their parked full ones) after
+        entries that are all null or compact and full of tokens, and return those
+        tokens' slots. All-or-nothing: raises :class:`OutOfBlocksError` and changes
+        nothing when the compact blocks are not free."""
+        length = len(self._block_ids)
+        if self.compact_end != length or self.num_tokens != length * self._block_size:
+            raise ValueError("restored compact blocks follow whole compact entries only")
+        start = self.num_tokens
+        self._block_ids.extend(self._pool.allocate_compact(num_blocks))
+        self.num_tokens = len(self._block_ids) * self._block_size
+        self.compact_end = len(self._block_ids)
+        return self._slots(start, self.num_tokens)
+
     def truncate(self, num_tokens: int, min_blocks: int = 0) -> int:
         """Drop the slots of tokens ``num_tokens ..`` (reserved, never to be kept) and
         release the blocks wholly past them, last first, keeping at least
@@ -239,9 +259,7 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one (ref count + 1, nothing allocated)."""
         self._pool.incref(self.held_block_ids)
-        table = BlockTable(self._pool, list(self._block_ids), self.num_tokens, self.num_null)
-        table.compact_end = self.compact_end
-        return table
+        return BlockTable(self._pool, list(self._block_ids), self.num_tokens, self.num_null)
 
     def free(self) -> None:
         """Release every held block, last logical block first, and empty the table.
