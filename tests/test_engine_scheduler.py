@@ -1,7 +1,7 @@
 """The scheduler alone, over a real block manager and no model: budgets, chunked
 prefill, preemption order, priorities, the contiguous reservation, and one count of
 each sequence's progress through every path (swap, recompute, fork, prefix hits,
-sliding window)."""
+sliding window, compact blocks parked and restored in their own kind)."""
 
 from __future__ import annotations
 
@@ -169,16 +169,19 @@ def test_finish_returns_blocks_at_once(status):
 
 
 class FakeSwapSpace:
-    """The swap space's bookkeeping (parked blocks) without its tensors."""
+    """The swap space's bookkeeping (parked blocks of both kinds) without its tensors."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.pool = BlockPool(num_blocks, block_size, reserved_fraction=0.0)
+    def __init__(self, num_blocks: int, block_size: int, num_compact_blocks: int = 0) -> None:
+        self.pool = BlockPool(num_blocks, block_size, 0.0, num_compact_blocks)
 
-    def can_hold(self, num_blocks: int) -> bool:
-        return self.pool.can_allocate(num_blocks)
+    def is_compact(self, swap_id: int) -> bool:
+        return self.pool.is_compact(swap_id)
 
-    def park(self, num_blocks: int) -> list[int]:
-        return self.pool.allocate(num_blocks)
+    def can_hold(self, num_blocks: int, num_compact: int = 0) -> bool:
+        return self.pool.can_allocate(num_blocks) and num_compact <= self.pool.num_compact_free
+
+    def park(self, num_blocks: int, num_compact: int = 0) -> list[int]:
+        return self.pool.allocate_compact(num_compact) + self.pool.allocate(num_blocks)
 
     def unpark(self, swap_ids: list[int]) -> None:
         self.pool.free(swap_ids)
@@ -220,9 +223,11 @@ ACTIONS = st.lists(
     block_size=st.sampled_from([1, 2, 4]),
     num_blocks=st.integers(3, 16),
     sliding_window=st.sampled_from([None, None, 3, 6]),
+    recent_tokens=st.sampled_from([None, None, 0, 2, 5]),
     enable_prefix_caching=st.booleans(),
     preemption_mode=st.sampled_from(list(PreemptionMode)),
     swap_blocks=st.integers(1, 16),
+    compact_blocks=st.tuples(st.integers(1, 24), st.integers(0, 16)),
     max_num_batched_tokens=st.integers(1, 24),
     max_num_seqs=st.integers(1, 6),
     actions=ACTIONS,
@@ -231,26 +236,36 @@ def test_computed_counts_follow_the_block_manager_through_every_path(
     block_size,
     num_blocks,
     sliding_window,
+    recent_tokens,
     enable_prefix_caching,
     preemption_mode,
     swap_blocks,
+    compact_blocks,
     max_num_batched_tokens,
     max_num_seqs,
     actions,
 ):
     """Random workloads of admissions, steps, forks and aborts, with chunked prefills,
-    prefix hits, both preemptions and a sliding window: after every plan and every step
-    each running sequence's computed count is its committed count (the table's slots
-    run ahead by the plan's tokens), each swapped one's parked blocks cover its computed
-    tokens, and each waiting one has computed nothing."""
+    prefix hits, both preemptions, and a sliding window or compact blocks behind a
+    window of ``recent_tokens`` (``compact_blocks`` in the pool and the swap space):
+    after every plan and every step each running sequence's computed count is its
+    committed count (the table's slots run ahead by the plan's tokens; compact entries
+    only behind the window), each swapped one's parked blocks cover its computed
+    tokens, each block parks in a swap block of its kind, and a parked compact block
+    comes back compact."""
+    if sliding_window is not None:
+        recent_tokens = None
+    num_compact, swap_compact = compact_blocks if recent_tokens is not None else (0, 0)
     manager = BlockManager(
         num_blocks,
         block_size,
         reserved_fraction=0.0,
         enable_prefix_caching=enable_prefix_caching,
         sliding_window=sliding_window,
+        num_compact_blocks=num_compact,
+        recent_tokens=recent_tokens,
     )
-    swap_space = FakeSwapSpace(swap_blocks, block_size)
+    swap_space = FakeSwapSpace(swap_blocks, block_size, swap_compact)
     scheduler = Scheduler(
         manager,
         max_num_seqs,
@@ -276,6 +291,13 @@ def test_computed_counts_follow_the_block_manager_through_every_path(
         plan = scheduler.schedule()
         scheduler.check_progress(plan)
         seen.update(["swap out"] * bool(plan.swap_out) + ["swap in"] * bool(plan.swap_in))
+        pool = manager.pool
+        for block_id, swap_id in plan.swap_out:
+            assert pool.is_compact(block_id) == swap_space.is_compact(swap_id)
+        for swap_id, block_id in plan.swap_in:
+            assert pool.is_compact(block_id) or not swap_space.is_compact(swap_id)
+            if pool.is_compact(block_id):
+                seen.add("swapped in compact")
         if any(seq.status is SequenceStatus.PREEMPTED for seq in plan.preempted):
             seen.add("recompute")
         if any(manager.num_null_blocks(seq.seq_id) for seq in scheduler.running):

@@ -37,6 +37,7 @@ from pagedllm.kv.capacity import (
     pool_blocks,
     recent_blocks,
     split_by_age,
+    swap_split,
 )
 from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
@@ -140,9 +141,15 @@ def build_engine(
     # the cache keeps a null block past the pool's for a window's released entries, and
     # to start the ids of compact blocks after it
     cache_blocks = num_blocks + (window is not None or num_compact > 0)
-    swap_blocks = _swap_blocks(config, block_bytes)
+    swap_blocks, swap_compact = _swap_blocks(config, model, block_bytes, num_blocks, num_compact)
     worker = ModelWorker(
-        config, model, cache_blocks, max_model_len, swap_blocks, num_compact_blocks=num_compact
+        config,
+        model,
+        cache_blocks,
+        max_model_len,
+        swap_blocks,
+        num_compact_blocks=num_compact,
+        swap_compact_blocks=swap_compact,
     )
     drafter = None
     if draft is not None:
@@ -153,7 +160,7 @@ def build_engine(
             largest = config.max_num_batched_tokens * loaded.config.hidden_size * 4
         settings = shared_settings(config)
         setup = WorkerSetup(
-            settings, cache_blocks, max_model_len, swap_blocks, largest, num_compact
+            settings, cache_blocks, max_model_len, swap_blocks, largest, num_compact, swap_compact
         )
         executor.start_ranks(setup)
     _capture_graphs(config, model, worker.runner, max_model_len)
@@ -289,13 +296,11 @@ def _split_by_age(
     """Full-size and compact blocks of an int4 pool
     (:func:`~pagedllm.kv.capacity.split_by_age`): full ones for ``max_num_seqs``
     decoding sequences' recent windows and two steps of batched tokens."""
-    mc = model.layer_config
     if window is not None:
         raise ValueError(
             "kv_cache_dtype='int4' does not run with a model whose every layer slides yet"
         )
-    layout = TileLayout(config.block_size, mc.head_dim)
-    compact_bytes = mc.num_layers * mc.num_kv_heads * layout.tile_bytes
+    compact_bytes = _compact_block_bytes(config, model)
     wanted = full_blocks_wanted(
         config.max_num_seqs,
         config.kv_recent_tokens,
@@ -303,6 +308,12 @@ def _split_by_age(
         config.block_size,
     )
     return split_by_age(budget, block_bytes, compact_bytes, wanted)
+
+
+def _compact_block_bytes(config: EngineConfig, model: CausalDecoder) -> int:
+    """Bytes of one compact block over every layer, for this rank's KV heads."""
+    mc = model.layer_config
+    return mc.num_layers * mc.num_kv_heads * TileLayout(config.block_size, mc.head_dim).tile_bytes
 
 
 def _max_model_len(
@@ -367,17 +378,36 @@ def _log_pool(block_manager: BlockManager, max_model_len: int) -> None:
         )
 
 
-def _swap_blocks(config: EngineConfig, block_bytes: int) -> int:
-    """Blocks of the swap space (``swap_space`` bytes, per rank); 0 for none."""
+def _swap_blocks(
+    config: EngineConfig, model: CausalDecoder, block_bytes: int, num_blocks: int, num_compact: int
+) -> tuple[int, int]:
+    """Full-size and compact blocks of the swap space (``swap_space`` bytes per rank,
+    split as the pool's bytes are: :func:`~pagedllm.kv.capacity.swap_split`); (0, 0)
+    for none."""
     if config.preemption_mode is PreemptionMode.RECOMPUTE or config.swap_space == 0:
-        return 0
-    num_blocks = pool_blocks(config.swap_space, block_bytes)
-    if num_blocks == 0:
+        return 0, 0
+    compact_bytes = _compact_block_bytes(config, model) if num_compact else 0
+    full, compact = swap_split(
+        config.swap_space, block_bytes, compact_bytes, num_blocks, num_compact
+    )
+    if full == 0:
+        share = " in the share the pool's split gives them" if num_compact else ""
         raise ValueError(
-            f"swap_space={config.swap_space} bytes holds no block of {block_bytes} bytes"
+            f"swap_space={config.swap_space} bytes holds no full-size block of {block_bytes} "
+            f"bytes{share}"
         )
-    logger.info("Swap space: %d blocks (%d bytes)", num_blocks, num_blocks * block_bytes)
-    return num_blocks
+    if compact:
+        logger.info(
+            "Swap space: %d full-size blocks (%d bytes) and %d compact blocks (%d bytes), "
+            "split as the pool's bytes",
+            full,
+            full * block_bytes,
+            compact,
+            compact * compact_bytes,
+        )
+    else:
+        logger.info("Swap space: %d blocks (%d bytes)", full, full * block_bytes)
+    return full, compact
 
 
 def _capture_graphs(

@@ -60,20 +60,26 @@ def make_runner(
 
 
 def make_swap_space(
-    config: EngineConfig, kv_cache: KVCache, num_blocks: int, suffix: str = ""
+    config: EngineConfig,
+    kv_cache: KVCache,
+    num_blocks: int,
+    suffix: str = "",
+    num_compact_blocks: int = 0,
 ) -> SwapSpace | None:
-    """``num_blocks`` blocks of swap space for ``kv_cache`` (None when 0), in memory or
-    in the file ``swap_path`` + ``suffix``."""
+    """``num_blocks`` full-size and ``num_compact_blocks`` compact blocks of swap space
+    for ``kv_cache`` (None when no full-size one), in memory or in the file
+    ``swap_path`` + ``suffix``."""
     if not num_blocks:
         return None
     path = None if config.swap_path is None else f"{config.swap_path}{suffix}"
-    return SwapSpace(kv_cache, num_blocks, path)
+    return SwapSpace(kv_cache, num_blocks, path, num_compact_blocks)
 
 
 class ModelWorker:
     """``model`` over a cache of ``num_cache_blocks`` full-size blocks and
-    ``num_compact_blocks`` compact ones, with ``swap_blocks`` blocks of swap space (none
-    when 0; a ``swap_path`` gets ``rank`` appended past rank 0)."""
+    ``num_compact_blocks`` compact ones, with ``swap_blocks`` full-size and
+    ``swap_compact_blocks`` compact blocks of swap space (none when ``swap_blocks`` is
+    0; a ``swap_path`` gets ``rank`` appended past rank 0)."""
 
     def __init__(
         self,
@@ -84,12 +90,15 @@ class ModelWorker:
         swap_blocks: int,
         rank: int = 0,
         num_compact_blocks: int = 0,
+        swap_compact_blocks: int = 0,
     ) -> None:
         self.model = model
         self.kv_cache = make_kv_cache(config, model, num_cache_blocks, num_compact_blocks)
         self.runner = make_runner(config, model, self.kv_cache, max_model_len)
         suffix = f".rank{rank}" if rank else ""
-        self.swap_space = make_swap_space(config, self.kv_cache, swap_blocks, suffix)
+        self.swap_space = make_swap_space(
+            config, self.kv_cache, swap_blocks, suffix, swap_compact_blocks
+        )
 
     def execute(self, copies: BlockCopies, batch: ModelInput) -> ModelOutput:
         """Apply the step's block moves, then run its batch."""

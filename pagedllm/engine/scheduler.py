@@ -11,7 +11,11 @@ in a step that preempted, so a preempted sequence is never overtaken by a newcom
 
 Preemption by swap (``preemption_mode`` "swap", or "auto" while the second tier has
 room) parks the victim's blocks in the :class:`~pagedllm.kv_storage.swap_space.SwapSpace`
-instead; swapped sequences come back, in queue order, before any new admission.
+instead; swapped sequences come back, in queue order, before any new admission. With
+compact blocks (``kv_cache_dtype="int4"``) each block parks in its own kind, and comes
+back in it: the parked compact ones compact, and the full ones full unless they fell
+behind the window of the restored tokens (then re-encoded on the way in, as the next
+reservation would have).
 
 With prefix caching, a sequence that starts (or restarts after preemption) first takes
 the longest chain of cached full blocks of its tokens and computes only the rest.
@@ -83,10 +87,11 @@ class SchedulerOutput:
     preempted, and which sequences the model runner can forget.
 
     Copies are ``(src, dst)`` block pairs, applied in this order: ``swap_out`` (pool ->
-    swap space), ``swap_in`` (swap space -> pool), ``block_copies`` (copy-on-write
-    within the pool); ``block_encodes`` (full -> compact blocks re-encoded by age) come
-    before all of them. ``released``: sequence ids that finished or were preempted since
-    the previous plan.
+    swap space), ``block_encodes`` (full -> compact blocks re-encoded by age),
+    ``swap_in`` (swap space -> pool), ``block_copies`` (copy-on-write within the pool).
+    A block a swap-out frees is parked before an encode may reuse it; a full block an
+    encode frees may take a swap-in or a copy. ``released``: sequence ids that finished
+    or were preempted since the previous plan.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -310,14 +315,18 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             parked = seq.num_computed_tokens
             # The parked blocks still cached in the pool are taken as a prefix hit (no
-            # copy); one allocation covers the other parked tokens and the new ones (only
-            # the new ones run; with a sliding window, only the parked blocks inside the
-            # window come back); the copied-in blocks join the prefix cache again.
+            # copy), while each is of the kind the sequence comes back with there; one
+            # allocation covers the other parked tokens and the new ones (only the new
+            # ones run; with a sliding window, only the parked blocks inside the window
+            # come back; with compact blocks, those parked compact and those behind the
+            # window come back compact); the copied-in blocks join the prefix cache again.
             manager = self.block_manager
             tokens = seq.all_token_ids
-            prefix = manager.find_cached_prefix(tokens[: parked + 1], self._extra_keys(seq))
+            extra_keys = self._extra_keys(seq)
+            prefix = manager.find_cached_prefix(tokens[: parked + 1], extra_keys, for_swap_in=True)
             copied = parked - prefix.num_tokens
-            if not self._append(seq, num_tokens, out, prefix=prefix, parked=copied):
+            compact_end = self._parked_compact_end(seq)
+            if not self._append(seq, num_tokens, out, prefix, copied, compact_end=compact_end):
                 break
             table = manager.block_table(seq.seq_id)
             first = max(len(prefix.block_ids), manager.num_null_blocks(seq.seq_id))
@@ -335,6 +344,12 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             budget -= num_tokens
         return budget
+
+    def _parked_compact_end(self, seq: TokenSequence) -> int:
+        """The compact end of ``seq``'s table when it was parked: its parked compact
+        blocks come first, from logical block ``swap_first_block`` on (0 when none)."""
+        num_compact = sum(map(self.swap_space.is_compact, seq.swap_block_ids))
+        return seq.swap_first_block + num_compact if num_compact else 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         manager = self.block_manager
@@ -370,11 +385,13 @@ class Scheduler:
         prefix: CachedPrefix | None = None,
         parked: int = 0,
         drafts: list[int] | None = None,
+        compact_end: int = 0,
     ) -> bool:
         """Allocate slots for ``num_tokens`` tokens of ``seq`` (after ``parked`` tokens
-        whose K/V come back from the swap space; followed by the guessed ``drafts``) and
-        add them to the plan with their block-table delta; False, changing nothing, when
-        the blocks are not there.
+        whose K/V come back from the swap space, the logical blocks before
+        ``compact_end`` compact; followed by the guessed ``drafts``) and add them to the
+        plan with their block-table delta; False, changing nothing, when the blocks are
+        not there.
 
         With a ``prefix`` the sequence starts a new table on that hit: its computed count
         starts where the block manager's committed count does, at the hit's tokens (the
@@ -383,7 +400,7 @@ class Scheduler:
         drafts = drafts or []
         num_tokens += len(drafts)
         result = manager.allocate_slots(
-            seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix, num_restored=parked
+            seq.seq_id, parked + num_tokens, seq.is_high_priority, prefix, parked, compact_end
         )
         if result is None:
             return False
@@ -412,8 +429,11 @@ class Scheduler:
         num_computed_blocks = cdiv(seq.num_computed_tokens, manager.block_size)
         first = manager.num_null_blocks(seq.seq_id)
         block_ids = manager.block_table(seq.seq_id)[first:num_computed_blocks]
-        if self._swaps(seq, len(block_ids)):
-            seq.swap_block_ids = self.swap_space.park(len(block_ids))
+        # compact entries come first and hold committed tokens only
+        num_compact = max(0, manager.compact_end(seq.seq_id) - first)
+        num_full = len(block_ids) - num_compact
+        if self._swaps(seq, num_full, num_compact):
+            seq.swap_block_ids = self.swap_space.park(num_full, num_compact)
             seq.swap_first_block = first
             out.swap_out.extend(zip(block_ids, seq.swap_block_ids, strict=True))
             self._free(seq)
@@ -425,12 +445,13 @@ class Scheduler:
         seq.reset_for_recompute()
         self.add(seq)
 
-    def _swaps(self, seq: TokenSequence, num_blocks: int) -> bool:
+    def _swaps(self, seq: TokenSequence, num_full: int, num_compact: int) -> bool:
         """The preemption rule. "recompute" never swaps. "swap" swaps whenever the second
-        tier has room. "auto" also needs at least one full block of computed tokens:
-        copying a token's K/V costs microseconds where recomputing it costs milliseconds
-        (docs/engine.md has the measurements), but a sequence with less than a block
-        computed is cheaper to recompute than to park."""
+        tier has room for ``num_full`` full-size and ``num_compact`` compact blocks.
+        "auto" also needs at least one full block of computed tokens: copying a token's
+        K/V costs microseconds where recomputing it costs milliseconds (docs/engine.md
+        has the measurements), but a sequence with less than a block computed is cheaper
+        to recompute than to park."""
         if self.swap_space is None or self.preemption_mode is PreemptionMode.RECOMPUTE:
             return False
         if (
@@ -438,4 +459,4 @@ class Scheduler:
             and seq.num_computed_tokens < self.block_manager.block_size
         ):
             return False
-        return self.swap_space.can_hold(num_blocks)
+        return self.swap_space.can_hold(num_full, num_compact)

@@ -94,7 +94,8 @@ class TokenSequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: int | str | None = None
-    # Swap blocks parked for logical blocks swap_first_block .. of the preempted table.
+    # Swap blocks parked for logical blocks swap_first_block .. of the preempted table
+    # (its compact blocks first, in swap blocks of their kind).
     swap_block_ids: list[int] = field(default_factory=list)
     swap_first_block: int = 0
     # Leading block-table entries the model runner holds for this sequence; 0 whenever

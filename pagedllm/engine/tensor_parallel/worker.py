@@ -63,7 +63,8 @@ class WorkerSetup:
     """Sent once by rank 0 after it sized the pool: its :data:`SHARED_SETTINGS`, the
     cache every rank allocates (blocks, window null block included), the runner's table
     width, swap blocks, the largest all-reduce (bytes) to run through shared memory
-    (``None``: gloo only), and the compact blocks (``kv_cache_dtype="int4"``)."""
+    (``None``: gloo only), and the compact blocks of the cache and of the swap space
+    (``kv_cache_dtype="int4"``)."""
 
     settings: dict[str, object]
     num_cache_blocks: int
@@ -71,6 +72,7 @@ class WorkerSetup:
     swap_blocks: int
     all_reduce_bytes: int | None
     num_compact_blocks: int = 0
+    swap_compact_blocks: int = 0
 
 
 def shared_settings(config: EngineConfig) -> dict[str, object]:
@@ -182,6 +184,7 @@ def _serve(config: EngineConfig, group: TensorParallelGroup) -> None:
         setup.swap_blocks,
         group.rank,
         setup.num_compact_blocks,
+        setup.swap_compact_blocks,
     )
     compute_logits = loaded.model.compute_logits
     with torch.inference_mode():
