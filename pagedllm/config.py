@@ -430,8 +430,8 @@ class EngineConfig:
         self._check_by_age()
 
     def _check_by_age(self) -> None:
-        """int4's compact blocks are allocated on demand, with recompute preemption
-        and without a draft model."""
+        """int4's compact blocks are allocated on demand and without a draft model;
+        every preemption mode runs (swap parks compact blocks compact)."""
         if not self.kv_cache_dtype.by_age:
             return
         if self.kv_recent_tokens < 0:
@@ -443,16 +443,14 @@ class EngineConfig:
             )
         unsupported = {
             "kv_allocation": self.kv_allocation is KVAllocation.CONTIGUOUS,
-            "preemption_mode": self.preemption_mode is not PreemptionMode.RECOMPUTE,
             "speculative_config": self.speculative_config is not None
             and self.speculative_config.method is SpeculativeMethod.DRAFT_MODEL,
         }
         refused = [name for name, bad in unsupported.items() if bad]
         if refused:
             raise ValueError(
-                "kv_cache_dtype='int4' runs with paged allocation, recompute preemption "
-                "and no draft model for now; not with "
-                + ", ".join(f"{name}={getattr(self, name)!r}" for name in refused)
+                "kv_cache_dtype='int4' runs with paged allocation and no draft model for "
+                "now; not with " + ", ".join(f"{name}={getattr(self, name)!r}" for name in refused)
             )
 
     def _check_parallel(self) -> None:

@@ -2,11 +2,13 @@
 each sequence's recent window are re-encoded into compact 4-bit blocks (a prompt's
 shared blocks once for all its samples, a cached prefix not again), the compact K/V
 are the encoded K/V of those positions, attention through the C++ kernel equals the
-reference over every block decoded, preemption and prefix caching keep working, and
-every block is free again at the end. Quality on the real model at long context:
-``benchmarks/kv_by_age.py``."""
+reference over every block decoded, preemption (recompute, and swap that parks compact
+blocks compact) and prefix caching keep working, and every block is free again at the
+end. Quality on the real model at long context: ``benchmarks/kv_by_age.py``."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -81,7 +83,10 @@ def test_defaults_keep_128_recent_tokens_and_a_quarter_of_the_bytes_full_size(ti
     "overrides, named",
     [
         ({"kv_allocation": "contiguous"}, "kv_allocation"),
-        ({"preemption_mode": "swap", "swap_space": "64MiB"}, "preemption_mode"),
+        (
+            {"speculative_config": {"method": "draft_model", "model": "x"}},
+            "speculative_config",
+        ),
         ({"kv_recent_tokens": -1}, "kv_recent_tokens"),
         ({"block_size": 8}, "block_size"),
     ],
@@ -211,3 +216,76 @@ def test_the_planner_splits_a_budget_as_the_engine_does(tiny_model):
     assert (row.num_blocks, row.num_compact_blocks) == (pool.num_blocks, pool.num_compact_blocks)
     assert row.compact_block_bytes * pool.num_compact_blocks == engine.kv_cache.compact.nbytes
     assert engine.kv_cache.nbytes <= budget + row.block_bytes  # and the null block
+
+
+def swap_workload(seeded: bool) -> tuple[list[dict], list[SamplingParams]]:
+    """16 requests of 20-32 prompt tokens (every third on a shared 16-token prefix, every
+    fourth with n = 2) and 60-120 output tokens: greedy, or sampled with a seed each.
+    Prompts of at most 32 tokens are never read compact while prefilled (16 recent
+    tokens), however a pool chunks them; their outputs are."""
+    rng = random.Random(3)
+    shared = [rng.randrange(2, 480) for _ in range(16)]
+    prompts, params = [], []
+    for i in range(16):
+        head = shared if i % 3 == 0 else [rng.randrange(2, 480) for _ in range(4)]
+        tail = [rng.randrange(2, 480) for _ in range(rng.randint(4, 16))]
+        prompts.append({"prompt_token_ids": head + tail})
+        sampling = dict(temperature=0.8, seed=i) if seeded else dict(temperature=0.0)
+        n = 2 if i % 4 == 0 else 1
+        max_tokens = rng.randint(60, 120)
+        params.append(SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, **sampling))
+    return prompts, params
+
+
+def run_all(engine: LLMEngine, prompts, params) -> list[list[list[int]]]:
+    """``run`` with a sampling parameter per request."""
+    for i, (item, sampling) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), item, sampling)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.scheduler.check_progress()
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+SWAP_SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_parks_compact_blocks_and_gives_the_unpreempted_outputs(
+    tiny_model, mode, prefix_caching, seeded
+):
+    """A pool of 16 full-size blocks (and 292 compact ones) preempts sequences that
+    already hold compact blocks; each comes back with the same bits, so every output
+    equals a roomy pool's, and every block is free at the end. With prefix caching off
+    every parked block is copied back, and some parked full blocks come back compact
+    (behind the window of the restored tokens), as the next reservation would have
+    re-encoded them."""
+    prompts, params = swap_workload(seeded)
+    settings = dict(SWAP_SETTINGS, enable_prefix_caching=prefix_caching)
+    roomy = make_engine(tiny_model, 16, kv_cache_memory="64MiB", **settings)
+    expected = run_all(roomy, prompts, params)
+    assert roomy.scheduler.num_preemptions == 0
+    engine = make_engine(
+        tiny_model, 16, kv_cache_memory="2MiB", preemption_mode=mode, swap_space="2MiB", **settings
+    )
+    pool, swap_space = engine.block_manager.pool, engine.swap_space
+    assert (pool.num_blocks, pool.num_compact_blocks) == (16, 292)
+    # the swap space splits its bytes as the pool does
+    assert (swap_space.pool.num_blocks, swap_space.pool.num_compact_blocks) == (16, 292)
+    assert run_all(engine, prompts, params) == expected
+    stats = engine.get_stats()
+    # every preemption swapped: recomputing would read the prompt's old blocks unencoded
+    assert stats.num_preemptions_total == stats.num_preemptions_swap > 0
+    assert stats.swap.swap_ins == stats.swap.swap_outs
+    assert stats.swap.compact_swapped_out > 0  # re-encoded before they were preempted
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
+    if not prefix_caching:
+        assert stats.swap.compact_swapped_in > stats.swap.compact_swapped_out
+        assert stats.swap.bytes_swapped_in == stats.swap.bytes_swapped_out
+    assert stats.swap.used_blocks == stats.swap.compact_used == stats.num_swapped == 0
+    assert pool.num_used == pool.num_compact_used == 0

@@ -246,6 +246,37 @@ def test_sharing_preemption_and_parallel_samples_across_ranks(folders, mode):
         assert stats[2].swap.swap_outs > 0
 
 
+def test_int4_swap_across_ranks_parks_each_ranks_own_tiles(folders):
+    """Each rank parks and restores the compact and full blocks of its own KV heads
+    under the same ids: two ranks swapping generate what one does, and every block of
+    both tiers is free at the end."""
+    prompts = [[(13 * i + 7 * j) % 480 + 2 for j in range(20 + i)] for i in range(10)]
+    params = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True, n=2)
+    by_age = dict(
+        kv_cache_dtype="int4",
+        kv_recent_tokens=16,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+    )
+    results, stats = {}, {}
+    for tp in (1, 2):
+        budget = (2 << 20) // tp  # the same blocks on rank 0, holding 1 of the 2 KV heads
+        engine = make_engine(
+            folders["kv2"], tp, kv_cache_memory=budget, swap_space=budget, **by_age
+        )
+        try:
+            results[tp] = run_outputs(engine, prompts, params)
+            stats[tp] = engine.get_stats()
+            assert engine.block_manager.pool.num_compact_used == 0
+        finally:
+            engine.shutdown()
+    assert_same(results[1], results[2])
+    assert stats[2].swap.compact_swapped_out == stats[1].swap.compact_swapped_out > 0
+    assert stats[2].swap.compact_used == stats[2].swap.used_blocks == 0
+
+
 def block_bytes(folder: Path, tp: int) -> int:
     """Bytes of one block of 4 tokens on the rank holding the most KV heads."""
     from pagedllm.kv_storage.kv_cache import bytes_per_block
