@@ -205,6 +205,13 @@ def _parse_swap_space(value: int | str, config: EngineConfig) -> int:
     return size
 
 
+def _parse_tier_size(value: int | str, config: EngineConfig) -> int:
+    size = parse_bytes(value)
+    if size < 0:
+        raise ValueError(f"a tier's size must be >= 0 bytes, got {size}")
+    return size
+
+
 @dataclass
 class EngineConfig:
     """Engine settings. Units: tokens unless a name says blocks or bytes; each field's
@@ -338,6 +345,31 @@ class EngineConfig:
         0, "bytes of the second KV tier for swap, e.g. 1GiB", parse=_parse_swap_space
     )
     swap_path: str | None = knob(None, "memory-map the second KV tier to this file")
+    kv_tier_memory: int = knob(
+        0,
+        "bytes of host memory beside the pool where evicted prefix-cache blocks wait to be "
+        "found again, e.g. 4GiB (0: none, or a staging tier of two max-length prompts when "
+        "kv_cache_dir is set)",
+        parse=_parse_tier_size,
+    )
+    kv_cache_dir: str | None = knob(
+        None,
+        "keep evicted prefix-cache blocks in this directory too, and every cached block at "
+        "shutdown: a restarted engine with the same model and settings finds them",
+    )
+    kv_cache_dir_size: int = knob(
+        8 << 30, "size limit of kv_cache_dir, e.g. 20GiB", parse=_parse_tier_size
+    )
+    kv_tier_prefetch: bool = knob(
+        True,
+        "start loading a request's cached blocks from disk when it arrives, while it waits "
+        "in the queue (else when it reaches the head of the queue)",
+    )
+    kv_tier_wait: float = knob(
+        1.0,
+        "seconds a request waits in the queue for its blocks to load from disk before it "
+        "computes what has not arrived",
+    )
     tensor_parallel_size: int = knob(
         1,
         "ranks (processes) that split every layer's heads and MLP, and the vocabulary, "
@@ -428,6 +460,37 @@ class EngineConfig:
         self._check_linear_kernel()
         self._check_attention_kernel()
         self._check_by_age()
+        self._check_tiers()
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether evicted prefix-cache blocks go to lower tiers (host memory, disk)."""
+        return self.kv_tier_memory > 0 or self.kv_cache_dir is not None
+
+    def _check_tiers(self) -> None:
+        """The lower tiers hold prefix-cache blocks of a paged, single-rank pool in one
+        block format (not int4's two), of weights that are the same at every start."""
+        if not self.has_tiers:
+            return
+        if self.kv_tier_wait < 0:
+            raise ValueError(f"kv_tier_wait must be >= 0 seconds, got {self.kv_tier_wait}")
+        if self.kv_cache_dir is not None and self.kv_cache_dir_size <= 0:
+            raise ValueError("kv_cache_dir_size must be positive")
+        unsupported = {
+            "enable_prefix_caching": not self.enable_prefix_caching,
+            "kv_allocation": self.kv_allocation is KVAllocation.CONTIGUOUS,
+            "kv_cache_dtype": self.kv_cache_dtype.by_age,
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "load_format": self.kv_cache_dir is not None and self.load_format is LoadFormat.DUMMY,
+        }
+        refused = [name for name, bad in unsupported.items() if bad]
+        if refused:
+            raise ValueError(
+                "the prefix cache's lower tiers (kv_tier_memory, kv_cache_dir) need prefix "
+                "caching, paged allocation, one K/V block format, one rank and (for a "
+                "directory) weights loaded from files; not "
+                + ", ".join(f"{name}={getattr(self, name)!r}" for name in refused)
+            )
 
     def _check_by_age(self) -> None:
         """int4's compact blocks are allocated on demand and without a draft model;

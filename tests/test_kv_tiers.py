@@ -87,9 +87,9 @@ def test_evicted_blocks_spill_and_fill_back_bit_for_bit():
     s.tiers.apply(moves)
     for b in taken:  # the pool's blocks are then overwritten by new K/V
         s.cache.tensor[:, :, b] = 0.0
-    slots = s.tiers.host_run([key(0), key(10), key(20)])
-    assert len(slots) == 2  # key 20 is still in the pool, not in the host tier
-    s.tiers.fill(slots, [key(0), key(10)], taken)
+    run = s.tiers.host_run([key(0), key(10), key(20)])
+    assert [k for _, k in run] == [key(0), key(10)]  # key 20 is still in the pool
+    s.tiers.fill(run, taken)
     s.tiers.apply(s.tiers.take_moves())
     assert torch.equal(s.block(taken[0]), saved[0])
     assert torch.equal(s.block(taken[1]), saved[10])
@@ -120,9 +120,9 @@ def test_a_fill_planned_before_a_spill_reads_its_slot_first():
     (block_id,) = s.pool.allocate(1)
     s.pool.cache_block(block_id, key(30))
     s.pool.free([block_id])  # evictable, behind the two uncached free blocks
-    slots = s.tiers.host_run([key(0)])
+    run = s.tiers.host_run([key(0)])
     (target,) = s.pool.allocate(1)
-    s.tiers.fill(slots, [key(0)], [target])
+    s.tiers.fill(run, [target])
     s.pool.allocate(2)  # evicts key 30; its spill takes the slot the fill reads
     moves = s.tiers.take_moves()
     assert [m.kind for m in moves] == [MoveKind.FILL, MoveKind.SPILL]
@@ -138,11 +138,11 @@ def test_pinned_slots_are_not_spilled_into():
     (block_id,) = s.pool.allocate(1)
     s.pool.cache_block(block_id, key(30))
     s.pool.free([block_id])
-    slots = s.tiers.host_run([key(0)])
+    run = s.tiers.host_run([key(0)])
     s.pool.allocate(3)  # evicts key 30: the only slot is pinned, so it is dropped
     assert s.tiers.take_moves() == []
-    s.tiers.unpin(slots)
-    assert s.tiers.host_run([key(0)]) == slots
+    s.tiers.unpin(run)
+    assert s.tiers.host_run([key(0)]) == run
 
 
 @pytest.mark.parametrize("slots", [0, -1])
@@ -185,10 +185,10 @@ def test_host_evictions_demote_to_disk_and_prefetch_brings_them_back(tmp_path):
     s.tiers.prefetch("request", [key(0), key(10)], in_pool=lambda k: False)
     s.wait_loads("request")  # loading key 0 first writes key 10 (the slot's) to disk
     assert digest(10) in s.disk
-    slots = s.tiers.host_run([key(0), key(10)])
-    assert len(slots) == 1  # one slot: key 0 came back, key 10 went down
+    run = s.tiers.host_run([key(0), key(10)])
+    assert len(run) == 1  # one slot: key 0 came back, key 10 went down
     (target,) = s.pool.allocate(1)
-    s.tiers.fill(slots, [key(0)], [target])
+    s.tiers.fill(run, [target])
     s.tiers.apply(s.tiers.take_moves())
     assert torch.equal(s.block(target), saved[0])
     stats = s.tiers.stats()
@@ -222,9 +222,9 @@ def test_persisted_blocks_are_found_after_a_restart(tmp_path):
     again = DiskSetup(tmp_path / "tier")
     again.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
     again.wait_loads("request")
-    (slot,) = again.tiers.host_run([key(0)])
+    run = again.tiers.host_run([key(0)])
     (target,) = again.pool.allocate(1)
-    again.tiers.fill([slot], [key(0)], [target])
+    again.tiers.fill(run, [target])
     again.tiers.apply(again.tiers.take_moves())
     assert torch.equal(again.block(target), saved[0])
     again.tiers.close()

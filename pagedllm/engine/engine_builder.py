@@ -41,6 +41,7 @@ from pagedllm.kv.capacity import (
 )
 from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
+from pagedllm.kv_tiers.build import make_tiered_cache
 from pagedllm.models.batch_invariance import variant_products
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.loader import LoadedModel, load_model_for
@@ -164,6 +165,10 @@ def build_engine(
         )
         executor.start_ranks(setup)
     _capture_graphs(config, model, worker.runner, max_model_len)
+    tiers = make_tiered_cache(config, loaded.source, worker.kv_cache, max_model_len, window)
+    if tiers is not None:
+        worker.tiers = tiers
+        block_manager.pool.add_listener(tiers)
     scheduler = Scheduler(
         block_manager,
         config.max_num_seqs,
@@ -171,6 +176,8 @@ def build_engine(
         cache_key=f"{loaded.source}:{config.dtype}",
         swap_space=worker.swap_space,
         preemption_mode=config.preemption_mode,
+        tiers=tiers,
+        prefetch_on_arrival=config.kv_tier_prefetch,
     )
     tokenizer = loaded.tokenizer
     if tokenizer is not None:

@@ -18,6 +18,7 @@ had not been there.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
@@ -68,6 +69,7 @@ class LLMEngine:
         self.config = config
         self.device = config.device
         self.executor = start_executor(config, loaded)
+        self.tiers = None
         try:
             parts = build_engine(config, loaded, self.executor)
         except BaseException:
@@ -81,6 +83,9 @@ class LLMEngine:
         self.worker, self.drafter = parts.worker, parts.drafter
         self.kv_cache, self.runner = self.worker.kv_cache, self.worker.runner
         self.swap_space = self.worker.swap_space
+        self.tiers = self.worker.tiers
+        if self.tiers is not None:
+            atexit.register(self.shutdown)  # cached blocks reach kv_cache_dir at exit
         self.validator = RequestValidator(
             config,
             self.model_config.vocab_size,
@@ -109,8 +114,16 @@ class LLMEngine:
         self._stats_logger = StatsLogger(config.log_stats_interval)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks this engine started (nothing to do without
-        them); the engine cannot step afterwards. Idempotent; also run at exit."""
+        """Write the prefix cache's blocks to ``kv_cache_dir`` (if set) and stop the
+        tensor-parallel ranks this engine started; the engine cannot step afterwards.
+        Idempotent; also run at exit."""
+        if self.tiers is not None:
+            atexit.unregister(self.shutdown)
+            tiers, self.tiers = self.tiers, None
+            written = tiers.persist(self.block_manager.pool.cached_blocks())
+            tiers.close()
+            if written:
+                logger.info("KV tiers: %d cached blocks written to disk at shutdown", written)
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -266,7 +279,9 @@ class LLMEngine:
         """
         times = self.step_times
         t0 = time.perf_counter()
-        copies = BlockCopies(plan.swap_out, plan.swap_in, plan.block_copies, plan.block_encodes)
+        copies = BlockCopies(
+            plan.swap_out, plan.swap_in, plan.block_copies, plan.block_encodes, plan.tier_moves
+        )
         batch = self.runner.build_batch(plan)
         t1 = time.perf_counter()
         executor = self.executor
@@ -279,7 +294,10 @@ class LLMEngine:
             if batch.prompt_spans:
                 self._record_prompt_logprobs(batch.prompt_spans, output.prompt_hidden)
         times.prepare += t1 - t0
-        times.forward += time.perf_counter() - t1
+        seconds = time.perf_counter() - t1
+        times.forward += seconds
+        if self.tiers is not None:
+            self.tiers.note_prefill(plan.num_batched_tokens, seconds)
         return self.scheduler.update_from_output(plan), output.logits
 
     def _sample_with_drafts(

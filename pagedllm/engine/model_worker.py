@@ -1,5 +1,5 @@
 """What one rank holds and does each step: the model (or its tensor-parallel slice), its
-KV cache, its swap space and the runner over them.
+KV cache, its swap space, the prefix cache's lower tiers and the runner over them.
 
 The engine's own process holds one; under tensor parallelism every other rank holds one
 too, with the same block ids, slots and copies, each over its own heads.
@@ -14,6 +14,7 @@ from pagedllm.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.kv_storage.swap_space import SwapSpace
+from pagedllm.kv_tiers.tiered_cache import TieredCache
 from pagedllm.models.decoder import CausalDecoder
 from pagedllm.models.layer_stack import LayerStack
 
@@ -99,8 +100,9 @@ class ModelWorker:
         self.swap_space = make_swap_space(
             config, self.kv_cache, swap_blocks, suffix, swap_compact_blocks
         )
+        self.tiers: TieredCache | None = None  # the engine's rank sets them (one rank)
 
     def execute(self, copies: BlockCopies, batch: ModelInput) -> ModelOutput:
         """Apply the step's block moves, then run its batch."""
-        copies.apply(self.kv_cache, self.swap_space)
+        copies.apply(self.kv_cache, self.swap_space, self.tiers)
         return self.runner.forward(batch)

@@ -18,7 +18,11 @@ behind the window of the restored tokens (then re-encoded on the way in, as the 
 reservation would have).
 
 With prefix caching, a sequence that starts (or restarts after preemption) first takes
-the longest chain of cached full blocks of its tokens and computes only the rest.
+the longest chain of cached full blocks of its tokens and computes only the rest. With
+lower tiers (:mod:`pagedllm.kv_tiers`), the chain goes on through the blocks the host
+tier holds, copied back into fresh pool blocks before the forward pass; a sequence
+whose blocks are loading from disk is passed over (others are admitted past it) until
+they are in or its wait ends.
 
 With a sliding window on every layer, committing a step's tokens releases the blocks no
 later query of the sequence reads (:mod:`pagedllm.kv.block_manager`); their entries
@@ -48,7 +52,10 @@ from pagedllm.config import PreemptionMode
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.capacity import cdiv
+from pagedllm.kv.prefix_hash import iter_block_keys
 from pagedllm.kv_storage.swap_space import SwapSpace
+from pagedllm.kv_tiers.tier_moves import TierMove
+from pagedllm.kv_tiers.tiered_cache import TieredCache
 
 
 @dataclass
@@ -90,7 +97,9 @@ class SchedulerOutput:
     swap space), ``block_encodes`` (full -> compact blocks re-encoded by age),
     ``swap_in`` (swap space -> pool), ``block_copies`` (copy-on-write within the pool).
     A block a swap-out frees is parked before an encode may reuse it; a full block an
-    encode frees may take a swap-in or a copy. ``released``: sequence ids that finished
+    encode frees may take a swap-in or a copy. ``tier_moves`` (spills of evicted cached
+    blocks to the lower tiers, fills back from them) run in planned order right after
+    the swap-outs (:mod:`pagedllm.kv_tiers.tier_moves`). ``released``: sequence ids that finished
     or were preempted since the previous plan.
     """
 
@@ -99,6 +108,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_encodes: list[tuple[int, int]] = field(default_factory=list)
+    tier_moves: list[TierMove] = field(default_factory=list)
     preempted: list[TokenSequence] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
@@ -127,10 +137,15 @@ class Scheduler:
         cache_key: str = "",
         swap_space: SwapSpace | None = None,
         preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
+        tiers: TieredCache | None = None,
+        prefetch_on_arrival: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.cache_key = cache_key
         self.swap_space = swap_space
+        self.tiers = tiers
+        self.prefetch_on_arrival = prefetch_on_arrival
+        self._prefetched: set[int] = set()  # sequence ids whose disk loads were asked
         self.preemption_mode = parse_choice(PreemptionMode, preemption_mode, "preemption_mode")
         self.swapped: list[TokenSequence] = []
         self.max_num_seqs = max_num_seqs
@@ -151,6 +166,8 @@ class Scheduler:
 
     def add(self, seq: TokenSequence) -> None:
         bisect.insort(self.waiting, seq, key=TokenSequence.sort_key)
+        if self.tiers is not None and self.prefetch_on_arrival:
+            self._prefetch(seq)
 
     def finish(self, seq: TokenSequence, status: SequenceStatus) -> None:
         """End ``seq`` with a finished ``status`` and return its blocks at once."""
@@ -163,6 +180,9 @@ class Scheduler:
             seq.swap_block_ids = []
         elif not seq.is_finished:
             self.waiting.remove(seq)
+            if self.tiers is not None:
+                self.tiers.forget(seq.seq_id)
+                self._prefetched.discard(seq.seq_id)
         seq.status = status
 
     def finish_unscheduled(self, seq: TokenSequence, status: SequenceStatus) -> None:
@@ -290,6 +310,8 @@ class Scheduler:
             budget = self._swap_in(budget, out)
             if not self.swapped:
                 self._admit_waiting(budget, out)
+        if self.tiers is not None:
+            out.tier_moves = self.tiers.take_moves()
         return out
 
     @staticmethod
@@ -352,17 +374,75 @@ class Scheduler:
         return seq.swap_first_block + num_compact if num_compact else 0
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        """Start waiting sequences in queue order while they fit; with lower tiers, one
+        whose blocks are still loading from disk is passed over until they are in (or
+        its wait ends), and a hit the pool's prefix leaves off continues from the host
+        tier, copied into the pool before the forward pass."""
         manager = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if not self._loads_done(seq):
+                index += 1
+                continue
             prefix = manager.find_cached_prefix(self._cacheable(seq), self._extra_keys(seq))
-            num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
-            if not self._append(seq, num_tokens, out, prefix=prefix):
+            run = self._host_run(seq, prefix)
+            restored = len(run) * manager.block_size
+            num_tokens = min(seq.num_tokens - prefix.num_tokens - restored, budget)
+            admitted = self._append(seq, num_tokens, out, prefix=prefix, parked=restored)
+            if run:
+                self._fill(seq, prefix, run, admitted)
+            if not admitted:
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             budget -= num_tokens
+
+    # -- lower tiers of the prefix cache -------------------------------------------------
+
+    def _block_keys(self, seq: TokenSequence, prefix: CachedPrefix | None = None):
+        """The keys of ``seq``'s cacheable full blocks past ``prefix`` (lazily)."""
+        cacheable = self._cacheable(seq)
+        start = 0 if prefix is None else prefix.num_tokens
+        parent = prefix.keys[-1].digest if prefix is not None and prefix.keys else None
+        tokens = cacheable[start : len(cacheable) - 1]
+        return iter_block_keys(tokens, self.block_manager.block_size, self._extra_keys(seq), parent)
+
+    def _prefetch(self, seq: TokenSequence) -> None:
+        """Ask the tiers to load ``seq``'s cached blocks from disk."""
+        self._prefetched.add(seq.seq_id)
+        pool = self.block_manager.pool
+        self.tiers.prefetch(seq.seq_id, self._block_keys(seq), lambda k: pool.lookup(k) is not None)
+
+    def _loads_done(self, seq: TokenSequence) -> bool:
+        """Whether ``seq`` may start: no tiers, or none of its disk loads in flight (its
+        loads start here if they did not when it arrived)."""
+        if self.tiers is None:
+            return True
+        if seq.seq_id not in self._prefetched:
+            self._prefetch(seq)
+        if not self.tiers.admissible(seq.seq_id):
+            return False
+        self._prefetched.discard(seq.seq_id)
+        return True
+
+    def _host_run(self, seq: TokenSequence, prefix: CachedPrefix) -> list:
+        """The host tier's blocks continuing ``prefix`` (none without tiers)."""
+        if self.tiers is None:
+            return []
+        return self.tiers.host_run(self._block_keys(seq, prefix))
+
+    def _fill(self, seq: TokenSequence, prefix: CachedPrefix, run: list, admitted: bool) -> None:
+        """Copy the host blocks of ``run`` into the blocks ``seq`` was just given after
+        ``prefix``, and count their tokens computed (unpin them if it was not admitted)."""
+        if not admitted:
+            self.tiers.unpin(run)
+            return
+        table = self.block_manager.block_table(seq.seq_id)
+        first = len(prefix.block_ids)
+        self.tiers.fill(run, table[first : first + len(run)])
+        self._advance(seq, len(run) * self.block_manager.block_size)
 
     @staticmethod
     def _cacheable(seq: TokenSequence) -> list[int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.block_manager import AllocationTimes
 from pagedllm.kv_storage.swap_space import SwapStats
+from pagedllm.kv_tiers.tiered_cache import TierStats
 from pagedllm.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger("pagedllm")
@@ -92,6 +93,7 @@ class EngineStats:
     num_swapped: int = 0
     swap: SwapStats | None = None
     spec_decode: SpecDecodeStats | None = None
+    tiers: TierStats | None = None  # the prefix cache's lower tiers, when configured
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -141,6 +143,7 @@ def gather_stats(
         num_swapped=len(scheduler.swapped),
         swap=swap,
         spec_decode=spec_decode,
+        tiers=None if scheduler.tiers is None else scheduler.tiers.stats(),
     )
 
 

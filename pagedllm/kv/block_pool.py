@@ -343,6 +343,10 @@ class BlockPool:
             listener.block_stored(block_id, key)
         return True
 
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """``(digest, block_id)`` of every cached block, referenced or evictable."""
+        return list(self._cached_blocks.items())
+
     def lookup(self, key: BlockKey) -> int | None:
         """The cached block whose content is exactly ``key``, referenced or evictable."""
         block_id = self._cached_blocks.get(key.digest)

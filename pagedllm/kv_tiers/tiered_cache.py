@@ -32,7 +32,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -151,10 +151,12 @@ class TieredCache:
 
     # -- requests ---------------------------------------------------------------------
 
-    def prefetch(self, request: object, keys: Sequence[BlockKey], in_pool) -> None:
-        """Start loading the disk blocks of ``keys`` (a prompt's block keys in order)
-        that continue what the pool (``in_pool(key)``) and the host tier hold; the
-        request then waits for them (:meth:`admissible`)."""
+    def prefetch(
+        self, request: object, keys: Iterable[BlockKey], in_pool: Callable[[BlockKey], bool]
+    ) -> None:
+        """Start loading the disk blocks of ``keys`` (a prompt's block keys in order,
+        read no further than needed) that continue what the pool (``in_pool(key)``) and
+        the host tier hold; the request then waits for them (:meth:`admissible`)."""
         if self._reader is None:
             return
         wanted = []
@@ -202,27 +204,28 @@ class TieredCache:
         """``request`` left the queue without being admitted (aborted)."""
         self._waiting.pop(request, None)
 
-    def host_run(self, keys: Sequence[BlockKey]) -> list[int]:
-        """The host slots of the ready blocks of ``keys``, from the first on, as long as
-        they are ready; pinned until :meth:`fill` or :meth:`unpin`."""
+    def host_run(self, keys: Iterable[BlockKey]) -> list[tuple[int, BlockKey]]:
+        """``(slot, key)`` of the ready host blocks of ``keys``, from the first on, as
+        long as they are ready (``keys`` is read no further); their slots are pinned
+        until :meth:`fill` or :meth:`unpin`."""
         self.poll()
-        slots = []
+        run = []
         for key in keys:
             slot = self.host.find(key.digest)
             if slot is None:
                 break
-            slots.append(slot)
-        self.host.pin(slots)
-        return slots
+            run.append((slot, key))
+        self.host.pin([slot for slot, _ in run])
+        return run
 
-    def unpin(self, slots: list[int]) -> None:
-        self.host.unpin(slots)
+    def unpin(self, run: list[tuple[int, BlockKey]]) -> None:
+        self.host.unpin([slot for slot, _ in run])
 
-    def fill(self, slots: list[int], keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
-        """Plan copying the host blocks in ``slots`` (of ``keys``) into the pool blocks
-        ``block_ids``, and unpin them."""
+    def fill(self, run: list[tuple[int, BlockKey]], block_ids: Sequence[int]) -> None:
+        """Plan copying the host blocks of ``run`` (from :meth:`host_run`) into the pool
+        blocks ``block_ids``, and unpin them."""
         now = time.perf_counter()
-        for slot, key, block_id in zip(slots, keys, block_ids, strict=True):
+        for (slot, key), block_id in zip(run, block_ids, strict=True):
             self._plan(TierMove(MoveKind.FILL, slot, block_id, key.digest))
             loaded_at = self._loaded_at.pop(key.digest, None)
             if loaded_at is None:
@@ -230,8 +233,8 @@ class TieredCache:
             else:
                 self._counts["disk_hits"] += 1
                 self._lead += now - loaded_at
-        self._counts["filled"] += len(slots)
-        self.host.unpin(slots)
+        self._counts["filled"] += len(run)
+        self.unpin(run)
 
     def take_moves(self) -> list[TierMove]:
         """The moves planned since the last call, in order (the plan's)."""
