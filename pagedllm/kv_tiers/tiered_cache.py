@@ -51,8 +51,9 @@ class TierStats:
     """Counters since start-up. Blocks restored into the pool by the tier they came
     from (``host_hits``: spilled and found in host memory; ``disk_hits``: loaded from
     disk first); bytes moved each way; prefetch timing: ``prefetch_lead_s`` sums, over
-    loaded blocks a fill used, how long they were ready before it, ``prefetch_wait_s``
-    what admitted requests waited in the queue for loads."""
+    loaded blocks a fill used (``disk_hits`` of them), how long they were ready before
+    it, ``prefetch_wait_s`` how long the ``requests_waited`` requests that asked for
+    loads waited for them before admission."""
 
     host_slots: int
     host_blocks: int
@@ -71,6 +72,7 @@ class TierStats:
     bytes_loaded: int
     prefetch_lead_s: float
     prefetch_wait_s: float
+    requests_waited: int
     disk_read_bytes_per_s: float | None
     prefill_tokens_per_s: float | None
 
@@ -102,6 +104,7 @@ class TieredCache:
         )
         self._lead = 0.0
         self._wait = 0.0
+        self._num_waited = 0
         self._read_seconds = 0.0
         self._read_bytes = 0
         self._prefill_tokens = 0
@@ -198,6 +201,7 @@ class TieredCache:
             return False
         del self._waiting[request]
         self._wait += now - since
+        self._num_waited += 1
         return True
 
     def forget(self, request: object) -> None:
@@ -316,6 +320,7 @@ class TieredCache:
             bytes_loaded=self._read_bytes,
             prefetch_lead_s=self._lead,
             prefetch_wait_s=self._wait,
+            requests_waited=self._num_waited,
             disk_read_bytes_per_s=read,
             prefill_tokens_per_s=prefill,
         )

@@ -30,6 +30,14 @@ Meanings:
 - ``vllm:kv_block_lifetime_seconds``, ``vllm:kv_block_idle_before_evict_seconds``,
   ``vllm:kv_block_reuse_gap_seconds``: sampled block lifetimes
   (:mod:`pagedllm.kv.block_lifetimes`), only with ``--kv-cache-metrics``.
+- ``pagedllm:kv_tier_blocks`` (label ``tier``: ``host``, ``disk``): blocks the prefix
+  cache's lower tiers hold; ``pagedllm:kv_tier_hits`` (same label): blocks restored
+  into the pool from each; ``pagedllm:kv_tier_bytes`` (label ``move``: ``spill``,
+  ``fill``, ``demote``, ``load``): bytes moved; ``pagedllm:kv_tier_prefetch_lead_seconds``
+  / ``pagedllm:kv_tier_prefetch_wait_seconds``: summed over loaded blocks, how long each
+  was ready before a request used it, and over requests that asked for loads, how long
+  they waited for them (means: divide by the disk hits and
+  ``pagedllm:kv_tier_requests_waited``). Only with ``kv_tier_memory`` or ``kv_cache_dir``.
 - ``pagedllm:num_requests_failed``: requests the engine failed alone (an error inside
   the step for that request); ``pagedllm:engine_step_failures``: steps that raised for
   no single request and so failed every request in flight. Both stay 0 in health.
@@ -43,6 +51,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
 from pagedllm.kv.block_lifetimes import BlockLifetimes
 from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv_tiers.tiered_cache import TierStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -181,6 +190,12 @@ class ServerMetrics:
         )
         self._last_allocation_seconds = 0.0
         self._last_token_time: dict[str, float | None] = {}
+        self._tiers: _TierCollectors | None = None
+
+    def _tier_collectors(self) -> _TierCollectors:
+        if self._tiers is None:
+            self._tiers = _TierCollectors(self.registry, self._model_name)
+        return self._tiers
 
     def record_step(self, stats: EngineStats) -> None:
         """Follow the engine's gauges and cumulative counters."""
@@ -215,6 +230,8 @@ class ServerMetrics:
         self._advance(self.preemptions, "preemptions", stats.num_preemptions_total)
         self._advance(self.prompt_tokens, "prompt", stats.prompt_tokens_total)
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
+        if stats.tiers is not None:
+            self._tier_collectors().record(stats.tiers)
         spec = stats.spec_decode
         if spec is not None:
             self._advance(self.spec_drafts, "spec_drafts", spec.num_drafts)
@@ -290,3 +307,59 @@ class ServerMetrics:
 
     def step_failed(self) -> None:
         self.step_failures.inc()
+
+
+class _TierCollectors:
+    """The lower tiers' collectors (made on the first step that has tiers)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def labelled(kind: type, name: str, doc: str, label: str) -> Counter | Gauge:
+            return kind(name, doc, ["model_name", label], registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        self._model_name = model_name
+        self.blocks = labelled(
+            Gauge, "pagedllm:kv_tier_blocks", "Blocks a lower tier holds.", "tier"
+        )
+        self.hits = labelled(
+            Counter, "pagedllm:kv_tier_hits", "Blocks restored into the pool, by tier.", "tier"
+        )
+        self.bytes = labelled(
+            Counter, "pagedllm:kv_tier_bytes", "Bytes moved between pool and tiers.", "move"
+        )
+        self.lead = counter(
+            "pagedllm:kv_tier_prefetch_lead_seconds",
+            "Seconds loaded blocks were ready before a request used them (summed).",
+        )
+        self.wait = counter(
+            "pagedllm:kv_tier_prefetch_wait_seconds",
+            "Seconds requests waited in the queue for their loads (summed).",
+        )
+        self.waited = counter(
+            "pagedllm:kv_tier_requests_waited", "Requests that asked for loads from disk."
+        )
+        self._last: dict[str, float] = {}
+
+    def record(self, tiers: TierStats) -> None:
+        name = self._model_name
+        self.blocks.labels(name, "host").set(tiers.host_blocks)
+        self.blocks.labels(name, "disk").set(tiers.disk_entries)
+        totals = {
+            ("hits", "host"): tiers.host_hits,
+            ("hits", "disk"): tiers.disk_hits,
+            ("bytes", "spill"): tiers.bytes_spilled,
+            ("bytes", "fill"): tiers.bytes_filled,
+            ("bytes", "demote"): tiers.bytes_demoted,
+            ("bytes", "load"): tiers.bytes_loaded,
+        }
+        for (kind, label), total in totals.items():
+            self._inc(getattr(self, kind).labels(name, label), f"{kind}.{label}", total)
+        self._inc(self.lead, "lead", tiers.prefetch_lead_s)
+        self._inc(self.wait, "wait", tiers.prefetch_wait_s)
+        self._inc(self.waited, "waited", tiers.requests_waited)
+
+    def _inc(self, counter: Counter, key: str, total: float) -> None:
+        counter.inc(max(0.0, total - self._last.get(key, 0)))
+        self._last[key] = total
