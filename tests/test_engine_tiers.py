@@ -132,3 +132,11 @@ def test_refused_combinations(setting, message):
     settings = {"kv_tier_memory": "1GiB", **setting}
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+
+
+def test_the_stats_line_reports_the_tiers(tiny_model, caplog):
+    engine = tiny_engine(tiny_model, POOL_BLOCKS, kv_tier_memory=1 << 20, log_stats_interval=1e-9)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        two_rounds(engine, conversations(4))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV tiers: host")]
+    assert lines and "restored" in lines[-1] and " 0 blocks from host" not in lines[-1]

@@ -186,6 +186,8 @@ class StatsLogger:
         )
         if stats.spec_decode is not None:
             self._log_spec_decode(stats.spec_decode, elapsed)
+        if stats.tiers is not None:
+            _log_tiers(stats.tiers)
         self._last_time = now
         self._last_prompt = stats.prompt_tokens_total
         self._last_generation = stats.generation_tokens_total
@@ -216,3 +218,24 @@ class StatsLogger:
             100.0 * accepted / drafted if drafted else 0.0,
         )
         self._last_spec = spec
+
+
+def _log_tiers(tiers: TierStats) -> None:
+    """The lower tiers' line: what each holds and has restored since start-up."""
+    mean_lead = tiers.prefetch_lead_s / tiers.disk_hits if tiers.disk_hits else 0.0
+    mean_wait = tiers.prefetch_wait_s / tiers.requests_waited if tiers.requests_waited else 0.0
+    logger.info(
+        "KV tiers: host %d/%d blocks, disk %d/%d blocks; restored %d blocks from host, %d "
+        "from disk; spilled %d, demoted %d; loads ready %.3f s before use, requests waited "
+        "%.3f s for them (means)",
+        tiers.host_blocks,
+        tiers.host_slots,
+        tiers.disk_entries,
+        tiers.disk_capacity_entries,
+        tiers.host_hits,
+        tiers.disk_hits,
+        tiers.spilled_blocks,
+        tiers.demoted_blocks,
+        mean_lead,
+        mean_wait,
+    )
