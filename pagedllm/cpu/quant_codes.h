@@ -11,8 +11,7 @@
 //
 // Codes<B>: kChunks (32-weight chunks per block), kGroupPairs (16: one scale per chunk;
 // 8: two, Q6_K's 16-weight sub-blocks), kOffset, kBias (code = table index - kBias),
-// kSplitPairs, factors(block, scale[kChunks * 16 / kGroupPairs], offset[kChunks]) (the
-// one-chunk formats also give them as broadcast vectors: scale_vector, offset_vector) and
+// kSplitPairs, factors(block, scale[kChunks * 16 / kGroupPairs], offset[kChunks]) and
 // codes(block, chunk, table): the chunk's 32 codes as bfloat16, as 16 pairs of weights
 // (2t, 2t + 1), or (t, t + 16) when kSplitPairs (the 4- and 5-bit formats keep weights t
 // and t + 16 in one byte: that order costs one instruction less per block; x is then
@@ -78,13 +77,6 @@ inline __m512i nibbles_of_32(const uint8_t* qs, int shift) {
                           _mm512_set1_epi16(0x0f));
 }
 
-// The half (IEEE binary16) at p as float32, in every lane.
-inline __m512 broadcast_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(h)));
-}
-
 // index + 16 where bit i of `bits` is set: a Q5 weight's fifth bit.
 inline __m512i add_fifth_bits(__m512i index, uint32_t bits) {
   return _mm512_mask_add_epi16(index, static_cast<__mmask32>(bits), index,
@@ -99,8 +91,6 @@ struct Codes<Q8_0> {
   static constexpr int kChunks = 1, kGroupPairs = 16, kBias = 0;
   static constexpr bool kOffset = false, kSplitPairs = false;
   static void factors(const uint8_t* b, float* scale, float*) { scale[0] = half_to_float(b); }
-  static __m512 scale_vector(const uint8_t* b) { return broadcast_half(b); }
-  static __m512 offset_vector(const uint8_t*) { return _mm512_setzero_ps(); }
   // Integers below 2^8 in magnitude are exact in float32 with zero low halves: their
   // bfloat16 is the float's high half, picked from both vectors in one permutation.
   static __m512i codes(const uint8_t* b, int, const CodeTable&) {
@@ -124,11 +114,6 @@ struct LegacyCodes {
   static void factors(const uint8_t* b, float* scale, float* offset) {
     scale[0] = half_to_float(b);
     if constexpr (kWithMin) offset[0] = half_to_float(b + 2);
-  }
-  static __m512 scale_vector(const uint8_t* b) { return broadcast_half(b); }
-  static __m512 offset_vector(const uint8_t* b) {
-    if constexpr (kWithMin) return broadcast_half(b + 2);
-    return _mm512_setzero_ps();
   }
   static __m512i codes(const uint8_t* b, int, const CodeTable& table) {
     __m512i index = nibble_pairs(b + kNibbles);
