@@ -16,10 +16,18 @@ a parked table's compact entries back compact (and the restored blocks behind th
 window, while compact blocks are free), the shadow copying their content in.
 Listeners on the pool (the events the dashboard and kv-events stream are built from)
 must see every change: a mirror kept from the events alone equals the pool.
+
+A third machine runs the prefix cache's lower tiers (:mod:`pagedllm.kv_tiers`) over a real
+cache tensor, as the scheduler and executor drive them: see :class:`TieredKVMachine`.
 """
 
-from dataclasses import dataclass
+import functools
+import hashlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -30,8 +38,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pagedllm.kv.block_manager import BlockManager
+from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.fragmentation import FragmentationStats, fragmentation_stats
+from pagedllm.kv.prefix_hash import BlockKey, iter_block_keys
+from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_tiers.host_tier import HostTier
+from pagedllm.kv_tiers.tier_moves import MoveKind, TierMove
+from pagedllm.kv_tiers.tiered_cache import TieredCache
 from pagedllm.server.dashboard.recorder import PoolRecorder
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=12)
@@ -570,3 +583,419 @@ CompactKVManagerMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None
 )
 test_kv_manager_state_machine_with_compact_blocks = CompactKVManagerMachine.TestCase
+
+
+# -- the prefix cache's lower tiers -------------------------------------------------------
+
+MODEL = "model"  # the scheduler's cache_key: every block key's first extra key
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 1, 2
+UNWRITTEN = -1.0  # what a fresh cache tensor holds: no token's K/V is negative
+# Prompts of 1 to 16 tokens, most continuing a system prompt: hits in every tier.
+TIER_PROMPTS = st.builds(
+    lambda system, length, tail: system[:length] + tail,
+    st.sampled_from(SYSTEM_PROMPTS),
+    st.integers(0, 12),
+    st.lists(st.integers(0, 2), min_size=1, max_size=4),
+)
+
+
+def extra_keys(salt: str) -> tuple[str, ...]:
+    return (MODEL, salt)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def token_kv(salt: str, tokens: tuple[int, ...]) -> torch.Tensor:
+    """The K/V every layer writes for the last of ``tokens`` (a prompt's first tokens,
+    under a cache ``salt``): ``[NUM_LAYERS, 2, NUM_KV_HEADS, HEAD_DIM]`` whole numbers
+    below 2**16 (exact in float32), a hash of all of them. Shared: never write into it."""
+    count = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM
+    digest = hashlib.blake2b(repr((salt, tokens)).encode(), digest_size=2 * count).digest()
+    values = [int.from_bytes(digest[2 * i : 2 * i + 2], "little") for i in range(count)]
+    return torch.tensor(values, dtype=torch.float32).reshape(NUM_LAYERS, 2, NUM_KV_HEADS, -1)
+
+
+def block_kv(salt: str, tokens: tuple[int, ...], block_size: int) -> torch.Tensor:
+    """The bytes of the full block that ends with the last of ``tokens``, shaped like one
+    pool block: ``[NUM_LAYERS, 2, NUM_KV_HEADS, block_size, HEAD_DIM]``."""
+    end = len(tokens)
+    rows = [token_kv(salt, tokens[: position + 1]) for position in range(end - block_size, end)]
+    return torch.stack(rows, dim=3)
+
+
+@dataclass
+class Request:
+    """A prompt waiting to be admitted: new, or preempted and recomputed from scratch
+    (``tokens`` then includes what it generated)."""
+
+    salt: str
+    tokens: list[int]
+
+
+@dataclass
+class Plan:
+    """What the scheduler hands the executor for one step, built up by the rules since
+    the last :meth:`TieredKVMachine.step`: tier moves in planned order, copy-on-write
+    ``(src, dst)`` pairs, and per scheduled sequence the ``(slot, position)`` of each token
+    the forward pass computes. ``preempted``: a sequence was preempted in this plan, so
+    none is admitted after it (the scheduler's rule; admissions are what fill)."""
+
+    moves: list[TierMove] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    writes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    preempted: bool = False
+
+    @property
+    def is_open(self) -> bool:
+        """Whether bytes are still to move: until then, the tensor lags the bookkeeping."""
+        return bool(self.moves or self.copies or self.writes)
+
+
+class TieredKVMachine(RuleBasedStateMachine):
+    """The block manager, a :class:`TieredCache` listening to its pool, and a real cache
+    tensor, driven as the scheduler and executor drive them.
+
+    Rules build one plan at a time (:class:`Plan`): sequences start as
+    ``Scheduler._admit_waiting`` starts them (the pool's cached prefix, then the host
+    tier's ready blocks after it, pinned; slots for both; a fill into the blocks given
+    for them; those tokens committed at once), running ones append (evicting cached
+    blocks, which spills them, and copying on write) or are preempted (their blocks
+    freed, the prompt queued again). :meth:`step` runs the plan as the executor does:
+    the tier moves in planned order, then the copies, then the forward pass writes each
+    computed token's K/V (:func:`token_kv` of its position's tokens), then the tokens
+    are committed. Finishing and forking happen between steps.
+
+    So a block's correct bytes are a function of its content key, and after every step
+    every cached pool block and every ready host slot holds its key's bytes and every
+    sequence reads its own tokens' K/V back through its table: a fill restores exactly
+    what was spilled, never another key's bytes.
+    """
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        pool_tokens=st.integers(16, 40),
+        reserved_fraction=st.sampled_from([0.0, 0.25]),
+        host_slots=st.integers(1, 4),
+    )
+    def setup(
+        self, block_size: int, pool_tokens: int, reserved_fraction: float, host_slots: int
+    ) -> None:
+        """A pool of ``pool_tokens`` tokens (rounded up to blocks of ``block_size``:
+        a prompt or two fit, so admissions evict) and a host tier of ``host_slots``
+        blocks."""
+        self.block_size = block_size
+        self.num_blocks = -(-pool_tokens // block_size)
+        self.reserved_fraction = reserved_fraction
+        self.host_slots = host_slots
+        self.chains: dict[bytes, tuple[str, tuple[int, ...]]] = {}
+        self.expected: dict[bytes, torch.Tensor] = {}
+        self.seqs: dict[int, ShadowSequence] = {}
+        self.waiting: dict[int, Request] = {}
+        self.next_id = 0
+        self.start_engine()
+
+    def start_engine(self) -> None:
+        """A fresh pool, a cache tensor whose every element is ``UNWRITTEN``, and tiers."""
+        self.manager = BlockManager(
+            self.num_blocks, self.block_size, self.reserved_fraction, enable_prefix_caching=True
+        )
+        self.pool = self.manager.pool
+        self.cache = KVCache(
+            NUM_LAYERS, self.num_blocks + 1, self.block_size, NUM_KV_HEADS, HEAD_DIM
+        )
+        self.cache.tensor.fill_(UNWRITTEN)
+        block = self.cache.tensor[:, :, 0]
+        host = HostTier(self.host_slots, tuple(block.shape), block.dtype)
+        self.tiers = TieredCache(self.cache.tensor, self.block_size, host)
+        self.pool.add_listener(self.tiers)
+        self.plan = Plan()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def register(self, salt: str, tokens: list[int]) -> None:
+        """Remember which tokens each full block of ``tokens`` holds, by its digest."""
+        block_size = self.block_size
+        for index, key in enumerate(iter_block_keys(tokens, block_size, extra_keys(salt))):
+            end = (index + 1) * block_size
+            self.chains.setdefault(key.digest, (salt, tuple(tokens[:end])))
+
+    def block_bytes(self, digest: bytes) -> torch.Tensor:
+        """What the block of ``digest`` must hold, in every tier."""
+        if digest not in self.expected:
+            salt, tokens = self.chains[digest]
+            self.expected[digest] = block_kv(salt, tokens, self.block_size)
+        return self.expected[digest]
+
+    def pool_block(self, block_id: int) -> torch.Tensor:
+        return self.cache.tensor[:, :, block_id]
+
+    def take_moves(self) -> list[TierMove]:
+        """The moves planned since the last call, added to the plan in order."""
+        moves = self.tiers.take_moves()
+        self.plan.moves.extend(moves)
+        return moves
+
+    def idle(self) -> list[int]:
+        """Running sequences not scheduled in this plan yet."""
+        return sorted(s for s in self.seqs if s not in self.plan.writes)
+
+    def commit(self, seq_id: int, count: int) -> None:
+        """Commit the sequence's next ``count`` tokens (their K/V are written, or will be
+        by this plan's fills)."""
+        shadow = self.seqs[seq_id]
+        end = shadow.num_committed + count
+        self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed : end])
+        shadow.num_committed = end
+        self.register(shadow.salt, shadow.tokens[:end])
+
+    def schedule(
+        self, seq_id: int, slots: list[int], first: int, copies: list[tuple[int, int]]
+    ) -> None:
+        """Add the sequence's tokens from position ``first`` on, written at ``slots``,
+        and the allocation's copies, to the plan."""
+        self.plan.copies.extend(copies)
+        positions = range(first, first + len(slots))
+        self.plan.writes[seq_id] = list(zip(slots, positions, strict=True))
+
+    def prompt_keys(
+        self, request: Request, prefix: CachedPrefix | None = None
+    ) -> Iterator[BlockKey]:
+        """The keys of the request's cacheable full blocks after ``prefix`` (lazily):
+        every token but the last, as ``Scheduler._block_keys``."""
+        start = 0 if prefix is None else prefix.num_tokens
+        parent = prefix.keys[-1].digest if prefix is not None and prefix.keys else None
+        tokens = request.tokens[start : len(request.tokens) - 1]
+        return iter_block_keys(tokens, self.block_size, extra_keys(request.salt), parent)
+
+    def admit(self, seq_id: int, high_priority: bool) -> None:
+        """``Scheduler._admit_waiting`` for one request: the pool's cached prefix, the host
+        tier's run after it (pinned: no spill of this allocation may take those slots),
+        slots for the run's tokens and the rest, the fill, and the run's tokens committed.
+        Not admitted (no blocks): unpinned, nothing planned, the request waits."""
+        request = self.waiting[seq_id]
+        prefix = self.manager.find_cached_prefix(request.tokens, extra_keys(request.salt))
+        run = self.tiers.host_run(self.prompt_keys(request, prefix))
+        pinned = {slot for slot, _ in run}
+        restored = len(run) * self.block_size
+        computed = len(request.tokens) - prefix.num_tokens - restored
+        assert computed >= 1, "the last token is always computed"
+        result = self.manager.allocate_slots(
+            seq_id, restored + computed, high_priority, prefix, restored
+        )
+        spills = [m for m in self.take_moves() if m.kind is MoveKind.SPILL]
+        assert not pinned & {m.slot for m in spills}, "a spill took a slot a fill reads"
+        if pinned and spills:
+            event("spills while a fill's slots are pinned")
+        if result is None:
+            assert not spills and seq_id not in self.manager
+            self.tiers.unpin(run)
+            event("not admitted")
+            return
+        event("admitted" + " after a host hit" * bool(run))
+        first = len(prefix.block_ids)
+        targets = self.manager.block_table(seq_id)[first : first + len(run)]
+        block_size = self.block_size
+        assert result.slots[:restored] == [
+            b * block_size + o for b in targets for o in range(block_size)
+        ]
+        if run:
+            self.tiers.fill(run, targets)
+            self.take_moves()
+        del self.waiting[seq_id]
+        self.seqs[seq_id] = ShadowSequence(request.salt, list(request.tokens), prefix.num_tokens)
+        if restored:
+            self.commit(seq_id, restored)
+        self.schedule(seq_id, result.slots[restored:], prefix.num_tokens + restored, result.copies)
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(prompt=TIER_PROMPTS, salt=SALTS, admit_now=st.booleans(), high_priority=st.booleans())
+    def arrive(self, prompt: list[int], salt: str, admit_now: bool, high_priority: bool) -> None:
+        """A request arrives; it is admitted in this plan when ``admit_now`` (and no
+        sequence was preempted in it), else it waits."""
+        seq_id = self.new_id()
+        self.waiting[seq_id] = Request(salt, list(prompt))
+        self.register(salt, prompt)
+        if admit_now and not self.plan.preempted:
+            self.admit(seq_id, high_priority)
+
+    @precondition(lambda self: self.waiting and not self.plan.preempted)
+    @rule(index=st.integers(0, 99), high_priority=st.booleans())
+    def admit_waiting(self, index: int, high_priority: bool) -> None:
+        waiting = sorted(self.waiting)
+        self.admit(waiting[index % len(waiting)], high_priority)
+
+    @precondition(lambda self: self.idle())
+    @rule(
+        index=st.integers(0, 99),
+        new_tokens=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+        high_priority=st.booleans(),
+    )
+    def append(self, index: int, new_tokens: list[int], high_priority: bool) -> None:
+        """A running sequence's next tokens (a decode, or several): new blocks may evict
+        cached ones (spilled), a shared last block is copied on write."""
+        idle = self.idle()
+        seq_id = idle[index % len(idle)]
+        result = self.manager.allocate_slots(seq_id, len(new_tokens), high_priority)
+        self.take_moves()
+        if result is None:
+            event("append did not fit")
+            return
+        shadow = self.seqs[seq_id]
+        first = len(shadow.tokens)
+        shadow.tokens.extend(new_tokens)
+        self.schedule(seq_id, result.slots, first, result.copies)
+
+    @precondition(lambda self: self.idle())
+    @rule(index=st.integers(0, 99))
+    def preempt(self, index: int) -> None:
+        """Preemption by recompute: the blocks go back (the cached ones stay findable
+        until evicted, then spill), the sequence waits again with all its tokens; no
+        admission follows in this plan."""
+        idle = self.idle()
+        seq_id = idle[index % len(idle)]
+        shadow = self.seqs.pop(seq_id)
+        self.manager.free(seq_id)
+        self.plan.preempted = True
+        self.waiting[seq_id] = Request(shadow.salt, shadow.tokens)
+
+    @precondition(lambda self: self.waiting)
+    @rule(index=st.integers(0, 99))
+    def abort_waiting(self, index: int) -> None:
+        waiting = sorted(self.waiting)
+        seq_id = waiting[index % len(waiting)]
+        del self.waiting[seq_id]
+        self.tiers.forget(seq_id)
+
+    @rule()
+    def step(self) -> None:
+        """The executor runs the plan: tier moves in planned order (each fill then holds
+        its key's bytes), copies on write, the forward pass's K/V; then the scheduler
+        commits the computed tokens."""
+        self.take_moves()
+        moves, copies, writes = self.plan.moves, self.plan.copies, self.plan.writes
+        self.note_moves(moves)
+        self.tiers.apply(moves)
+        for move in moves:
+            if move.kind is MoveKind.FILL:
+                restored = self.pool_block(move.block_id)
+                assert torch.equal(restored, self.block_bytes(move.digest)), "a fill's bytes"
+        if copies:
+            assert len({dst for _, dst in copies}) == len(copies)
+            self.cache.copy_blocks(copies)
+        block_size = self.block_size
+        for seq_id, slots in writes.items():
+            shadow = self.seqs[seq_id]
+            for slot, position in slots:
+                block_id, offset = divmod(slot, block_size)
+                kv = token_kv(shadow.salt, tuple(shadow.tokens[: position + 1]))
+                self.cache.tensor[:, :, block_id, :, offset] = kv
+        for seq_id in writes:
+            shadow = self.seqs[seq_id]
+            self.commit(seq_id, len(shadow.tokens) - shadow.num_committed)
+        self.plan = Plan()
+
+    def note_moves(self, moves: list[TierMove]) -> None:
+        """Label the plan's move patterns (for the statistics)."""
+        filled_from = set()
+        for move in moves:
+            event(f"a {move.kind.value}")
+            if move.kind is MoveKind.FILL:
+                filled_from.add(move.slot)
+            elif move.kind is MoveKind.SPILL and move.slot in filled_from:
+                event("a spill into the slot a fill of the same plan reads")
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 99))
+    def finish(self, index: int) -> None:
+        """A sequence finishes after a step: its blocks go back (cached ones evictable)."""
+        self.step()
+        seq_id = sorted(self.seqs)[index % len(self.seqs)]
+        self.manager.free(seq_id)
+        del self.seqs[seq_id]
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 99))
+    def fork(self, index: int) -> None:
+        """A parallel sample branches after a step: every block shared."""
+        self.step()
+        parent = sorted(self.seqs)[index % len(self.seqs)]
+        child = self.new_id()
+        self.manager.fork(parent, child)
+        shadow = self.seqs[parent]
+        self.seqs[child] = ShadowSequence(shadow.salt, list(shadow.tokens), shadow.num_committed)
+
+    @rule()
+    def finish_everything(self) -> None:
+        """Every sequence finishes after a step: no block is held, every cached one is
+        evictable."""
+        self.step()
+        for seq_id in list(self.seqs):
+            self.manager.free(seq_id)
+        self.seqs.clear()
+        stats = self.pool.stats()
+        assert stats.used == 0 and stats.evictable == stats.cached
+
+    # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def host_tier_bookkeeping_is_consistent(self) -> None:
+        """Every slot is ready (one digest), loading (one digest) or free, exactly one of
+        them; a digest is in one slot at most; nothing is pinned between rules (a fill or
+        an unpin always follows ``host_run``)."""
+        host = self.tiers.host
+        ready = dict(host.ready_items())
+        loading = host._loading
+        assert len(ready) == len(host) and len(loading) == host.num_loading
+        slots = [*ready.values(), *loading.values(), *host._free]
+        assert sorted(slots) == list(range(host.num_slots))
+        assert not ready.keys() & loading.keys()
+        assert not host._pinned, "a slot stays pinned after its fill or unpin"
+
+    @invariant()
+    def pool_references_are_the_tables(self) -> None:
+        """A block's reference count is the tables holding it; free xor referenced;
+        every sequence's counts agree (its plan's tokens reserved, not committed)."""
+        holders = Counter(b for s in self.seqs for b in self.manager.held_block_ids(s))
+        free = self.pool.free_block_ids()
+        assert len(free) == len(set(free))
+        for block_id in range(self.pool.num_blocks):
+            assert self.pool.ref_count(block_id) == holders[block_id]
+            assert (block_id in free) == (holders[block_id] == 0)
+        for seq_id, shadow in self.seqs.items():
+            scheduled = len(shadow.tokens) - shadow.num_committed
+            self.manager.check_progress(seq_id, shadow.num_committed, scheduled)
+
+    @invariant()
+    def bytes_are_their_keys(self) -> None:
+        """Between plans (every move applied): each cached pool block and each ready host
+        slot holds exactly its key's bytes, and each sequence reads its committed
+        tokens' K/V back through its table."""
+        if self.plan.is_open:
+            return
+        for digest, block_id in self.pool.cached_blocks():
+            assert torch.equal(self.pool_block(block_id), self.block_bytes(digest))
+        host = self.tiers.host
+        for digest, slot in host.ready_items():
+            assert torch.equal(host.block(slot), self.block_bytes(digest))
+        block_size = self.block_size
+        for seq_id, shadow in self.seqs.items():
+            table = self.manager.block_table(seq_id)
+            for position in range(shadow.num_committed):
+                block_id = table[position // block_size]
+                kv = self.cache.tensor[:, :, block_id, :, position % block_size]
+                assert torch.equal(kv, token_kv(shadow.salt, tuple(shadow.tokens[: position + 1])))
+
+    def teardown(self) -> None:
+        """Stop the tiers (a failed example too: the checks are rules and invariants)."""
+        if hasattr(self, "tiers"):
+            self.tiers.close()
+
+
+TieredKVMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None
+)
+test_kv_tiers_state_machine = TieredKVMachine.TestCase
