@@ -93,10 +93,6 @@ struct PackedLinearProblem {
   bool float_output = false;
 };
 void packed_linear(const PackedLinearProblem& problem);
-// The float32 problem's columns of one panel (panel_index: which kPanelWidth features of
-// y), from `panel` [K][kPanelWidth] rather than problem.panels; one thread.
-void packed_panel_float32(const PackedLinearProblem& problem, const float* panel,
-                          int64_t panel_index);
 
 // y [M, N] = x [M, K] weight^T (+ bias [N]) with weight rows kept in a GGUF block format:
 // row n is the K / values(type) blocks at weight + n * row_bytes, never expanded. x and y

@@ -356,15 +356,6 @@ void pack_weight(const void* weight, int64_t N, int64_t K, bool bfloat16, void* 
   }
 }
 
-void packed_panel_float32(const PackedLinearProblem& problem, const float* panel,
-                          int64_t panel_index) {
-#ifdef __AVX512F__
-  panel_rows<Float32Panels>(problem, panel, panel_index * kPanelWidth, nullptr);
-#else
-  (void)problem, (void)panel, (void)panel_index;
-#endif
-}
-
 void packed_linear(const PackedLinearProblem& problem) {
 #ifdef __AVX512F__
   if (problem.bfloat16 && problem.float_output) {

@@ -8,17 +8,22 @@
 // each quantized weight once per call: a decode step reads the weights at their
 // quantized size. Larger batches repeat the pass per kMaxRows rows.
 // Many rows (prefill): each thread decodes kPanelWidth output features into a float32
-// panel (K x kPanelWidth, cache-resident) and runs packed_linear's register-tiled kernel
-// over every row of x; decoding is then a small fraction of the arithmetic.
+// panel (K x kPanelWidth, cache-resident) and runs register tiles of rows over it
+// (residue_pass); decoding is then a small fraction of the arithmetic.
 //
-// Sums are float32, in a fixed order per output within each path, so below kPanelRows
-// rows a row's result does not depend on the other rows; the two paths sum in different
-// orders. Both differ from a float32 matmul of the decoded weights by float32 rounding
-// only.
+// Sums are float32 and both paths add a row's products in one order: per output, residue
+// r (0 .. 15) chains x[k] w[k] for k = r, r + 16, ... by multiply-adds from zero (lane r
+// of the few-rows kernel's vector), and the 16 residue sums are added as a tree of halves
+// (sum_lanes), then the bias. So a row's result is the same bits whatever the other rows
+// of the call and whichever path runs it: the engine's tokens do not change with the
+// number of rows in a step (a speculative step's verification rows give the logits of
+// one-token steps). Both differ from a float32 matmul of the decoded weights by float32
+// rounding only.
 
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -37,6 +42,18 @@ constexpr int kMaxRows = 4;    // rows of x per pass of the few-rows kernel
 // from 64 rows (1.8 ms against 2.1 ms) and at 96 (2.0 against 2.9); at 8 rows panels
 // cost 2.8x.
 constexpr int64_t kPanelRows = 48;
+
+#ifdef __AVX512F__
+// The 16 lanes of v added as a tree of halves: lane l + 8 onto lane l, then l + 4, l + 2
+// and l + 1. residue_pass adds its 16 residue sums in this same tree.
+inline float sum_lanes(__m512 v) {
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(v), upper);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#endif
 
 // y[m, n .. n + C) for rows m < MR of x, output features n .. n + C.
 template <typename B, int MR, int C>
@@ -75,7 +92,7 @@ void channels(const float* x, int64_t K, const uint8_t* weight, int64_t row_byte
   for (int m = 0; m < MR; ++m) {
     for (int c = 0; c < C; ++c) {
 #ifdef __AVX512F__
-      float sum = _mm512_reduce_add_ps(acc[m][c]);
+      float sum = sum_lanes(acc[m][c]);
 #else
       float sum = 0.0f;
       for (int l = 0; l < 16; ++l) sum += acc[m][c][l];
@@ -131,13 +148,15 @@ void run_few_rows(const pagedllm::QuantLinearProblem& p) {
 }
 
 #ifdef __AVX512F__
-// Decodes the output features of panel `index` into `panel` [K][kPanelWidth] (zero past
-// N), 16 features at a time: their blocks b decode side by side, and each of the block's
-// k values is gathered across the 16 into one vector store of a panel row.
+// Decodes the output features of panel `index` into `panel` (zero past N), 16 features
+// at a time: their blocks b decode side by side, and each of the block's k values is
+// gathered across the 16 into one vector store of a panel row. Rows are residue-major:
+// k's row is (k % 16) * (K / 16) + k / 16, so that residue_pass reads each residue's
+// rows in one run.
 template <typename B>
 void decode_panel(const pagedllm::QuantLinearProblem& p, int64_t index, float* panel) {
   constexpr int64_t W = pagedllm::kPanelWidth;
-  const int64_t row_bytes = p.K / B::kValues * B::kBytes;
+  const int64_t row_bytes = p.K / B::kValues * B::kBytes, steps = p.K / 16;
   alignas(64) float w[16][B::kValues];
   const __m512i lanes = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -150,9 +169,123 @@ void decode_panel(const pagedllm::QuantLinearProblem& p, int64_t index, float* p
     for (int64_t b = 0; b < p.K / B::kValues; ++b) {
       for (int64_t j = 0; j < live; ++j)
         B::decode(p.weight + (n0 + j) * row_bytes + b * B::kBytes, w[j]);
-      float* out = panel + b * B::kValues * W + g * 16;
+      float* out = panel + b * B::kValues / 16 * W + g * 16;
       for (int64_t t = 0; t < B::kValues; ++t)
-        _mm512_storeu_ps(out + t * W, _mm512_i32gather_ps(lanes, &w[0][t], 4));
+        _mm512_storeu_ps(out + (t % 16 * steps + t / 16) * W,
+                         _mm512_i32gather_ps(lanes, &w[0][t], 4));
+    }
+  }
+}
+
+// The residues in the order in which a binary counter's carries add them as sum_lanes
+// does: 0 + 8, 4 + 12, then (0 + 8) + (4 + 12), and so on.
+constexpr int kResidueOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+constexpr int kTileRows = 8;    // rows per residue tile: 24 sums in registers
+// A panel of more bytes than this (long rows) would not stay in L2 while a tile takes
+// its residues in turn: groups of kGroupTiles tiles then take each residue in turn.
+constexpr int64_t kPanelCacheBytes = 1 << 19;
+constexpr int kGroupTiles = 8;
+constexpr int kVectors = pagedllm::kPanelWidth / 16;
+
+// x [M][K] by residue, [M][16][K / 16]: row m's residue r is x[m][r], x[m][r + 16], ...
+// Runs as a worksharing loop of the calling team.
+void by_residue(const pagedllm::QuantLinearProblem& p, float* out) {
+  const int64_t steps = p.K / 16;
+  const __m512i residues = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    float* row = out + m * p.K;
+    int64_t s = 0;
+    for (; s + 16 <= steps; s += 16)  // 16 steps of each residue: one gather each
+      for (int r = 0; r < 16; ++r)
+        _mm512_storeu_ps(row + r * steps + s, _mm512_i32gather_ps(residues, x + 16 * s + r, 4));
+    for (; s < steps; ++s)
+      for (int r = 0; r < 16; ++r) row[r * steps + s] = x[16 * s + r];
+  }
+}
+
+// Pass i of a tile of MR rows (x: their rows, or by_residue's with kByResidue; y: their
+// outputs): residue r = kResidueOrder[i] of y[m, n0 .. n0 + kPanelWidth) in the few-rows
+// kernel's order, x[k] w[k] for k = r, r + 16, ... chained by multiply-adds as lane r of
+// channels() chains them. The residue sums are added as a binary counter carries, in
+// sum_lanes' tree, the finished sums waiting in `done` ([4][kTileRows][kVectors]
+// vectors: done[level] holds a sum of 2^level residues); the last pass stores the total
+// plus the bias.
+template <int MR, bool kByResidue>
+void residue_pass(const pagedllm::QuantLinearProblem& p, const float* panel, const float* x,
+                  float* y, int64_t n0, int i, __m512* done) {
+  constexpr int64_t W = pagedllm::kPanelWidth;
+  constexpr int V = kVectors;
+  const int64_t steps = p.K / 16;
+  const int residue = kResidueOrder[i];
+  __m512 acc[MR][V];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
+  const float* row = panel + residue * steps * W;
+  // Step s's x: xs[s * kStride] (the rows as given, or by residue).
+  constexpr int64_t kStride = kByResidue ? 1 : 16;
+  const float* xs = kByResidue ? x + residue * steps : x + residue;
+  for (int64_t s = 0; s < steps; ++s, row += W) {
+    __m512 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(row + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(xs[m * p.K + s * kStride]);
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_fmadd_ps(xv, w[v], acc[m][v]);
+    }
+  }
+  auto at = [&](int level, int m, int v) { return done + (level * kTileRows + m) * V + v; };
+  int level = 0;
+  for (; (i >> level) & 1; ++level)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_add_ps(*at(level, m, v), acc[m][v]);
+  if (level < 4) {
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) *at(level, m, v) = acc[m][v];
+    return;
+  }
+  for (int v = 0; v < V; ++v) {  // all 16 residues: the total
+    const int64_t left = p.N - n0 - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask =
+        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bias =
+        p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(y + m * p.N + n0 + 16 * v, mask, _mm512_add_ps(acc[m][v], bias));
+  }
+}
+
+// Every row of x against the decoded panel `index` (x: p.x, or with kByResidue the rows
+// by_residue), kTileRows rows at a time: each tile takes the panel's residues in turn,
+// or with kByResidue (a panel of long rows) groups of kGroupTiles tiles take each residue
+// in turn, so that a residue's K / 16 rows of the panel stay in cache for the group.
+template <bool kByResidue>
+void residue_rows(const pagedllm::QuantLinearProblem& p, const float* panel, const float* x,
+                  int64_t index, __m512* done) {
+  const int64_t n0 = index * pagedllm::kPanelWidth;
+  const int64_t group_rows = (kByResidue ? kGroupTiles : 1) * kTileRows;
+  for (int64_t g0 = 0; g0 < p.M; g0 += group_rows) {
+    const int64_t g1 = std::min(p.M, g0 + group_rows);
+    for (int i = 0; i < 16; ++i) {
+      for (int64_t m = g0; m < g1; m += kTileRows) {
+        const float* xm = x + m * p.K;
+        float* y = p.y + m * p.N;
+        __m512* tile = done + (m - g0) / kTileRows * 4 * kTileRows * kVectors;
+        switch (std::min<int64_t>(kTileRows, g1 - m)) {
+          case 1: residue_pass<1, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          case 2: residue_pass<2, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          case 3: residue_pass<3, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          case 4: residue_pass<4, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          case 5: residue_pass<5, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          case 6: residue_pass<6, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          case 7: residue_pass<7, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+          default: residue_pass<8, kByResidue>(p, panel, xm, y, n0, i, tile); break;
+        }
+      }
     }
   }
 }
@@ -160,18 +293,25 @@ void decode_panel(const pagedllm::QuantLinearProblem& p, int64_t index, float* p
 template <typename B>
 void run_panels(const pagedllm::QuantLinearProblem& p) {
   const int64_t count = pagedllm::num_panels(p.N);
-  const pagedllm::PackedLinearProblem packed{p.x, nullptr, p.bias, p.y, p.M, p.N, p.K, false,
-                                             1};
+  const bool long_rows = p.K * pagedllm::kPanelWidth * 4 > kPanelCacheBytes;
+  std::vector<float> xr(long_rows ? p.M * p.K : 0);
 #pragma omp parallel num_threads(p.num_threads)
   {
+    if (long_rows) by_residue(p, xr.data());  // a worksharing loop: its barrier ends it
     std::vector<float> panel(p.K * pagedllm::kPanelWidth);
+    std::vector<__m512> done((long_rows ? kGroupTiles : 1) * 4 * kTileRows * kVectors);
 #pragma omp for schedule(static)
     for (int64_t index = 0; index < count; ++index) {
       decode_panel<B>(p, index, panel.data());
-      pagedllm::packed_panel_float32(packed, panel.data(), index);
+      if (long_rows) {
+        residue_rows<true>(p, panel.data(), xr.data(), index, done.data());
+      } else {
+        residue_rows<false>(p, panel.data(), p.x, index, done.data());
+      }
     }
   }
 }
+
 #endif  // __AVX512F__
 
 template <typename B>
