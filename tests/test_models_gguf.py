@@ -43,6 +43,59 @@ def add_decoder_shape(writer: gguf.GGUFWriter, config) -> None:
     writer.add_vocab_size(config.vocab_size)
 
 
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """``values`` ``[rows, k]`` (``k`` a multiple of 256) as Q4_K blocks in ggml's layout,
+    uint8 ``[rows, k / 256 * 144]``: per 32 weights a 6-bit scale and min of the block's
+    half-precision ``d`` and ``dmin``, and codes ``round((w + min) / scale)`` in 0 .. 15 (a
+    plain rounding, not llama.cpp's search for the best scales). The gguf package reads
+    Q4_K but does not write it."""
+    rows, k = values.shape
+    sub = values.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    low = -np.minimum(sub.min(axis=-1), 0.0)  # each sub-block's min, negated
+    step = (sub.max(axis=-1) + low) / 15
+    d = (step.max(axis=-1) / 63).astype(np.float16)
+    dmin = (low.max(axis=-1) / 63).astype(np.float16)
+
+    def six_bits(value: np.ndarray, unit: np.ndarray) -> np.ndarray:
+        unit = unit.astype(np.float32)[..., None]
+        ratio = np.divide(value, unit, out=np.zeros_like(value), where=unit > 0)
+        return np.clip(np.rint(ratio), 0, 63).astype(np.uint8)
+
+    scale, minimum = six_bits(step, d), six_bits(low, dmin)
+    d_scale = d.astype(np.float32)[..., None] * scale
+    d_min = dmin.astype(np.float32)[..., None] * minimum
+    shifted = sub + d_min[..., None]
+    ratio = np.divide(shifted, d_scale[..., None], out=np.zeros_like(sub),
+                      where=d_scale[..., None] > 0)  # fmt: skip
+    codes = np.clip(np.rint(ratio), 0, 15).astype(np.uint8)  # [rows, blocks, 8, 32]
+    packed = np.concatenate(
+        [
+            (scale[..., :4] & 63) | ((scale[..., 4:] >> 4) << 6),
+            (minimum[..., :4] & 63) | ((minimum[..., 4:] >> 4) << 6),
+            (scale[..., 4:] & 15) | ((minimum[..., 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )
+    nibbles = codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)  # sub-blocks 2i, 2i + 1
+    blocks = np.concatenate(
+        [
+            d[..., None].view(np.uint8),
+            dmin[..., None].view(np.uint8),
+            packed,
+            nibbles.reshape(rows, k // 256, 128),
+        ],
+        axis=-1,
+    )
+    return blocks.reshape(rows, -1)
+
+
+def quantized_blocks(values: np.ndarray, qtype: QType) -> np.ndarray:
+    """``values`` in ``qtype``'s blocks: the gguf package's quantizer, ours for Q4_K."""
+    if qtype == QType.Q4_K:
+        return quantize_q4_k(values)
+    return gguf.quants.quantize(values, qtype)
+
+
 def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", skip=(), extra=None):
     """Write ``hf_model``'s weights and config as a llama.cpp-style GGUF file,
     plus the float32 tensors in ``extra`` (name -> array)."""
@@ -65,7 +118,7 @@ def write_gguf(path, hf_model, qtype: QType = QType.F32, arch: str = "llama", sk
         elif qtype == QType.F16:
             writer.add_tensor(stored, data.astype(np.float16))
         else:
-            quantized = gguf.quants.quantize(data.astype(np.float32), qtype)
+            quantized = quantized_blocks(data.astype(np.float32), qtype)
             writer.add_tensor(stored, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
     for stored, data in (extra or {}).items():
         writer.add_tensor(stored, data.astype(np.float32))
@@ -91,7 +144,7 @@ def round_trip(hf_model, qtype: QType) -> None:
     with torch.no_grad():
         for param in hf_model.parameters():
             if param.ndim == 2:
-                quantized = gguf.quants.quantize(param.numpy(), qtype)
+                quantized = quantized_blocks(param.numpy(), qtype)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, qtype)))
 
 
@@ -112,6 +165,26 @@ def test_gguf_and_safetensors_with_same_weights_agree(tmp_path, qtype):
     assert from_gguf.tokenizer is None  # no tokenizer metadata in this file
     torch.testing.assert_close(
         logits_of(from_gguf.model), logits_of(from_folder.model), atol=TOLERANCE, rtol=0
+    )
+
+
+def test_q4_k_gguf_keeps_its_blocks_and_matches_its_dequantized_weights(tmp_path):
+    """Q4_K rows are whole blocks of 256 weights: the engine tests' tiny Llama (hidden
+    256, intermediate 512) written by quantize_q4_k keeps every matrix in Q4_K blocks and
+    gives the logits of a folder holding the weights its blocks decode to."""
+    from transformers import LlamaForCausalLM
+
+    from pagedllm.bench.tiny_llama import write_tiny_llama
+
+    hf_model = LlamaForCausalLM.from_pretrained(write_tiny_llama(tmp_path / "hf")).eval()
+    from_gguf = load_model(write_gguf(tmp_path / "q4k.gguf", hf_model, QType.Q4_K))
+    round_trip(hf_model, QType.Q4_K)
+    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model = from_gguf.model
+    kinds = {type(w).__name__ for layer in model.layers for w in layer.matrices()}
+    assert kinds == {"QuantizedWeight"} and model.lm_head.ggml_type == QType.Q4_K
+    torch.testing.assert_close(
+        logits_of(model), logits_of(load_model(tmp_path / "hf").model), atol=TOLERANCE, rtol=0
     )
 
 
