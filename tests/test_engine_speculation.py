@@ -302,26 +302,63 @@ def test_structured_outputs_cut_guesses_at_the_grammar(default_model):
 
 
 def test_speculation_says_at_start_where_products_are_not_batch_invariant(
-    default_model, expanded_default_model, caplog
+    tiny_model, default_model, caplog
 ):
-    """Float32 over the file's Q4_1 and Q8_0 blocks: the block kernels' register path and
-    panels add in different orders, so greedy output may move with speculation, and the
-    start-up log says so. Expanded to float32, the packed kernels keep every row's sums
-    in one order, and nothing is said."""
+    """torch's own GEMM (linear_kernel="dense") blocks by batch size, so greedy output may
+    move with speculation, and the start-up log says so. The packed kernels and the
+    default model's Q4_1 and Q8_0 blocks in float32 (both paths of the block kernels add
+    a row's products in one order) keep every row's sums whatever the batch: nothing is
+    said."""
     import logging
 
     from pagedllm import EngineConfig, LLMEngine
+    from pagedllm.models.loader import load_model
 
     spec = {"method": "ngram", "num_speculative_tokens": 2}
+    dense = load_model(tiny_model.source, torch.float32, linear_kernel="dense")
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
-        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", speculative_config=spec)
-        LLMEngine(config, default_model)
+        tiny_engine(dense, 256, speculative_config=spec)
     warned = [r.getMessage() for r in caplog.records if "batch invariant" in r.getMessage()]
     assert len(warned) == 1
-    assert "Q4_1 blocks and the kernels over Q8_0 blocks are not" in warned[0]
+    assert "because torch's products on cpu is not batch invariant" in warned[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
-        config = EngineConfig(dtype="float32", quantization="none", kv_cache_memory="64MiB",
-                              speculative_config=spec)  # fmt: skip
-        LLMEngine(config, expanded_default_model)
+        tiny_engine(tiny_model, 256, speculative_config=spec)
+        config = EngineConfig(dtype="float32", kv_cache_memory="64MiB", speculative_config=spec)
+        LLMEngine(config, default_model)
     assert "batch invariant" not in caplog.text
+
+
+@pytest.fixture(scope="module")
+def q4_k_model(tmp_path_factory):
+    """The tiny Llama as a GGUF file of Q4_K blocks, loaded with bfloat16 activations."""
+    from test_models_gguf import QType, write_gguf
+    from transformers import LlamaForCausalLM
+
+    from pagedllm.bench.tiny_llama import write_tiny_llama
+    from pagedllm.models.loader import load_model
+
+    folder = tmp_path_factory.mktemp("q4-k")
+    hf_model = LlamaForCausalLM.from_pretrained(write_tiny_llama(folder / "hf")).eval()
+    return load_model(write_gguf(folder / "tiny.gguf", hf_model, QType.Q4_K), torch.bfloat16)
+
+
+def test_q4_k_blocks_give_the_tokens_and_logprobs_of_decoding_without_guesses(q4_k_model):
+    """No interleaved kernel takes Q4_K, so its blocks run row by row: a decode step's 3
+    rows in registers, a verification's 15 in panels. Both add a row's products in one
+    order, so greedy tokens and their logprobs are those without guesses, to the bit."""
+    from pagedllm.models.batch_invariance import variant_products
+
+    assert variant_products(q4_k_model.model) == []
+    rng = random.Random(7)
+    prompts = [{"prompt_token_ids": [rng.randrange(2, 500) for _ in range(10)]} for _ in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)] * 3
+    expected = run_stepwise(tiny_engine(q4_k_model, 256, dtype="bfloat16"), prompts, params)
+    engine = tiny_engine(q4_k_model, 256, dtype="bfloat16", speculative_config=FIXED)
+    engine.speculator.proposer = OracleGuesses(continuations(prompts, expected), seed=2)
+    got = run_stepwise(engine, prompts, params)
+    assert samples(got) == samples(expected)
+    for rid, out in expected.items():
+        mine, theirs = got[rid].outputs[0].logprobs, out.outputs[0].logprobs
+        assert [(s.logprob, s.top) for s in mine] == [(s.logprob, s.top) for s in theirs]
+    assert engine.get_stats().spec_decode.num_accepted_tokens > 0

@@ -4,13 +4,12 @@ whatever other rows share the call.
 Speculative decoding promises greedy output token for token the output without it, and
 keeps the promise only where every product the target runs is batch invariant: its
 verification pass multiplies a sequence's k + 1 rows in one call where plain decoding
-multiplied one. Batch invariant: the packed float32 and bfloat16 kernels and the
-kernels over GGUF blocks interleaved by 16 rows (both paths add a block in one order).
+multiplied one. Batch invariant: the packed float32 and bfloat16 kernels and the kernels
+over GGUF blocks, interleaved by 16 rows or row by row, with float32 or bfloat16
+activations (each kernel's register path and panels add a row's products in one order).
 Not: torch's own products (``F.linear``, also on a GPU, and a mixture of experts' expert
-products), oneDNN's, and the kernels over blocks they cannot interleave (Q4_K, Q5_K,
-Q6_K in bfloat16) or over blocks with float32 activations, whose register path and
-panels add in different orders. There a row's logits can move by float32 rounding with
-the batch, enough to flip a near tie between two tokens now and then.
+products) and oneDNN's. There a row's logits can move by float32 rounding with the
+batch, enough to flip a near tie between two tokens now and then.
 """
 
 from __future__ import annotations
@@ -40,10 +39,8 @@ def variant_products(model: CausalDecoder) -> list[str]:
 
 
 def _variant_kind(weight: Weight) -> list[str]:
-    if isinstance(weight, PackedWeight | InterleavedWeight):
+    if isinstance(weight, PackedWeight | InterleavedWeight | QuantizedWeight):
         return []
     if isinstance(weight, OneDNNWeight):
         return ["oneDNN's products"]
-    if isinstance(weight, QuantizedWeight):
-        return [f"the kernels over {weight.ggml_type.name} blocks"]
     return [f"torch's products on {weight.device.type}"]
