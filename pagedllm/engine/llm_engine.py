@@ -52,6 +52,10 @@ from pagedllm.engine.tensor_parallel.worker import StepWork
 from pagedllm.kv_storage.block_copies import BlockCopies
 from pagedllm.models.loader import LoadedModel
 
+PREFILL_RATE_MIN_TOKENS = 128
+"""Steps of at least this many tokens measure the prefill rate the lower tiers compare
+their disk reads against (decode steps would understate it)."""
+
 logger = logging.getLogger("pagedllm")
 
 
@@ -296,7 +300,7 @@ class LLMEngine:
         times.prepare += t1 - t0
         seconds = time.perf_counter() - t1
         times.forward += seconds
-        if self.tiers is not None:
+        if self.tiers is not None and plan.num_batched_tokens >= PREFILL_RATE_MIN_TOKENS:
             self.tiers.note_prefill(plan.num_batched_tokens, seconds)
         return self.scheduler.update_from_output(plan), output.logits
 
