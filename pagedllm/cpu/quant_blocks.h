@@ -92,6 +92,35 @@ inline __m512 scale16(__m512i q, float d, float m) {
 }
 #endif
 
+#ifdef __AVX512F__
+// Lane t of out[c] = lane c of rows[t] (32-bit lanes): 16 rows of decoded weights (or
+// codes) turned into the 16 columns of a panel.
+inline void transpose16(const __m512i* rows, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + j], 128-bit lane L: rows 4i .. 4i + 3 at column 4L + j.
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    out[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    out[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    out[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    out[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+#endif
+
 // Q8_0: half d, 32 int8 q; w = d * q.
 struct Q8_0 {
   static constexpr int64_t kValues = 32, kBytes = 34;

@@ -45,32 +45,6 @@ static_assert(kMaxDotRows == 8, "few_rows dispatches 1 to 8 rows");
 constexpr int kQuad = 4;  // outputs decoded in registers together: 4 x 4 lanes of a vector
 constexpr int kRows = 6;  // rows of x per panel tile
 
-// Lane t of out[c] = lane c of rows[t] (32-bit lanes).
-inline void transpose16(const __m512i* rows, __m512i* out) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // u[4i + j], 128-bit lane L: rows 4i .. 4i + 3 at column 4L + j.
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
-    out[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    out[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
-    out[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    out[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
-  }
-}
-
 template <typename B>
 void decode_panel(const uint8_t* weight, int64_t N, int64_t K, int64_t n0, Panel& panel) {
   using C = Codes<B>;
