@@ -23,8 +23,11 @@ cache tensor, as the scheduler and executor drive them: see :class:`TieredKVMach
 
 import functools
 import hashlib
+import shutil
+import tempfile
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +44,7 @@ from hypothesis.stateful import (
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.fragmentation import FragmentationStats, fragmentation_stats
 from pagedllm.kv.prefix_hash import BlockKey, iter_block_keys
-from pagedllm.kv_storage.kv_cache import KVCache
+from pagedllm.kv_tiers.disk_tier import DiskTier, slot_bytes_for
 from pagedllm.kv_tiers.host_tier import HostTier
 from pagedllm.kv_tiers.tier_moves import MoveKind, TierMove
 from pagedllm.kv_tiers.tiered_cache import TieredCache
@@ -590,12 +593,16 @@ test_kv_manager_state_machine_with_compact_blocks = CompactKVManagerMachine.Test
 MODEL = "model"  # the scheduler's cache_key: every block key's first extra key
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 1, 2
 UNWRITTEN = -1.0  # what a fresh cache tensor holds: no token's K/V is negative
-# Prompts of 1 to 16 tokens, most continuing a system prompt: hits in every tier.
+FINGERPRINT = bytes(range(32))  # one model and format across restarts
+WAIT_FOREVER = 3600.0  # seconds: a request waits for its loads until they end
+LOAD_TIMEOUT_S = 30.0  # a runnable disk load taking longer is a hang
+MAX_CONVERSATION = 12  # tokens of a finished conversation a follow-up continues
+# Prompts of 1 to 11 tokens, most continuing a system prompt: hits in every tier.
 TIER_PROMPTS = st.builds(
     lambda system, length, tail: system[:length] + tail,
     st.sampled_from(SYSTEM_PROMPTS),
-    st.integers(0, 12),
-    st.lists(st.integers(0, 2), min_size=1, max_size=4),
+    st.integers(0, 8),
+    st.lists(st.integers(0, 2), min_size=1, max_size=3),
 )
 
 
@@ -622,13 +629,40 @@ def block_kv(salt: str, tokens: tuple[int, ...], block_size: int) -> torch.Tenso
     return torch.stack(rows, dim=3)
 
 
+class CheckedDiskTier(DiskTier):
+    """A disk tier that checks every payload it is given (a demotion, a load's victim,
+    a persisted block: from any thread) against ``expected(digest)``, a block's bytes,
+    and keeps the digests of those that differ in ``wrong_puts``."""
+
+    def __init__(self, *args, expected: Callable[[bytes], torch.Tensor], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.expected = expected
+        self.wrong_puts: list[bytes] = []
+
+    def put(self, digest: bytes, payload: torch.Tensor) -> None:
+        expected = self.expected(digest).reshape(-1).view(torch.uint8)
+        if not torch.equal(payload.reshape(-1), expected):
+            self.wrong_puts.append(digest)
+        super().put(digest, payload)
+
+
 @dataclass
 class Request:
     """A prompt waiting to be admitted: new, or preempted and recomputed from scratch
-    (``tokens`` then includes what it generated)."""
+    (``tokens`` then includes what it generated). ``prefetched``: its disk loads were
+    asked for since it last passed the wait (the scheduler's ``_prefetched``)."""
 
     salt: str
     tokens: list[int]
+    high_priority: bool
+    prefetched: bool = False
+
+
+@dataclass
+class TieredSequence(ShadowSequence):
+    """A running sequence of the tiered machine: its request's priority too."""
+
+    high_priority: bool = False
 
 
 @dataclass
@@ -668,44 +702,84 @@ class TieredKVMachine(RuleBasedStateMachine):
     every cached pool block and every ready host slot holds its key's bytes and every
     sequence reads its own tokens' K/V back through its table: a fill restores exactly
     what was spilled, never another key's bytes.
+
+    With a disk tier (in a temporary directory), full host slots demote their blocks to
+    disk, requests prefetch theirs and wait for the loads (``admissible``), and a restart
+    persists the pool's cached blocks, closes the tiers and opens new ones over the same
+    directory with a fresh pool and tensor: every entry read back is its key's bytes.
+    Loads run on the tiers' reader thread; each starts once the moves planned before it
+    have run, and the machine waits for it as soon as it can run (after a prefetch with
+    no move pending, or after a step), so what the tiers report never depends on timing.
     """
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
-        pool_tokens=st.integers(16, 40),
+        pool_tokens=st.integers(12, 24),
         reserved_fraction=st.sampled_from([0.0, 0.25]),
-        host_slots=st.integers(1, 4),
+        host_slots=st.sampled_from([1, 1, 2, 4]),
+        disk_entries=st.sampled_from([None, None, 2, 4, 64]),
+        extent_entries=st.sampled_from([None, 1, 3]),
+        wait_limit=st.sampled_from([0.0, WAIT_FOREVER]),
+        prefetch_on_arrival=st.booleans(),
     )
     def setup(
-        self, block_size: int, pool_tokens: int, reserved_fraction: float, host_slots: int
+        self,
+        block_size: int,
+        pool_tokens: int,
+        reserved_fraction: float,
+        host_slots: int,
+        disk_entries: int | None,
+        extent_entries: int | None,
+        wait_limit: float,
+        prefetch_on_arrival: bool,
     ) -> None:
         """A pool of ``pool_tokens`` tokens (rounded up to blocks of ``block_size``:
         a prompt or two fit, so admissions evict) and a host tier of ``host_slots``
-        blocks."""
+        blocks; a disk tier of ``disk_entries`` entries (None: none) in extent files of
+        ``extent_entries``; requests wait ``wait_limit`` seconds for their loads, which
+        start when they arrive or (``prefetch_on_arrival`` false) when they are next."""
         self.block_size = block_size
         self.num_blocks = -(-pool_tokens // block_size)
         self.reserved_fraction = reserved_fraction
         self.host_slots = host_slots
+        self.disk_entries = disk_entries
+        self.extent_entries = extent_entries
+        self.wait_limit = wait_limit
+        self.prefetch_on_arrival = prefetch_on_arrival
+        self.directory = None if disk_entries is None else tempfile.mkdtemp(prefix="kv-tiers-")
         self.chains: dict[bytes, tuple[str, tuple[int, ...]]] = {}
         self.expected: dict[bytes, torch.Tensor] = {}
-        self.seqs: dict[int, ShadowSequence] = {}
+        self.seqs: dict[int, TieredSequence] = {}
         self.waiting: dict[int, Request] = {}
+        self.finished: list[Request] = []  # conversations a follow-up may continue
         self.next_id = 0
         self.start_engine()
 
     def start_engine(self) -> None:
-        """A fresh pool, a cache tensor whose every element is ``UNWRITTEN``, and tiers."""
+        """A fresh pool, a cache tensor whose every element is ``UNWRITTEN``, and tiers
+        (over the directory's entries, if any)."""
         self.manager = BlockManager(
             self.num_blocks, self.block_size, self.reserved_fraction, enable_prefix_caching=True
         )
         self.pool = self.manager.pool
-        self.cache = KVCache(
-            NUM_LAYERS, self.num_blocks + 1, self.block_size, NUM_KV_HEADS, HEAD_DIM
-        )
-        self.cache.tensor.fill_(UNWRITTEN)
-        block = self.cache.tensor[:, :, 0]
+        # KVCache's layout, the null block included; a plain tensor (KVCache commits a
+        # huge page for each one)
+        shape = (NUM_LAYERS, 2, self.num_blocks + 1, NUM_KV_HEADS, self.block_size, HEAD_DIM)
+        self.cache = torch.full(shape, UNWRITTEN)
+        block = self.cache[:, :, 0]
         host = HostTier(self.host_slots, tuple(block.shape), block.dtype)
-        self.tiers = TieredCache(self.cache.tensor, self.block_size, host)
+        disk = None
+        if self.directory is not None:
+            capacity = self.disk_entries * slot_bytes_for(host.block_bytes)
+            disk = CheckedDiskTier(
+                self.directory,
+                capacity,
+                host.block_bytes,
+                FINGERPRINT,
+                self.extent_entries,
+                expected=self.block_bytes,
+            )
+        self.tiers = TieredCache(self.cache, self.block_size, host, disk, self.wait_limit)
         self.pool.add_listener(self.tiers)
         self.plan = Plan()
 
@@ -730,7 +804,7 @@ class TieredKVMachine(RuleBasedStateMachine):
         return self.expected[digest]
 
     def pool_block(self, block_id: int) -> torch.Tensor:
-        return self.cache.tensor[:, :, block_id]
+        return self.cache[:, :, block_id]
 
     def take_moves(self) -> list[TierMove]:
         """The moves planned since the last call, added to the plan in order."""
@@ -770,12 +844,58 @@ class TieredKVMachine(RuleBasedStateMachine):
         tokens = request.tokens[start : len(request.tokens) - 1]
         return iter_block_keys(tokens, self.block_size, extra_keys(request.salt), parent)
 
-    def admit(self, seq_id: int, high_priority: bool) -> None:
-        """``Scheduler._admit_waiting`` for one request: the pool's cached prefix, the host
-        tier's run after it (pinned: no spill of this allocation may take those slots),
-        slots for the run's tokens and the rest, the fill, and the run's tokens committed.
-        Not admitted (no blocks): unpinned, nothing planned, the request waits."""
+    def prefetch(self, seq_id: int, request: Request) -> None:
+        """``Scheduler._prefetch``: the tiers start loading the request's disk blocks
+        past what the pool and host tier hold. With no move pending the loads can run
+        now: wait for them. Else they wait for the plan's moves (:meth:`step`)."""
+        request.prefetched = True
+        self.take_moves()
+        host = self.tiers.host
+        loading = host.num_loading
+        in_pool = lambda key: self.pool.lookup(key) is not None  # noqa: E731
+        self.tiers.prefetch(seq_id, self.prompt_keys(request), in_pool)
+        if host.num_loading > loading:
+            event("prefetch started loads" + " behind pending moves" * bool(self.plan.moves))
+        if not self.plan.moves:
+            self.drain_loads()
+
+    def drain_loads(self) -> None:
+        """Wait (at most ``LOAD_TIMEOUT_S``) until no disk load is in flight; call only
+        when none waits for a pending move."""
+        host = self.tiers.host
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while host.num_loading:
+            assert time.monotonic() < deadline, "a runnable disk load never ended"
+            time.sleep(0.0005)
+            self.tiers.poll()
+
+    def loads_done(self, seq_id: int, request: Request) -> bool:
+        """``Scheduler._loads_done``: the request's loads start now if they did not on
+        arrival; it may start unless one of its blocks is still loading (they wait for
+        this plan's moves) and its wait has no limit."""
+        if not request.prefetched:
+            self.prefetch(seq_id, request)
+        admissible = self.tiers.admissible(seq_id)
+        host = self.tiers.host
+        loading = any(host.is_loading(key.digest) for key in self.prompt_keys(request))
+        assert admissible or loading, "passed over while none of its blocks loads"
+        assert admissible or self.wait_limit == WAIT_FOREVER, "waited past the wait limit"
+        if not admissible:
+            event("passed over while its blocks load")
+            return False
+        request.prefetched = False
+        return True
+
+    def admit(self, seq_id: int) -> bool | None:
+        """``Scheduler._admit_waiting`` for one request: once its loads are done, the
+        pool's cached prefix, the host tier's run after it (pinned: no spill of this
+        allocation may take those slots), slots for the run's tokens and the rest, then
+        :meth:`start`. Not admitted (no blocks): unpinned, nothing planned, the request
+        waits. Returns whether it was admitted, None when it was passed over (its loads
+        are not done)."""
         request = self.waiting[seq_id]
+        if not self.loads_done(seq_id, request):
+            return None
         prefix = self.manager.find_cached_prefix(request.tokens, extra_keys(request.salt))
         run = self.tiers.host_run(self.prompt_keys(request, prefix))
         pinned = {slot for slot, _ in run}
@@ -783,7 +903,7 @@ class TieredKVMachine(RuleBasedStateMachine):
         computed = len(request.tokens) - prefix.num_tokens - restored
         assert computed >= 1, "the last token is always computed"
         result = self.manager.allocate_slots(
-            seq_id, restored + computed, high_priority, prefix, restored
+            seq_id, restored + computed, request.high_priority, prefix, restored
         )
         spills = [m for m in self.take_moves() if m.kind is MoveKind.SPILL]
         assert not pinned & {m.slot for m in spills}, "a spill took a slot a fill reads"
@@ -793,58 +913,109 @@ class TieredKVMachine(RuleBasedStateMachine):
             assert not spills and seq_id not in self.manager
             self.tiers.unpin(run)
             event("not admitted")
-            return
+            return False
+        self.start(seq_id, prefix, run, result.slots, result.copies)
+        return True
+
+    def start(
+        self,
+        seq_id: int,
+        prefix: CachedPrefix,
+        run: list[tuple[int, BlockKey]],
+        slots: list[int],
+        copies: list[tuple[int, int]],
+    ) -> None:
+        """The admitted request runs: the host ``run`` fills the blocks given for it
+        (those right after ``prefix``, where its first ``slots`` are), its tokens count
+        as computed at once, the rest are scheduled."""
+        request = self.waiting.pop(seq_id)
         event("admitted" + " after a host hit" * bool(run))
         first = len(prefix.block_ids)
         targets = self.manager.block_table(seq_id)[first : first + len(run)]
         block_size = self.block_size
-        assert result.slots[:restored] == [
-            b * block_size + o for b in targets for o in range(block_size)
-        ]
+        restored = len(run) * block_size
+        assert slots[:restored] == [b * block_size + o for b in targets for o in range(block_size)]
         if run:
+            disk_hits = self.tiers.stats().disk_hits
             self.tiers.fill(run, targets)
             self.take_moves()
-        del self.waiting[seq_id]
-        self.seqs[seq_id] = ShadowSequence(request.salt, list(request.tokens), prefix.num_tokens)
+            if self.tiers.stats().disk_hits > disk_hits:
+                event("a fill of blocks loaded from disk")
+        self.seqs[seq_id] = TieredSequence(
+            request.salt, list(request.tokens), prefix.num_tokens, 0, request.high_priority
+        )
         if restored:
             self.commit(seq_id, restored)
-        self.schedule(seq_id, result.slots[restored:], prefix.num_tokens + restored, result.copies)
+        self.schedule(seq_id, slots[restored:], prefix.num_tokens + restored, copies)
 
     # -- rules ---------------------------------------------------------------------------
 
     @rule(prompt=TIER_PROMPTS, salt=SALTS, admit_now=st.booleans(), high_priority=st.booleans())
     def arrive(self, prompt: list[int], salt: str, admit_now: bool, high_priority: bool) -> None:
-        """A request arrives; it is admitted in this plan when ``admit_now`` (and no
-        sequence was preempted in it), else it waits."""
+        """A new request arrives (see :meth:`add`)."""
+        self.add(Request(salt, list(prompt), high_priority), admit_now)
+
+    @precondition(lambda self: self.finished)
+    @rule(
+        index=st.integers(0, 99),
+        turn=st.lists(st.integers(0, 2), min_size=1, max_size=3),
+        admit_now=st.booleans(),
+        high_priority=st.booleans(),
+    )
+    def follow_up(self, index: int, turn: list[int], admit_now: bool, high_priority: bool) -> None:
+        """The next turn of a finished conversation: its tokens and a new ``turn``, whose
+        blocks the pool may have evicted meanwhile (the hits the tiers exist for)."""
+        done = self.finished[index % len(self.finished)]
+        self.add(Request(done.salt, done.tokens + turn, high_priority), admit_now)
+
+    def add(self, request: Request, admit_now: bool) -> None:
+        """``Scheduler.add`` (the loads start on arrival, if so set), then the request is
+        admitted in this plan when ``admit_now`` and no sequence was preempted in it.
+        Refused when it would not fit the pool alone, as the engine refuses it."""
+        needed = -(-len(request.tokens) // self.block_size)
+        reserved = 0 if request.high_priority else self.pool.num_reserved
+        if needed > self.pool.num_blocks - reserved:
+            event("refused: longer than the pool")
+            return
         seq_id = self.new_id()
-        self.waiting[seq_id] = Request(salt, list(prompt))
-        self.register(salt, prompt)
+        self.waiting[seq_id] = request
+        self.register(request.salt, request.tokens)
+        if self.prefetch_on_arrival:
+            self.prefetch(seq_id, request)
         if admit_now and not self.plan.preempted:
-            self.admit(seq_id, high_priority)
+            self.admit(seq_id)
 
     @precondition(lambda self: self.waiting and not self.plan.preempted)
-    @rule(index=st.integers(0, 99), high_priority=st.booleans())
-    def admit_waiting(self, index: int, high_priority: bool) -> None:
-        waiting = sorted(self.waiting)
-        self.admit(waiting[index % len(waiting)], high_priority)
+    @rule(max_seqs=st.integers(1, 4))
+    def admit_waiting(self, max_seqs: int) -> None:
+        """The admissions of one plan: waiting requests in queue order, those whose
+        loads are not done passed over, until ``max_seqs`` started or one does not fit.
+        A later one's allocation may spill into a slot an earlier one fills from."""
+        started = 0
+        for seq_id in sorted(self.waiting):
+            admitted = self.admit(seq_id)
+            if admitted is False:
+                return
+            started += bool(admitted)
+            if started == max_seqs:
+                return
 
     @precondition(lambda self: self.idle())
     @rule(
         index=st.integers(0, 99),
         new_tokens=st.lists(st.integers(0, 2), min_size=1, max_size=6),
-        high_priority=st.booleans(),
     )
-    def append(self, index: int, new_tokens: list[int], high_priority: bool) -> None:
+    def append(self, index: int, new_tokens: list[int]) -> None:
         """A running sequence's next tokens (a decode, or several): new blocks may evict
         cached ones (spilled), a shared last block is copied on write."""
         idle = self.idle()
         seq_id = idle[index % len(idle)]
-        result = self.manager.allocate_slots(seq_id, len(new_tokens), high_priority)
+        shadow = self.seqs[seq_id]
+        result = self.manager.allocate_slots(seq_id, len(new_tokens), shadow.high_priority)
         self.take_moves()
         if result is None:
             event("append did not fit")
             return
-        shadow = self.seqs[seq_id]
         first = len(shadow.tokens)
         shadow.tokens.extend(new_tokens)
         self.schedule(seq_id, result.slots, first, result.copies)
@@ -860,7 +1031,10 @@ class TieredKVMachine(RuleBasedStateMachine):
         shadow = self.seqs.pop(seq_id)
         self.manager.free(seq_id)
         self.plan.preempted = True
-        self.waiting[seq_id] = Request(shadow.salt, shadow.tokens)
+        request = Request(shadow.salt, shadow.tokens, shadow.high_priority)
+        self.waiting[seq_id] = request
+        if self.prefetch_on_arrival:
+            self.prefetch(seq_id, request)
 
     @precondition(lambda self: self.waiting)
     @rule(index=st.integers(0, 99))
@@ -874,29 +1048,42 @@ class TieredKVMachine(RuleBasedStateMachine):
     def step(self) -> None:
         """The executor runs the plan: tier moves in planned order (each fill then holds
         its key's bytes), copies on write, the forward pass's K/V; then the scheduler
-        commits the computed tokens."""
+        commits the computed tokens. The loads that waited for the moves then run."""
         self.take_moves()
-        moves, copies, writes = self.plan.moves, self.plan.copies, self.plan.writes
+        self.apply_moves(self.plan.moves)
+        self.copy_on_write(self.plan.copies)
+        self.forward(self.plan.writes)
+        for seq_id in self.plan.writes:
+            shadow = self.seqs[seq_id]
+            self.commit(seq_id, len(shadow.tokens) - shadow.num_committed)
+        self.plan = Plan()
+        self.drain_loads()
+
+    def apply_moves(self, moves: list[TierMove]) -> None:
+        """The plan's tier moves, in order; each filled block then holds its key's bytes."""
         self.note_moves(moves)
         self.tiers.apply(moves)
         for move in moves:
             if move.kind is MoveKind.FILL:
                 restored = self.pool_block(move.block_id)
                 assert torch.equal(restored, self.block_bytes(move.digest)), "a fill's bytes"
-        if copies:
-            assert len({dst for _, dst in copies}) == len(copies)
-            self.cache.copy_blocks(copies)
+
+    def copy_on_write(self, copies: list[tuple[int, int]]) -> None:
+        """The plan's ``(src, dst)`` block copies: each destination is new to the plan."""
+        assert not {dst for _, dst in copies} & {src for src, _ in copies}
+        assert len({dst for _, dst in copies}) == len(copies)
+        for src, dst in copies:
+            self.cache[:, :, dst] = self.cache[:, :, src]
+
+    def forward(self, writes: dict[int, list[tuple[int, int]]]) -> None:
+        """The forward pass writes each scheduled token's K/V at its slot."""
         block_size = self.block_size
         for seq_id, slots in writes.items():
             shadow = self.seqs[seq_id]
             for slot, position in slots:
                 block_id, offset = divmod(slot, block_size)
                 kv = token_kv(shadow.salt, tuple(shadow.tokens[: position + 1]))
-                self.cache.tensor[:, :, block_id, :, offset] = kv
-        for seq_id in writes:
-            shadow = self.seqs[seq_id]
-            self.commit(seq_id, len(shadow.tokens) - shadow.num_committed)
-        self.plan = Plan()
+                self.cache[:, :, block_id, :, offset] = kv
 
     def note_moves(self, moves: list[TierMove]) -> None:
         """Label the plan's move patterns (for the statistics)."""
@@ -915,7 +1102,13 @@ class TieredKVMachine(RuleBasedStateMachine):
         self.step()
         seq_id = sorted(self.seqs)[index % len(self.seqs)]
         self.manager.free(seq_id)
-        del self.seqs[seq_id]
+        self.end(self.seqs.pop(seq_id))
+
+    def end(self, shadow: TieredSequence) -> None:
+        """Keep the last few finished conversations short enough for follow-ups."""
+        if len(shadow.tokens) <= MAX_CONVERSATION:
+            request = Request(shadow.salt, shadow.tokens, shadow.high_priority)
+            self.finished = [*self.finished[-3:], request]
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
@@ -926,7 +1119,9 @@ class TieredKVMachine(RuleBasedStateMachine):
         child = self.new_id()
         self.manager.fork(parent, child)
         shadow = self.seqs[parent]
-        self.seqs[child] = ShadowSequence(shadow.salt, list(shadow.tokens), shadow.num_committed)
+        self.seqs[child] = TieredSequence(
+            shadow.salt, list(shadow.tokens), shadow.num_committed, 0, shadow.high_priority
+        )
 
     @rule()
     def finish_everything(self) -> None:
@@ -935,9 +1130,41 @@ class TieredKVMachine(RuleBasedStateMachine):
         self.step()
         for seq_id in list(self.seqs):
             self.manager.free(seq_id)
-        self.seqs.clear()
+            self.end(self.seqs.pop(seq_id))
         stats = self.pool.stats()
         assert stats.used == 0 and stats.evictable == stats.cached
+
+    @precondition(lambda self: self.directory is not None)
+    @rule()
+    def restart(self) -> None:
+        """Shutdown after a last step (the pool's cached blocks and the host tier's go to
+        disk, the tiers close) and a new engine over the same directory, with a fresh
+        pool and tensor and nothing running or waiting."""
+        self.step()
+        cached = self.pool.cached_blocks()
+        persisted = {digest for digest, _ in [*cached, *self.tiers.host.ready_items()]}
+        self.tiers.persist(cached)
+        assert not self.tiers.disk.wrong_puts, "a disk entry was written with other bytes"
+        self.tiers.close()
+        self.seqs.clear()
+        self.waiting.clear()
+        self.start_engine()
+        self.check_disk(persisted)
+
+    def check_disk(self, persisted: set[bytes]) -> None:
+        """Every entry of the reopened disk tier reads back as its key's bytes; when the
+        tier has room for every block ever named (nothing was evicted), every block
+        ``persisted`` is there."""
+        disk = self.tiers.disk
+        scratch = torch.empty_like(self.tiers.host.block(0))
+        found = {digest for digest in self.chains if digest in disk}
+        assert len(found) == len(disk)
+        for digest in found:
+            assert disk.read_into(digest, scratch), "an entry fails its checksums"
+            assert torch.equal(scratch, self.block_bytes(digest)), "an entry's bytes"
+        if len(self.chains) <= disk.capacity_entries:
+            assert persisted <= found, "a persisted block is missing"
+        event(f"restarted with {min(len(found), 5)}{'+' * (len(found) > 5)} blocks on disk")
 
     # -- invariants ----------------------------------------------------------------------
 
@@ -954,6 +1181,13 @@ class TieredKVMachine(RuleBasedStateMachine):
         assert sorted(slots) == list(range(host.num_slots))
         assert not ready.keys() & loading.keys()
         assert not host._pinned, "a slot stays pinned after its fill or unpin"
+
+    @invariant()
+    def disk_gets_only_its_keys_bytes(self) -> None:
+        """Every entry written to disk (demoted, a load's victim, persisted) was its
+        key's bytes."""
+        disk = self.tiers.disk
+        assert disk is None or not disk.wrong_puts, "a disk entry was written with other bytes"
 
     @invariant()
     def pool_references_are_the_tables(self) -> None:
@@ -977,25 +1211,32 @@ class TieredKVMachine(RuleBasedStateMachine):
         if self.plan.is_open:
             return
         for digest, block_id in self.pool.cached_blocks():
-            assert torch.equal(self.pool_block(block_id), self.block_bytes(digest))
+            block = self.pool_block(block_id)
+            assert torch.equal(block, self.block_bytes(digest)), "a cached block's bytes"
         host = self.tiers.host
         for digest, slot in host.ready_items():
-            assert torch.equal(host.block(slot), self.block_bytes(digest))
+            assert torch.equal(host.block(slot), self.block_bytes(digest)), "a host slot's bytes"
         block_size = self.block_size
         for seq_id, shadow in self.seqs.items():
             table = self.manager.block_table(seq_id)
             for position in range(shadow.num_committed):
                 block_id = table[position // block_size]
-                kv = self.cache.tensor[:, :, block_id, :, position % block_size]
-                assert torch.equal(kv, token_kv(shadow.salt, tuple(shadow.tokens[: position + 1])))
+                kv = self.cache[:, :, block_id, :, position % block_size]
+                expected = token_kv(shadow.salt, tuple(shadow.tokens[: position + 1]))
+                assert torch.equal(kv, expected), "a sequence reads other K/V"
 
     def teardown(self) -> None:
-        """Stop the tiers (a failed example too: the checks are rules and invariants)."""
-        if hasattr(self, "tiers"):
-            self.tiers.close()
+        """Stop the tiers and remove the directory (after a failed example too: the
+        checks are rules and invariants)."""
+        try:
+            if hasattr(self, "tiers"):
+                self.tiers.close()
+        finally:
+            if getattr(self, "directory", None) is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
 
 
 TieredKVMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None
+    max_examples=150, stateful_step_count=120, deadline=None
 )
 test_kv_tiers_state_machine = TieredKVMachine.TestCase
