@@ -19,10 +19,14 @@ must see every change: a mirror kept from the events alone equals the pool.
 
 A third machine runs the prefix cache's lower tiers (:mod:`pagedllm.kv_tiers`) over a real
 cache tensor, as the scheduler and executor drive them: see :class:`TieredKVMachine`.
+
+A stress run, by hand: ``PAGEDLLM_STATE_MACHINE_SCALE=20`` runs every machine here with
+20 times its examples (``--hypothesis-seed=N`` repeats one run).
 """
 
 import functools
 import hashlib
+import os
 import shutil
 import tempfile
 import time
@@ -60,6 +64,7 @@ PROMPTS = st.builds(
     TOKENS,
 )
 SALTS = st.sampled_from(["tenant-a", "tenant-b"])
+EXAMPLES_SCALE = int(os.environ.get("PAGEDLLM_STATE_MACHINE_SCALE", "1"))
 
 
 class MirrorListener:
@@ -579,11 +584,11 @@ class CompactKVManagerMachine(KVManagerMachine):
 
 
 KVManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None
+    max_examples=200 * EXAMPLES_SCALE, stateful_step_count=50, deadline=None
 )
 test_kv_manager_state_machine = KVManagerMachine.TestCase
 CompactKVManagerMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=50, deadline=None
+    max_examples=100 * EXAMPLES_SCALE, stateful_step_count=50, deadline=None
 )
 test_kv_manager_state_machine_with_compact_blocks = CompactKVManagerMachine.TestCase
 
@@ -1237,6 +1242,6 @@ class TieredKVMachine(RuleBasedStateMachine):
 
 
 TieredKVMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=120, deadline=None
+    max_examples=150 * EXAMPLES_SCALE, stateful_step_count=120, deadline=None
 )
 test_kv_tiers_state_machine = TieredKVMachine.TestCase
