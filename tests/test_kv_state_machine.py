@@ -868,11 +868,16 @@ class TieredKVMachine(RuleBasedStateMachine):
         """Wait (at most ``LOAD_TIMEOUT_S``) until no disk load is in flight; call only
         when none waits for a pending move."""
         host = self.tiers.host
+        if not host.num_loading:
+            return
+        failed = self.tiers.stats().failed_loads
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while host.num_loading:
             assert time.monotonic() < deadline, "a runnable disk load never ended"
             time.sleep(0.0005)
             self.tiers.poll()
+        if self.tiers.stats().failed_loads > failed:
+            event("a load failed: its entry was evicted meanwhile")
 
     def loads_done(self, seq_id: int, request: Request) -> bool:
         """``Scheduler._loads_done``: the request's loads start now if they did not on
@@ -1169,7 +1174,7 @@ class TieredKVMachine(RuleBasedStateMachine):
             assert torch.equal(scratch, self.block_bytes(digest)), "an entry's bytes"
         if len(self.chains) <= disk.capacity_entries:
             assert persisted <= found, "a persisted block is missing"
-        event(f"restarted with {min(len(found), 5)}{'+' * (len(found) > 5)} blocks on disk")
+        event("restarted with " + ("blocks" if found else "nothing") + " on disk")
 
     # -- invariants ----------------------------------------------------------------------
 
