@@ -238,3 +238,15 @@ def test_a_request_waits_for_its_loads_at_most_the_wait_limit(tmp_path):
     s.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
     assert s.tiers.admissible("request")  # the limit passed: admitted with what arrived
     s.tiers.close()
+
+
+def test_a_prefix_cache_reset_empties_every_tier(tmp_path):
+    s = DiskSetup(tmp_path / "tier")
+    s.cache_block(0)
+    s.cache_block(10)
+    s.evict_all()  # key 0 on disk, key 10 in the host slot
+    assert s.pool.reset_prefix_cache()
+    assert s.tiers.host_run([key(10)]) == [] and len(s.disk) == 0
+    s.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
+    assert s.tiers.admissible("request")  # nothing left to load
+    s.tiers.close()

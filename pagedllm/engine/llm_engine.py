@@ -56,6 +56,10 @@ PREFILL_RATE_MIN_TOKENS = 128
 """Steps of at least this many tokens measure the prefill rate the lower tiers compare
 their disk reads against (decode steps would understate it)."""
 
+LOAD_WAIT_SECONDS = 0.05
+"""Longest a step with nothing to run blocks for a disk load to end (then schedules
+again)."""
+
 logger = logging.getLogger("pagedllm")
 
 
@@ -240,6 +244,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         times.schedule += time.perf_counter() - t0
         if plan.is_empty:
+            if self.tiers is not None and self.tiers.loads_in_flight:
+                self.tiers.wait_for_loads(LOAD_WAIT_SECONDS)  # nothing to run but loads
             return []
         outputs = self.run_plan(plan)
         if self.speculator is not None:

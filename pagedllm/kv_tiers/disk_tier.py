@@ -293,6 +293,14 @@ class DiskTier:
                     return
             self._release(entry.slot)
 
+    def clear(self) -> int:
+        """Delete every entry (a prefix-cache reset); the entries deleted."""
+        with self._lock:
+            digests = list(self._index)
+        for digest in digests:
+            self.discard(digest)
+        return len(digests)
+
     def stats(self) -> DiskTierStats:
         with self._lock:
             return DiskTierStats(

@@ -60,6 +60,9 @@ class HostTier:
     def is_loading(self, digest: bytes) -> bool:
         return digest in self._loading
 
+    def loading_digests(self) -> list[bytes]:
+        return list(self._loading)
+
     def pin(self, slots: list[int]) -> None:
         """Keep ``slots`` from being evicted until :meth:`unpin` (a fill planned from
         them while the same plan may still evict)."""
@@ -96,6 +99,14 @@ class HostTier:
             self._ready[digest] = slot
         else:
             self._free.append(slot)
+
+    def clear(self) -> None:
+        """Forget every ready block (their slots free again); loading ones stay
+        reserved until :meth:`loaded`. Nothing may be pinned."""
+        if self._pinned:
+            raise RuntimeError("a host tier is cleared between plans, with nothing pinned")
+        self._free.extend(self._ready.values())
+        self._ready.clear()
 
     def ready_items(self) -> list[tuple[bytes, int]]:
         """``(digest, slot)`` of every ready block, least recently used first."""

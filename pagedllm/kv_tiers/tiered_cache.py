@@ -29,6 +29,7 @@ reader thread move bytes. The plan's moves run in planned order (:mod:`tier_move
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -98,6 +99,7 @@ class TieredCache:
         self._planned = 0  # moves planned since start-up
         self._waiting: dict[object, tuple[float, set[bytes]]] = {}
         self._loaded_at: dict[bytes, float] = {}
+        self._dropped: set[bytes] = set()  # loads in flight when the cache was reset
         self._reader = None if disk is None else _DiskReader(disk, host)
         self._counts = dict.fromkeys(
             ("host_hits", "disk_hits", "spilled", "demoted", "filled", "loaded", "failed"), 0
@@ -125,7 +127,14 @@ class TieredCache:
         pass
 
     def cache_cleared(self, block_ids: Sequence[int]) -> None:
-        pass
+        """The prefix cache was reset: every tier forgets its blocks too (loads in
+        flight are dropped when they end)."""
+        self.poll()
+        self.host.clear()
+        self._loaded_at.clear()
+        self._dropped.update(self.host.loading_digests())
+        if self.disk is not None:
+            self.disk.clear()
 
     def block_removed(self, block_id: int, key: BlockKey) -> None:
         """Plan the evicted ``block_id``'s spill into a host slot (nothing when the host
@@ -245,11 +254,26 @@ class TieredCache:
         moves, self._moves = self._moves, []
         return moves
 
+    @property
+    def loads_in_flight(self) -> bool:
+        return self.host.num_loading > 0
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block (holding no lock the reader needs) until a load ends or ``timeout``
+        seconds pass: what an engine with nothing else to run does while its requests
+        wait for their blocks, rather than spin against the reader."""
+        if self._reader is not None:
+            self._reader.wait(timeout)
+
     def poll(self) -> None:
         """Take the reader's finished loads: each block is ready, or its slot free."""
         if self._reader is None:
             return
         for digest, ok, seconds, nbytes in self._reader.finished():
+            if digest in self._dropped:
+                self._dropped.discard(digest)
+                self.host.loaded(digest, ok=False)
+                continue
             self.host.loaded(digest, ok)
             if ok:
                 self._loaded_at[digest] = time.perf_counter()
@@ -382,6 +406,11 @@ class _DiskReader:
         with self._progress:
             self._applied += count
             self._progress.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Block until a load has ended (kept for :meth:`finished`) or ``timeout``."""
+        with contextlib.suppress(queue.Empty):
+            self._done.put(self._done.get(timeout=timeout))
 
     def finished(self) -> list[tuple[bytes, bool, float, int]]:
         """``(digest, ok, seconds, bytes)`` of the loads ended since the last call."""
