@@ -169,6 +169,13 @@ class DiskSetup(Setup):
         self.tiers.apply(self.tiers.take_moves())
         self.pool.free(taken)
 
+    def wait_loads_without_admitting(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.tiers.host.num_loading:
+            assert time.monotonic() < deadline
+            self.tiers.wait_for_loads(0.01)
+            self.tiers.poll()
+
     def wait_loads(self, request) -> None:
         deadline = time.monotonic() + 30
         while not self.tiers.admissible(request):
@@ -249,4 +256,22 @@ def test_a_prefix_cache_reset_empties_every_tier(tmp_path):
     assert s.tiers.host_run([key(10)]) == [] and len(s.disk) == 0
     s.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
     assert s.tiers.admissible("request")  # nothing left to load
+    s.tiers.close()
+
+
+def test_blocks_a_queued_request_waits_for_are_held_from_eviction(tmp_path):
+    s = DiskSetup(tmp_path / "tier", host_slots=2)
+    for n in (0, 10, 20):
+        s.cache_block(n)
+    s.evict_all()  # key 0 demoted to disk; keys 10 and 20 in the host slots
+    s.tiers.prefetch("request", [key(0)], in_pool=lambda k: False)
+    s.wait_loads_without_admitting()
+    s.pool.free(s.pool.allocate(3))  # no cached block: nothing evicted
+    (block_id,) = s.pool.allocate(1)
+    s.pool.cache_block(block_id, key(30))
+    s.pool.free([block_id])
+    s.pool.allocate(3)  # evicts key 30: its spill must not take key 0's held slot
+    s.tiers.apply(s.tiers.take_moves())
+    assert s.tiers.admissible("request")
+    assert [k for _, k in s.tiers.host_run([key(0)])] == [key(0)]
     s.tiers.close()

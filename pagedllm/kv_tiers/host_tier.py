@@ -8,7 +8,9 @@ entry, and what a GPU pool copies to and from pinned host memory in one transfer
 
 A slot is free, *ready* (holds the block of a digest, findable, in LRU order) or
 *loading* (reserved for a digest whose bytes a background reader is writing; neither
-findable nor evictable until :meth:`HostTier.loaded`). The bookkeeping is the
+findable nor evictable until :meth:`HostTier.loaded`). A ready slot is not evicted while
+it is pinned (a fill of the plan being made reads it) or held (a queued request waits
+for it). The bookkeeping is the
 scheduler's, the bytes the executor's: every method here but :meth:`HostTier.block`
 touches only the bookkeeping.
 """
@@ -37,6 +39,7 @@ class HostTier:
         self._loading: dict[bytes, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
+        self._held: dict[int, int] = {}  # slot -> requests waiting for its block
 
     def __len__(self) -> int:
         """Ready blocks."""
@@ -60,6 +63,9 @@ class HostTier:
     def is_loading(self, digest: bytes) -> bool:
         return digest in self._loading
 
+    def loading_slot(self, digest: bytes) -> int | None:
+        return self._loading.get(digest)
+
     def loading_digests(self) -> list[bytes]:
         return list(self._loading)
 
@@ -71,6 +77,20 @@ class HostTier:
     def unpin(self, slots: list[int]) -> None:
         self._pinned.difference_update(slots)
 
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def hold(self, slot: int) -> None:
+        """Keep ``slot`` from eviction while a queued request waits for its block (one
+        hold per request; :meth:`release` each)."""
+        self._held[slot] = self._held.get(slot, 0) + 1
+
+    def release(self, slot: int) -> None:
+        count = self._held.pop(slot) - 1
+        if count:
+            self._held[slot] = count
+
     def reserve(self, digest: bytes, loading: bool = False) -> tuple[int, bytes | None] | None:
         """A slot for ``digest``'s block: a free one, or the least recently used ready
         one that is not pinned (its digest returned as the victim, forgotten here); None
@@ -81,7 +101,7 @@ class HostTier:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((d for d, s in self._ready.items() if s not in self._pinned), None)
+            victim = next((d for d, s in self._ready.items() if self._evictable(s)), None)
             if victim is None:
                 return None
             slot = self._ready.pop(victim)
@@ -90,6 +110,9 @@ class HostTier:
         else:
             self._ready[digest] = slot
         return slot, victim
+
+    def _evictable(self, slot: int) -> bool:
+        return slot not in self._pinned and slot not in self._held
 
     def loaded(self, digest: bytes, ok: bool) -> None:
         """The background read for ``digest`` ended: its block is ready (most recently
@@ -107,6 +130,7 @@ class HostTier:
             raise RuntimeError("a host tier is cleared between plans, with nothing pinned")
         self._free.extend(self._ready.values())
         self._ready.clear()
+        self._held.clear()
 
     def ready_items(self) -> list[tuple[bytes, int]]:
         """``(digest, slot)`` of every ready block, least recently used first."""

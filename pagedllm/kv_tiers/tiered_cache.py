@@ -97,7 +97,9 @@ class TieredCache:
         self.wait_limit = wait_limit
         self._moves: list[TierMove] = []
         self._planned = 0  # moves planned since start-up
-        self._waiting: dict[object, tuple[float, set[bytes]]] = {}
+        # request -> (since, [(digest, host slot, whether loaded for it)])
+        self._waiting: dict[object, tuple[float, list[tuple[bytes, int, bool]]]] = {}
+        self._num_held_loads = 0  # slots loaded for queued requests and held for them
         self._loaded_at: dict[bytes, float] = {}
         self._dropped: set[bytes] = set()  # loads in flight when the cache was reset
         self._reader = None if disk is None else _DiskReader(disk, host)
@@ -130,6 +132,8 @@ class TieredCache:
         """The prefix cache was reset: every tier forgets its blocks too (loads in
         flight are dropped when they end)."""
         self.poll()
+        self._waiting.clear()
+        self._num_held_loads = 0
         self.host.clear()
         self._loaded_at.clear()
         self._dropped.update(self.host.loading_digests())
@@ -168,54 +172,78 @@ class TieredCache:
     ) -> None:
         """Start loading the disk blocks of ``keys`` (a prompt's block keys in order,
         read no further than needed) that continue what the pool (``in_pool(key)``) and
-        the host tier hold; the request then waits for them (:meth:`admissible`)."""
+        the host tier hold; the request then waits for them (:meth:`admissible`), and
+        the host slots it waits for are held from eviction until then. At most half the
+        host tier (one slot at least) is loaded for queued requests: past that, a
+        request's later blocks are not loaded, and it computes them."""
         if self._reader is None:
             return
-        wanted = []
+        held = []
         for key in keys:
             digest = key.digest
-            if in_pool(key) or digest in self.host:
-                if self.host.is_loading(digest):
-                    wanted.append(digest)
+            if in_pool(key):
                 continue
-            if digest not in self.disk or not self._loading_pays():
-                break
-            reserved = self.host.reserve(digest, loading=True)
-            if reserved is None:
-                break
-            slot, victim = reserved
-            if victim is not None:
-                self._loaded_at.pop(victim, None)
-                if victim in self.disk:
-                    victim = None
-                else:
-                    self._counts["demoted"] += 1
-            self._reader.submit(digest, slot, victim, after=self._planned)
-            wanted.append(digest)
-        if wanted:
-            self._waiting[request] = (time.perf_counter(), set(wanted))
+            slot = self._host_slot(digest)
+            loads = slot is None
+            if loads:
+                if digest not in self.disk or not self._loading_pays():
+                    break
+                if self._num_held_loads >= max(1, self.host.num_slots // 2):
+                    break
+                slot = self._load(digest)
+                if slot is None:
+                    break
+                self._num_held_loads += 1
+            self.host.hold(slot)
+            held.append((digest, slot, loads))
+        if held:
+            self._waiting[request] = (time.perf_counter(), held)
+
+    def _host_slot(self, digest: bytes) -> int | None:
+        """The slot of ``digest``'s block in the host tier, ready or loading."""
+        slot = self.host.find(digest)
+        return self.host.loading_slot(digest) if slot is None else slot
+
+    def _load(self, digest: bytes) -> int | None:
+        """Reserve a host slot for ``digest`` and ask the reader for it (None: no slot)."""
+        reserved = self.host.reserve(digest, loading=True)
+        if reserved is None:
+            return None
+        slot, victim = reserved
+        if victim is not None:
+            self._loaded_at.pop(victim, None)
+            if victim in self.disk:
+                victim = None
+            else:
+                self._counts["demoted"] += 1
+        self._reader.submit(digest, slot, victim, after=self._planned)
+        return slot
 
     def admissible(self, request: object) -> bool:
         """Whether ``request`` may be admitted now: none of its loads is in flight, or
-        it has waited ``wait_limit`` seconds. Admission forgets its wait."""
+        it has waited ``wait_limit`` seconds. Admission forgets its wait and releases
+        its holds (its fill pins what it takes)."""
         self.poll()
         entry = self._waiting.get(request)
         if entry is None:
             return True
-        since, digests = entry
-        pending = {d for d in digests if self.host.is_loading(d)}
+        since, held = entry
         now = time.perf_counter()
-        if pending and now - since < self.wait_limit:
-            self._waiting[request] = (since, pending)
+        loading = any(self.host.is_loading(digest) for digest, _, _ in held)
+        if loading and now - since < self.wait_limit:
             return False
-        del self._waiting[request]
+        self.forget(request)
         self._wait += now - since
         self._num_waited += 1
         return True
 
     def forget(self, request: object) -> None:
-        """``request`` left the queue without being admitted (aborted)."""
-        self._waiting.pop(request, None)
+        """``request`` no longer waits (admitted, or aborted): its holds end."""
+        entry = self._waiting.pop(request, None)
+        if entry is not None:
+            for _, slot, loaded in entry[1]:
+                self.host.release(slot)
+                self._num_held_loads -= loaded
 
     def host_run(self, keys: Iterable[BlockKey]) -> list[tuple[int, BlockKey]]:
         """``(slot, key)`` of the ready host blocks of ``keys``, from the first on, as
