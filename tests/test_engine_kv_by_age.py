@@ -42,18 +42,10 @@ def prompt(length: int, seed: int = 0) -> dict:
     return {"prompt_token_ids": [(31 * i + 7 * seed) % 480 + 3 for i in range(length)]}
 
 
-def run(engine: LLMEngine, prompts, params) -> list[list[int]]:
+def run(engine: LLMEngine, prompts, params) -> list[list[list[int]]]:
     """Every request to the end; the progress counts (compact entries included) are
     checked after each step."""
-    for i, item in enumerate(prompts):
-        engine.add_request(str(i), item, params)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = [c.token_ids for c in out.outputs]
-        engine.scheduler.check_progress()
-    return [outputs[str(i)] for i in range(len(prompts))]
+    return run_all(engine, prompts, [params] * len(prompts))
 
 
 class EncodeCounter:
