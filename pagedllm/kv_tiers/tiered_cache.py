@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm.kv.block_events import PoolListener
 from pagedllm.kv.prefix_hash import BlockKey
 from pagedllm.kv_tiers.host_tier import HostTier
 from pagedllm.kv_tiers.tier_moves import MoveKind, TierMove
@@ -78,7 +79,7 @@ class TierStats:
     prefill_tokens_per_s: float | None
 
 
-class TieredCache:
+class TieredCache(PoolListener):
     """A host tier of ``host`` slots (and a ``disk`` tier, optional) under the pool
     ``cache`` of ``block_size``-token blocks; :meth:`close` stops the reader."""
 
@@ -114,19 +115,7 @@ class TieredCache:
         self._prefill_tokens = 0
         self._prefill_seconds = 0.0
 
-    # -- the pool's listener: only evictions matter --------------------------------------
-
-    def blocks_taken(self, block_ids: Sequence[int]) -> None:
-        pass
-
-    def blocks_referenced(self, block_ids: Sequence[int]) -> None:
-        pass
-
-    def blocks_released(self, block_ids: Sequence[int], by_window: bool) -> None:
-        pass
-
-    def block_stored(self, block_id: int, key: BlockKey) -> None:
-        pass
+    # -- the pool's listener (its other callbacks: the protocol's, doing nothing) -------
 
     def cache_cleared(self, block_ids: Sequence[int]) -> None:
         """The prefix cache was reset: every tier forgets its blocks too (loads in
