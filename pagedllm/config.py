@@ -205,6 +205,13 @@ def _parse_swap_space(value: int | str, config: EngineConfig) -> int:
     return size
 
 
+def _parse_nonnegative_size(value: int | str, name: str) -> int:
+    size = parse_bytes(value)
+    if size < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {size}")
+    return size
+
+
 def _parse_tier_size(value: int | str, config: EngineConfig) -> int:
     size = parse_bytes(value)
     if size < 0:
@@ -240,6 +247,13 @@ class EngineConfig:
         "to int8 per output channel, q4_0 to Q4_0 blocks (4 bits and a scale per 32 "
         "weights), at load (CPU)",
         Quantization,
+    )
+    weight_expansion_memory: int = knob(
+        1 << 30,
+        "bytes the CPU may add beside weights kept in GGUF blocks for expanded copies "
+        "(the model's dtype) that multiply calls of many rows, each weight's by measurement "
+        "(quantization auto, no int8 activations, no speculation; 0: blocks alone)",
+        parse=lambda value, config: _parse_nonnegative_size(value, "weight_expansion_memory"),
     )
     activation_quantization: ActivationQuantization = knob(
         ActivationQuantization.NONE,

@@ -47,11 +47,13 @@ def kernel_choice_without_timing(tmp_path_factory):
     and ``attention_kernel="auto"`` the paged kernel for every row, with no timing (nor
     contention check), so every test sees the same kernels whatever the load on the
     machine (batch invariance needs packed and paged); timings and converted tokenizers
-    live in a session folder, never the user's cache. test_kernel_choice.py and
-    test_sdpa_prefill.py restore the real timers."""
+    live in a session folder, never the user's cache. GGUF block weights get no expanded
+    copy (the blocks measure faster at every row count). test_kernel_choice.py,
+    test_sdpa_prefill.py and test_block_expansion.py restore the real timers."""
     from pagedllm import user_cache
     from pagedllm.attention import attention_choice
     from pagedllm.cpu import kernel_choice
+    from pagedllm.models import block_expansion
 
     def packed_first(weight, kernels):
         return {k: dict.fromkeys(kernel_choice.BUCKETS, i + 1.0) for i, k in enumerate(kernels)}
@@ -60,9 +62,14 @@ def kernel_choice_without_timing(tmp_path_factory):
         buckets = attention_choice.ROW_BUCKETS
         return {"paged": dict.fromkeys(buckets, 1.0), "sdpa": dict.fromkeys(buckets, 2.0)}
 
+    def blocks_first(*args):
+        buckets = block_expansion.ROW_BUCKETS
+        return {"blocks": dict.fromkeys(buckets, 1.0), "expanded": dict.fromkeys(buckets, 2.0)}
+
     folder = tmp_path_factory.mktemp("pagedllm-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_choice, "time_kernels", packed_first)
+        patch.setattr(block_expansion, "time_forms", blocks_first)
         patch.setattr(attention_choice, "time_prefill", paged_first)
         patch.setattr(user_cache, "cache_dir", lambda: folder)
         patch.setattr(kernel_choice, "contended", lambda cores: False)

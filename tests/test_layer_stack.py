@@ -110,3 +110,24 @@ def test_cache_formats_and_architectures_it_does_not_run(tiny_model):
     assert unsupported_reason(tiny_model.model, object()) == (
         "attention is not the C++ paged kernel"
     )
+
+
+def test_phase_clocks_count_what_the_stack_runs(tiny_model):
+    """Profiling on: every phase a layer runs gets time, once per step; off: the clocks
+    stand still. Turning it on starts from zero."""
+    engine = tiny_engine(tiny_model, num_blocks=64)
+    stack = engine.runner.layer_stack
+    stack.set_profiling(True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    run_outputs(engine, [[5, 6, 7, 8, 9, 10], [11, 12, 13]], params)
+    seconds = stack.phase_seconds()
+    steps = seconds.pop("steps")
+    assert steps == engine.step_times.steps
+    ran = ("products", "attention", "write_kv", "norms", "rotary", "activation", "residual_adds")
+    assert all(seconds[name] > 0 for name in ran)
+    assert seconds["copies"] > 0  # the last layer keeps only the sampled rows
+    stack.set_profiling(False)
+    run_outputs(engine, [[5, 6, 7]], params)
+    assert stack.phase_seconds()["steps"] == steps
+    stack.set_profiling(True)
+    assert set(stack.phase_seconds().values()) == {0.0}

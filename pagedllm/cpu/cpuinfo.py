@@ -62,3 +62,21 @@ def multiplies_bfloat16() -> bool:
     ``amx_bf16``): bfloat16 products there run at float32's throughput or better while
     reading half the bytes."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+DEFAULT_CACHE_BYTES = 32 << 20
+"""The last-level cache assumed where sysfs does not tell it."""
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """Bytes of the first CPU's largest (last-level) cache, from sysfs; else
+    :data:`DEFAULT_CACHE_BYTES`."""
+    sizes = []
+    for index in range(8):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as size:
+                text = size.read().strip()
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            sizes.append(int(text.rstrip("KMG")) * units.get(text[-1], 1))
+    return max(sizes, default=DEFAULT_CACHE_BYTES)

@@ -73,6 +73,7 @@ class LinearKernel(Choice):
     ONEDNN = "onednn"
     DENSE = "dense"
 
+
 BUCKETS = {1: 16, 16: 4, 128: 2, 512: 1}
 """Rows of a timed product -> its weight in a shape's score."""
 
@@ -203,9 +204,7 @@ def time_kernels(weight: torch.Tensor, kernels: Sequence[str]) -> Timings:
                 operands[LinearKernel.ONEDNN] = reorder(weight[:n])
             if panels is not None:
                 operands[LinearKernel.PACKED] = panels[: cdiv(n, PANEL_WIDTH)]
-            least = least_seconds(
-                {k: partial(product, k, x, operands[k], n) for k in kernels}
-            )
+            least = least_seconds({k: partial(product, k, x, operands[k], n) for k in kernels})
             for kernel in kernels:
                 timings[kernel][rows] = least[kernel] * out_features / n
     return timings
@@ -306,13 +305,28 @@ class KernelChoice:
     """The kernel for each float weight of one model on the CPU, for a ``linear_kernel``
     of :class:`LinearKernel`; it counts its choices for one summary line.
     ``activations``: the model's dtype, when known (quantized weights are interleaved for
-    bfloat16 ones)."""
+    bfloat16 ones). ``expansion_budget``: bytes left for expanded copies of GGUF block
+    weights (:mod:`pagedllm.models.block_expansion`), which records in
+    ``expansions`` each such weight's entry and ``min_rows`` (``None``: blocks alone)."""
 
-    def __init__(self, requested: str = "auto", activations: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        requested: str = "auto",
+        activations: torch.dtype | None = None,
+        expansion_budget: int = 0,
+    ) -> None:
         self.requested = parse_choice(LinearKernel, requested, "linear_kernel")
         self.activations = activations
         self.table: TimingTable | None = None
         self.shapes: dict[tuple[torch.dtype, int, int], str] = {}
+        self.expansion_budget = expansion_budget
+        self.expansion_table: TimingTable | None = None
+        self.expansions: list[tuple[str, int | None]] = []
+
+    def note_expansion(self, entry: str, min_rows: int | None) -> None:
+        """Records whether the block weight ``entry`` got an expanded copy, for calls of
+        ``min_rows`` rows or more."""
+        self.expansions.append((entry, min_rows))
 
     def choose(self, weight: torch.Tensor, kernels: Sequence[str]) -> str:
         """The kernel of ``kernels`` (those able to run ``weight``, in order of preference)
@@ -358,4 +372,26 @@ class KernelChoice:
         return (
             f"Matrix kernels (timed on {table.key['cpu']}, cached at {table.path}"
             f"{timed}): {kernels}"
+        )
+
+    def expansion_summary(self) -> str | None:
+        """One line: which GGUF block weights got expanded copies and from how many rows
+        those multiply; ``None`` when no block weight was considered."""
+        if not self.expansions:
+            return None
+        counts = Counter(self.expansions)
+        parts = [
+            f"{n} x {entry} " + ("in blocks alone" if rows is None else f"from {rows} rows")
+            for (entry, rows), n in counts.items()
+        ]
+        table, where = self.expansion_table, ""
+        if table is not None:
+            where = f" (timed on {table.key['cpu']}, cached at {table.path}"
+            if table.entries_timed:
+                where += f"; timed {table.entries_timed} in {table.seconds_timing:.2f} s"
+            where += ")"
+        return (
+            f"GGUF block weights with an expanded copy for calls of many rows{where}: "
+            + "; ".join(parts)
+            + f"; {self.expansion_budget / 1e6:.0f} MB of the budget left"
         )

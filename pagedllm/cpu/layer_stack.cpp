@@ -13,6 +13,11 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "tensor_ops.h"
@@ -43,11 +48,22 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& reordered,
   return stack[0].toTensor();
 }
 
-struct Matrix {
+// One stored form of a matrix and the kernel that multiplies it.
+struct MatrixForm {
   MatrixKind kind;
   at::Tensor data;
   int64_t ggml_type, out_features;
-  std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias;  // float32 for our kernels, the model's dtype for torch's
+
+  MatrixForm(MatrixKind kind, at::Tensor data, int64_t ggml_type, int64_t out_features,
+             std::optional<at::Tensor> bias)
+      : kind(kind), data(std::move(data)), ggml_type(ggml_type), out_features(out_features) {
+    // Our kernels take float32 biases (torch's the model's dtype): converted once here
+    // rather than at every call.
+    if (bias.has_value() && kind != MatrixKind::kDense && kind != MatrixKind::kOneDNN)
+      bias = bias->to(at::kFloat).contiguous();
+    this->bias = std::move(bias);
+  }
 
   at::Tensor apply(const at::Tensor& x) const {
     switch (kind) {
@@ -62,6 +78,45 @@ struct Matrix {
     }
     TORCH_CHECK(false, "LayerStack: unknown matrix kind");
   }
+};
+
+// A layer's matrix: one form, or GGUF blocks with an expanded copy that multiplies the
+// calls of at least min_rows rows (pagedllm/models/block_expansion.py).
+struct Matrix {
+  MatrixForm form;
+  std::optional<MatrixForm> expanded;
+  int64_t min_rows = 0;
+
+  at::Tensor apply(const at::Tensor& x) const {
+    if (expanded.has_value() && x.size(0) >= min_rows) return expanded->apply(x);
+    return form.apply(x);
+  }
+};
+
+// The parts of a layer whose wall time a profiled forward pass adds up.
+enum class Phase : size_t {
+  kProducts, kAttention, kWriteKV, kNorms, kRotary, kActivation, kResidual, kCopies, kCount
+};
+constexpr std::array<const char*, static_cast<size_t>(Phase::kCount)> kPhaseNames = {
+    "products", "attention", "write_kv", "norms", "rotary", "activation", "residual_adds",
+    "copies"};
+using PhaseSeconds = std::array<double, static_cast<size_t>(Phase::kCount)>;
+
+// Adds the time since the previous lap to a phase; does nothing without a target.
+class PhaseClock {
+ public:
+  explicit PhaseClock(PhaseSeconds* seconds) : seconds_(seconds), last_(now()) {}
+  void lap(Phase phase) {
+    if (seconds_ == nullptr) return;
+    const auto t = now();
+    (*seconds_)[static_cast<size_t>(phase)] += std::chrono::duration<double>(t - last_).count();
+    last_ = t;
+  }
+
+ private:
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  PhaseSeconds* seconds_;
+  std::chrono::steady_clock::time_point last_;
 };
 
 struct Layer {
@@ -95,14 +150,24 @@ struct LayerStack : torch::CustomClassHolder {
                   std::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers.empty() && layers.back().matrices.size() < 4,
                 "LayerStack: add_layer first; a layer has four matrices");
+    layers.back().matrices.push_back(
+        {MatrixForm(matrix_kind(kind), data, ggml_type, out_features, bias), {}, 0});
+  }
+
+  // An expanded copy of the last matrix added, for calls of at least min_rows rows.
+  void add_expanded(int64_t kind, at::Tensor data, int64_t out_features,
+                    std::optional<at::Tensor> bias, int64_t min_rows) {
+    TORCH_CHECK(!layers.empty() && !layers.back().matrices.empty(),
+                "LayerStack: add_matrix first");
+    TORCH_CHECK(min_rows > 0, "LayerStack: an expanded copy needs min_rows > 0");
+    Matrix& matrix = layers.back().matrices.back();
+    matrix.expanded.emplace(matrix_kind(kind), data, 0, out_features, bias);
+    matrix.min_rows = min_rows;
+  }
+
+  static MatrixKind matrix_kind(int64_t kind) {
     TORCH_CHECK(kind >= 0 && kind <= 5, "LayerStack: unknown matrix kind ", kind);
-    const auto matrix_kind = static_cast<MatrixKind>(kind);
-    // Our kernels take float32 biases (torch's the model's dtype): converted once here
-    // rather than at every call.
-    if (bias.has_value() && matrix_kind != MatrixKind::kDense &&
-        matrix_kind != MatrixKind::kOneDNN)
-      bias = bias->to(at::kFloat).contiguous();
-    layers.back().matrices.push_back({matrix_kind, data, ggml_type, out_features, bias});
+    return static_cast<MatrixKind>(kind);
   }
 
   // Runs every layer over `hidden` [T, hidden_size] (updated in place, returned); with
@@ -111,29 +176,69 @@ struct LayerStack : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc,
                      std::optional<at::Tensor> output_rows) {
+    PhaseClock clock(profiling ? &phase_seconds : nullptr);
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
       TORCH_CHECK(layer.matrices.size() == 4, "LayerStack: layer ", i, " lacks matrices");
       const Matrix &qkv_proj = layer.matrices[0], &o_proj = layer.matrices[1],
                    &gate_up_proj = layer.matrices[2], &down_proj = layer.matrices[3];
-      const at::Tensor qkv = qkv_proj.apply(ops::rms_norm(hidden, layer.input_norm, eps));
+      at::Tensor normed = ops::rms_norm(hidden, layer.input_norm, eps);
+      clock.lap(Phase::kNorms);
+      const at::Tensor qkv = qkv_proj.apply(normed);
+      clock.lap(Phase::kProducts);
       auto [q, k, v] = ops::rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads);
+      clock.lap(Phase::kRotary);
       ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
+      clock.lap(Phase::kWriteKV);
       at::Tensor attended = at::empty_like(q);
       ops::paged_attention(attended, q, layer.k_cache, layer.v_cache, block_tables, seq_lens,
                            query_start_loc, layer.scale, layer.sliding_window,
                            layer.logit_softcap);
+      clock.lap(Phase::kAttention);
       if (i + 1 == layers.size() && output_rows.has_value()) {
         hidden = hidden.index_select(0, *output_rows);
         attended = attended.index_select(0, *output_rows);
+        clock.lap(Phase::kCopies);
       }
-      hidden.add_(o_proj.apply(attended.reshape({hidden.size(0), q.size(1) * q.size(2)})));
-      const at::Tensor gate_up =
-          gate_up_proj.apply(ops::rms_norm(hidden, layer.post_attention_norm, eps));
-      hidden.add_(down_proj.apply(ops::silu_and_mul(gate_up)));
+      const at::Tensor projected =
+          o_proj.apply(attended.reshape({hidden.size(0), q.size(1) * q.size(2)}));
+      clock.lap(Phase::kProducts);
+      hidden.add_(projected);
+      clock.lap(Phase::kResidual);
+      normed = ops::rms_norm(hidden, layer.post_attention_norm, eps);
+      clock.lap(Phase::kNorms);
+      const at::Tensor gate_up = gate_up_proj.apply(normed);
+      clock.lap(Phase::kProducts);
+      const at::Tensor activated = ops::silu_and_mul(gate_up);
+      clock.lap(Phase::kActivation);
+      const at::Tensor down = down_proj.apply(activated);
+      clock.lap(Phase::kProducts);
+      hidden.add_(down);
+      clock.lap(Phase::kResidual);
     }
+    if (profiling) ++profiled_steps;
     return hidden;
   }
+
+  // Whether forward adds each phase's wall time to phase_seconds (off: no clock read).
+  void set_profiling(bool on) { profiling = on; }
+
+  // Seconds spent in each phase since the last reset, by name, and "steps".
+  c10::Dict<std::string, double> phases() const {
+    c10::Dict<std::string, double> out;
+    for (size_t i = 0; i < kPhaseNames.size(); ++i) out.insert(kPhaseNames[i], phase_seconds[i]);
+    out.insert("steps", static_cast<double>(profiled_steps));
+    return out;
+  }
+
+  void reset_phases() {
+    phase_seconds.fill(0.0);
+    profiled_steps = 0;
+  }
+
+  bool profiling = false;
+  PhaseSeconds phase_seconds{};
+  int64_t profiled_steps = 0;
 };
 
 }  // namespace
@@ -143,5 +248,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       .def(torch::init<int64_t, int64_t, double, at::Tensor, at::Tensor>())
       .def("add_layer", &LayerStack::add_layer)
       .def("add_matrix", &LayerStack::add_matrix)
+      .def("add_expanded", &LayerStack::add_expanded)
+      .def("set_profiling", &LayerStack::set_profiling)
+      .def("phases", &LayerStack::phases)
+      .def("reset_phases", &LayerStack::reset_phases)
       .def("forward", &LayerStack::forward);
 }

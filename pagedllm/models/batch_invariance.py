@@ -8,7 +8,8 @@ multiplied one. Batch invariant: the packed float32 and bfloat16 kernels and the
 over GGUF blocks, interleaved by 16 rows or row by row, with float32 or bfloat16
 activations (each kernel's register path and panels add a row's products in one order).
 Not: torch's own products (``F.linear``, also on a GPU, and a mixture of experts' expert
-products) and oneDNN's. There a row's logits can move by float32 rounding with the
+products), oneDNN's, and GGUF blocks kept beside an expanded copy (the copy multiplies
+the calls of many rows). There a row's logits can move by float32 rounding with the
 batch, enough to flip a near tie between two tokens now and then.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedllm.models.block_expansion import ExpandedBlocks
 from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.linear import OneDNNWeight, PackedWeight, Weight
 from pagedllm.models.quantized_weight import QuantizedWeight
@@ -39,6 +41,8 @@ def variant_products(model: CausalDecoder) -> list[str]:
 
 
 def _variant_kind(weight: Weight) -> list[str]:
+    if isinstance(weight, ExpandedBlocks):
+        return ["GGUF blocks with an expanded copy for calls of many rows"]
     if isinstance(weight, PackedWeight | InterleavedWeight | QuantizedWeight):
         return []
     if isinstance(weight, OneDNNWeight):

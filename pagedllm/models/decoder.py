@@ -28,6 +28,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpu.kernel_choice import KernelChoice
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import NORM_NAMES
+from pagedllm.models.block_expansion import ExpandedBlocks
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused import activation, gated_activation, rms_norm
 from pagedllm.models.interleaved_weight import BlockWeight
@@ -35,6 +36,7 @@ from pagedllm.models.layer_stack import LayerStack
 from pagedllm.models.linear import (
     PackedWeight,
     Weight,
+    expanded_storage,
     fuse_rows,
     linear,
     prepare_weight,
@@ -316,7 +318,8 @@ class CausalDecoder(nn.Module):
     shard (``vocab_rows``, padded), summed and gathered across the ranks. ``config``
     stays the whole model's. ``linear_kernel`` (``auto``, ``packed``, ``onednn``, ``dense``;
     see :mod:`pagedllm.cpu.kernel_choice`) picks the form of each float matrix on the CPU;
-    the choice is logged once.
+    the choice is logged once. ``expansion_budget``: bytes that expanded copies of GGUF
+    block weights may take (:mod:`pagedllm.models.block_expansion`; 0: none).
     """
 
     def __init__(
@@ -327,6 +330,7 @@ class CausalDecoder(nn.Module):
         device: torch.device | str = "cpu",
         linear_kernel: str = "auto",
         parallel: TensorParallelGroup | None = None,
+        expansion_budget: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -358,7 +362,7 @@ class CausalDecoder(nn.Module):
             weight = get(name).to(device=self.device, dtype=torch.float32) + spec.norm_offset
             return weight.to(dtype).contiguous()
 
-        choice = KernelChoice(linear_kernel, activations=dtype)
+        choice = KernelChoice(linear_kernel, activations=dtype, expansion_budget=expansion_budget)
         embed = get_as_dtype("model.embed_tokens.weight")
         self.layers = nn.ModuleList(
             DecoderLayer(self.layer_config, i, get_as_dtype, get_norm, choice, dtype, parallel)
@@ -377,9 +381,9 @@ class CausalDecoder(nn.Module):
         else:
             self.lm_head = prepare_weight(get_as_dtype("lm_head.weight"), choice)
             self.embed_tokens = embed
-        summary = choice.summary()
-        if summary is not None:
-            logger.info(summary)
+        for summary in (choice.summary(), choice.expansion_summary()):
+            if summary is not None:
+                logger.info(summary)
         scale = config.hidden_size**0.5 if spec.embedding_scaled else config.embedding_multiplier
         # As transformers: a float32 scalar rounded to the model dtype, times each row.
         self.embedding_scale = None if scale == 1.0 else torch.tensor(scale).to(dtype).item()
@@ -395,10 +399,13 @@ class CausalDecoder(nn.Module):
         """Every learned tensor the forward pass reads, each once (a tied embedding once,
         packed weights as their padded panels): matrices, norm weights and biases, in the
         order a step reads them: layer by layer, then the final norm and the LM head; the
-        embedding (of which a step reads only its tokens' rows) last."""
+        embedding (of which a step reads only its tokens' rows), then the expanded copies
+        of block weights (which only calls of many rows read), last."""
         tensors = [t for layer in self.layers for t in layer.weights()]
         tensors += self.buffers(recurse=False)
         tensors += [weight_storage(w) for w in (self.lm_head, self.embed_tokens)]
+        matrices = [w for layer in self.layers for w in layer.matrices()] + [self.lm_head]
+        tensors += [t for w in matrices for t in expanded_storage(w)]
         return list({id(t): t for t in tensors}.values())
 
     @property
@@ -427,7 +434,7 @@ class CausalDecoder(nn.Module):
         return rows if self.embedding_scale is None else rows * self.embedding_scale
 
     def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed_tokens, BlockWeight):
+        if isinstance(self.embed_tokens, BlockWeight | ExpandedBlocks):
             return self.embed_tokens.rows(ids).to(self.dtype)
         if isinstance(self.embed_tokens, PackedWeight):
             return self.embed_tokens.rows(ids)

@@ -19,6 +19,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.cpu.extension import avx512_kernels_available, ops
+from pagedllm.models.block_expansion import ExpandedBlocks
 from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.linear import OneDNNWeight, PackedWeight, Weight
 from pagedllm.models.quantized_weight import QuantizedWeight
@@ -60,7 +61,10 @@ def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
 
 
 def _matrix(weight: Weight) -> tuple[int, torch.Tensor, int, int]:
-    """(kind, tensor, ggml type, out_features) of a layer's weight."""
+    """(kind, tensor, ggml type, out_features) of a layer's weight (of its blocks, for
+    one with an expanded copy)."""
+    if isinstance(weight, ExpandedBlocks):
+        return _matrix(weight.blocks)
     if isinstance(weight, InterleavedWeight):
         kind = INTERLEAVED_INT8 if weight.int8_activations else INTERLEAVED
         return kind, weight.blocks, int(weight.ggml_type), weight.out_features
@@ -107,6 +111,9 @@ class LayerStack:
                 (layer.down_weight, layer.down_bias),
             ):
                 self._stack.add_matrix(*_matrix(weight), bias)
+                if isinstance(weight, ExpandedBlocks):
+                    kind, data, _, out_features = _matrix(weight.expanded)
+                    self._stack.add_expanded(kind, data, out_features, bias, weight.min_rows)
 
     @classmethod
     def build(cls, model: torch.nn.Module, attn: object) -> LayerStack | None:
@@ -116,6 +123,19 @@ class LayerStack:
             return None
         logger.info("Decoder layers run as one C++ call per step")
         return cls(model, attn)
+
+    def set_profiling(self, on: bool) -> None:
+        """Whether each forward pass adds its phases' wall time to :meth:`phase_seconds`
+        (reset when turned on)."""
+        if on:
+            self._stack.reset_phases()
+        self._stack.set_profiling(on)
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds of every layer's products, attention, K/V writes, norms, rotary,
+        activation, residual adds and copies since profiling was turned on, and the
+        number of ``steps`` they cover."""
+        return dict(self._stack.phases())
 
     def forward(
         self,

@@ -53,6 +53,9 @@ def load_model_for(
         linear_kernel=config.linear_kernel,
         parallel=parallel,
         activation_quantization=config.activation_quantization,
+        weight_expansion_memory=0
+        if config.speculative_config is not None
+        else config.weight_expansion_memory,
     )
 
 
@@ -65,6 +68,7 @@ def load_model(
     linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
     activation_quantization: str = "none",
+    weight_expansion_memory: int = 0,
 ) -> LoadedModel:
     """Load ``model`` onto ``device``; nothing is downloaded.
 
@@ -88,6 +92,10 @@ def load_model(
     ``activation_quantization``: ``"int8"`` rounds the activations meeting Q8_0 / Q4_0 /
     Q4_1 weights to int8 (see :mod:`pagedllm.models.activation_quantization`); ``"none"``
     multiplies them exactly.
+    ``weight_expansion_memory``: bytes that expanded copies of a GGUF file's block weights
+    may take where they multiply calls of many rows faster (see
+    :mod:`pagedllm.models.block_expansion`); only with ``quantization="auto"`` and
+    ``activation_quantization="none"``.
     """
     device = torch.device(device)
     _check_dtype(dtype)
@@ -112,8 +120,12 @@ def load_model(
     is_default = model is None or model == "default"
     path = default_model_path() if is_default else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        exact_blocks = quantization is Quantization.AUTO and (
+            activation_quantization is ActivationQuantization.NONE
+        )
+        budget = weight_expansion_memory if exact_blocks else 0
         config, decoder, has_tokenizer = _load_gguf_weights(
-            path, dtype, device, quantization, linear_kernel, parallel
+            path, dtype, device, quantization, linear_kernel, parallel, budget
         )
         tokenizer = Tokenizer.from_gguf(path, config.eos_token_ids) if has_tokenizer else None
     elif (path / "config.json").is_file():
@@ -158,11 +170,12 @@ def _load_gguf_weights(
     quantization: str,
     linear_kernel: str,
     parallel: TensorParallelGroup | None,
+    expansion_budget: int,
 ) -> tuple[ModelConfig, CausalDecoder, bool]:
     """Config, decoder and whether the file holds a tokenizer; the parsed file is
     released before the tokenizer parses it again, to keep peak memory down."""
     reader = open_gguf(path)
     config, decoder = load_gguf_model(
-        path, dtype, reader, device, quantization, linear_kernel, parallel
+        path, dtype, reader, device, quantization, linear_kernel, parallel, expansion_budget
     )
     return config, decoder, "tokenizer.ggml.model" in reader.fields

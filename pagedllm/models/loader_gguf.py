@@ -390,6 +390,7 @@ def load_gguf_model(
     quantization: str = "auto",
     linear_kernel: str = "auto",
     parallel: TensorParallelGroup | None = None,
+    expansion_budget: int = 0,
 ) -> tuple[ModelConfig, CausalDecoder]:
     """Build the decoder (``parallel``: this rank's slice of it) from a GGUF file.
     With ``quantization="auto"`` on the CPU, each
@@ -397,7 +398,8 @@ def load_gguf_model(
     round every such matrix again, :mod:`~pagedllm.models.weight_rounding`); every
     other tensor (all of them with ``"none"``) is dequantized (one float32 tensor at a
     time, on the CPU) and converted to ``dtype`` on ``device``; ``linear_kernel`` as
-    :class:`~pagedllm.models.decoder.CausalDecoder` takes it."""
+    :class:`~pagedllm.models.decoder.CausalDecoder` takes it, and ``expansion_budget``
+    (bytes of expanded copies beside kept blocks)."""
     reader = reader or open_gguf(path)
     keep = keeps_quantization(quantization, dtype, torch.device(device), path)
     expanded: set[str] = set()  # quantized types dequantized although they could stay
@@ -445,7 +447,9 @@ def load_gguf_model(
     tracked = TrackedSource(get)
     rounding = Quantization(quantization)
     weights = rounded_source(tracked, rounding) if keep and rounding.rounds else tracked
-    decoder = CausalDecoder(config, weights, dtype, device, linear_kernel, parallel)
+    decoder = CausalDecoder(
+        config, weights, dtype, device, linear_kernel, parallel, expansion_budget
+    )
     if expanded:
         logger.info(
             "Dequantized to %s at load (no kernels keep them quantized): %s tensors",

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.block_expansion import ExpandedBlocks
 from pagedllm.models.interleaved_weight import BlockWeight
+from pagedllm.models.linear import expanded_storage
 
 
 def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
     """Bytes of every tensor ``model.weights()`` returns, keyed by storage format: a GGUF
-    block format's name (``"Q4_1"``) for a quantized matrix, else the dtype's name
+    block format's name (``"Q4_1"``) for a quantized matrix, ``"bfloat16 expanded copies"``
+    for the expanded copies of block weights, else the dtype's name
     (``"float32"``); largest first."""
+    values = [value for module in model.modules() for value in vars(module).values()]
+    blocks = [v.blocks if isinstance(v, ExpandedBlocks) else v for v in values]
     formats = {
-        id(value.blocks): value.ggml_type.name
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, BlockWeight)
+        id(value.blocks): value.ggml_type.name for value in blocks if isinstance(value, BlockWeight)
     }
+    for value in values:
+        if isinstance(value, ExpandedBlocks):
+            (copy,) = expanded_storage(value)
+            formats[id(copy)] = str(copy.dtype).removeprefix("torch.") + " expanded copies"
     totals: dict[str, int] = {}
     for tensor in model.weights():
         name = formats.get(id(tensor), str(tensor.dtype).removeprefix("torch."))
