@@ -23,9 +23,11 @@ Records (JSON lines): ``machine``; ``ceiling`` (per dtype, the most output token
 engine could reach if its matrix products ran at the best GEMM rate measured on this
 machine, torch's, oneDNN's or the packed kernel's, and nothing else cost time; and if
 attention's products ran at that rate too; with the shared prefix, its cached tokens
-cost nothing: ``pagedllm.bench.ceiling``); ``run`` (engine, dtype, run, output tokens/s,
-seconds); ``summary`` (per dtype, medians, pagedllm / vLLM, each engine's share of both
-ceilings and the share 1.3x vLLM would take).
+cost nothing: ``pagedllm.bench.ceiling``); ``roofline`` (per dtype, the memory-aware
+bound: step by step the larger of the products' time and the time to move the weights,
+K/V and elementwise bytes at the measured copy bandwidth); ``run`` (engine, dtype, run,
+output tokens/s, seconds); ``summary`` (per dtype, medians, pagedllm / vLLM, each engine's
+share of both ceilings and of the roofline, and the share 1.3x vLLM would take).
 
     python benchmarks/vllm_cpu.py --vllm-python ../vllm-venv/bin/python [--runs 3]
         [--dtypes float32,bfloat16] [--num-requests N] [--workload shared-prefix]
@@ -35,13 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from pagedllm.bench.ceiling import ceiling_record
+import torch
+
+from pagedllm.bench.ceiling import ceiling_record, roofline_record
 from pagedllm.bench.machine import machine_record
 from pagedllm.bench.workload import length_range, shared_prefix_workload, synthetic_workload
 
@@ -101,6 +106,18 @@ def export_default_model(folder: Path) -> Path:
     return folder
 
 
+def folder_parameters(folder: Path) -> int:
+    """Parameters in a Hugging Face folder's safetensors files (a tied matrix once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                total += math.prod(tensors.get_slice(name).get_shape())
+    return total
+
+
 def run_once(
     python: str, code: str, folder: Path, dtype: str, workload: Path, env: dict[str, str]
 ) -> dict[str, object]:
@@ -144,10 +161,14 @@ def main() -> None:
         json.dumps([{"prompt": r.prompt_token_ids, "output": r.output_len} for r in requests])
     )
     config = json.loads((folder / "config.json").read_text())
-    ceilings = {}
+    ceilings, rooflines = {}, {}
+    shared = args.workload != "mixed"
     for dtype in args.dtypes.split(","):
-        ceilings[dtype] = ceiling_record(config, requests, dtype, args.workload != "mixed")
+        ceilings[dtype] = ceiling_record(config, requests, dtype, shared)
         emit(ceilings[dtype])
+        weight_bytes = folder_parameters(folder) * getattr(torch, dtype).itemsize
+        rooflines[dtype] = roofline_record(config, requests, dtype, weight_bytes, shared)
+        emit(rooflines[dtype])
     cores = len(os.sched_getaffinity(0))
     vllm_env = {
         **os.environ,
@@ -175,6 +196,8 @@ def main() -> None:
             "pagedllm_output_tokens_per_s": ours,
             "vllm_output_tokens_per_s": theirs,
             "ratio_pagedllm_over_vllm": ours / theirs,
+            "pagedllm_share_of_roofline": ours / rooflines[dtype]["max_output_tokens_per_s"],
+            "vllm_share_of_roofline": theirs / rooflines[dtype]["max_output_tokens_per_s"],
         }
         for suffix in ("", "_with_attention"):
             ceiling = ceilings[dtype]["max_output_tokens_per_s" + suffix]

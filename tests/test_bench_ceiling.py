@@ -124,3 +124,63 @@ def test_gemm_rates_time_every_gemm_the_build_has():
     expected |= {"onednn"} if reorderable(torch.empty(1, 1)) else set()
     assert set(rates) == expected
     assert all(rate > 0 for rate in rates.values())
+
+
+workloads = st.lists(
+    st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 12)).map(
+        lambda t: BenchRequest(*t)
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(
+    workloads,
+    st.booleans(),
+    st.integers(1, 64),
+    st.integers(1, 6),
+)
+def test_scheduled_steps_compute_what_the_workload_computes(
+    requests, prefix_caching, budget, max_seqs
+):
+    """Whatever the step budget: every computed position once, one LM-head row per
+    output token, every attention pair once, no step over budget."""
+    steps = ceiling.scheduled_steps(requests, prefix_caching, budget, max_seqs)
+    positions = ceiling.computed_positions(requests, prefix_caching)
+    assert sum(s.tokens for s in steps) == sum(end - first for first, end in positions)
+    assert sum(s.sampled for s in steps) == sum(r.output_len for r in requests)
+    per_pair = CONFIG["num_hidden_layers"] * CONFIG["num_attention_heads"] * 4 * CONFIG["head_dim"]
+    pairs = workload_attention_flops(CONFIG, requests, prefix_caching) / per_pair
+    assert sum(s.attention_pairs for s in steps) == pairs
+    assert all(0 < s.tokens <= max(budget, max_seqs) for s in steps)
+    assert all(s.positions_read <= s.attention_pairs for s in steps)
+
+
+def test_roofline_is_the_larger_of_products_and_bytes_step_by_step():
+    """One request decoding alone streams the weights every step: with a slow copy the
+    bound is the bytes, with a slow GEMM the products; never above either alone."""
+    requests = [BenchRequest([1] * 8, 5)]
+    weights = 10**6
+    memory_bound = ceiling.roofline_record(CONFIG, requests, "float32", weights, rates=(1e15, 1e9))
+    steps = memory_bound["steps"]
+    assert steps == 5  # the prompt, then one step per further output token
+    assert memory_bound["gb_moved"]["weights"] == pytest.approx(steps * weights / 1e9)
+    assert memory_bound["max_output_tokens_per_s"] == pytest.approx(
+        5 / memory_bound["memory_seconds"], rel=1e-3
+    )
+    compute_bound = ceiling.roofline_record(CONFIG, requests, "float32", weights, rates=(1e6, 1e15))
+    assert compute_bound["max_output_tokens_per_s"] == pytest.approx(
+        5 / compute_bound["compute_seconds"], rel=1e-3
+    )
+
+
+def test_a_shared_prefix_is_read_once_per_step():
+    prefix = list(range(16))
+    shared = [BenchRequest(prefix + [20 + i], 2) for i in range(4)]
+    steps = ceiling.scheduled_steps(shared, True, 1024, 8)
+    assert [(s.tokens, s.sampled) for s in steps] == [(17 + 3, 4), (4, 4)]
+    assert steps[0].positions_read == 16 + 4 * 1  # the prefix once, each its own token
+    assert steps[1].positions_read == 16 + 4 * 2
+    alone = ceiling.scheduled_steps(shared, False, 1024, 8)
+    assert alone[1].positions_read == 4 * 18

@@ -7,16 +7,39 @@ the GEMM rate on every CPU measured, so that one too is a bound in practice.
 
 With prefix caching, a prompt's tokens that an earlier request's prompt already began
 with cost nothing but the last (whose logits give the first output token); engines that
-cache whole blocks of tokens compute at least that much, so the bounds hold for them."""
+cache whole blocks of tokens compute at least that much, so the bounds hold for them.
+
+The roofline (:func:`roofline_record`) counts memory too: it schedules the workload step
+by step as a continuous-batching engine does and bounds each step by the larger of its
+products' time and the time to move the bytes it must move (the weights once, the K/V
+its attention reads and writes, its elementwise passes) at the measured copy bandwidth.
+Where products are cheap (bfloat16 on AMX tiles) it is the tighter bound."""
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm.bench.workload import BenchRequest
+from pagedllm.models.config import ModelConfig
+
+
+def config_fields(config: ModelConfig) -> dict:
+    """A loaded model's config under the Hugging Face ``config.json`` names these bounds
+    read."""
+    return {
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "sliding_window": next((w for w in config.sliding_windows if w), None),
+    }
 
 
 def head_dim(config: dict) -> int:
@@ -58,6 +81,20 @@ def cached_prompt_tokens(requests: Sequence[BenchRequest]) -> list[int]:
         cached.append(min(shared, len(prompt) - 1))
         earlier.insert(at, prompt)
     return cached
+
+
+def shared_prompt_tokens(requests: Sequence[BenchRequest]) -> list[int]:
+    """Per request, the leading prompt tokens it shares with any other request's prompt
+    (earlier or later): the part of its K/V one copy could serve for both. Compared with
+    its two neighbours in sorted order, as :func:`cached_prompt_tokens` does."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_token_ids)
+    shared = [0] * len(requests)
+    for at, index in enumerate(order):
+        prompt = requests[index].prompt_token_ids
+        for neighbour in order[max(0, at - 1) : at] + order[at + 1 : at + 2]:
+            other = requests[neighbour].prompt_token_ids
+            shared[index] = max(shared[index], common_prefix_length(prompt, other))
+    return shared
 
 
 def computed_positions(
@@ -144,4 +181,175 @@ def ceiling_record(
         "gflop_per_s_by_gemm": {name: r / 1e9 for name, r in rates.items()},
         "max_output_tokens_per_s": outputs / (flops / rate),
         "max_output_tokens_per_s_with_attention": outputs / ((flops + attention) / rate),
+    }
+
+
+# The memory-aware roofline: products at the best GEMM rate, and the bytes a step must
+# move at the measured copy bandwidth, step by step.
+
+COPY_BYTES = 256 << 20
+"""Size of the timed copy (well past any last-level cache)."""
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s moved (read plus written) by torch's copy of :data:`COPY_BYTES` into
+    another buffer, the least time of a few calls in turns (:func:`least_seconds`)."""
+    from pagedllm.cpu.kernel_choice import least_seconds
+
+    source = torch.ones(COPY_BYTES // 4)
+    target = torch.empty_like(source)
+    seconds = least_seconds({"copy": lambda: target.copy_(source)})["copy"]
+    return 2 * COPY_BYTES / seconds
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one scheduled step computes: ``tokens`` through the layers, ``sampled`` LM-head
+    rows, ``attention_pairs`` (query position, position seen) pairs and
+    ``positions_read``, the K/V positions its attention must read (a prefix that
+    sequences of the step share read once)."""
+
+    tokens: int
+    sampled: int
+    attention_pairs: int
+    positions_read: int
+
+
+@dataclass
+class _Sequence:
+    prompt: int
+    output: int
+    cached: int  # prompt tokens not computed
+    shared: int  # prompt tokens whose K/V another request's prompt holds too
+    position: int  # next position to compute
+    decodes_left: int = 0
+
+    def read(self, end: int) -> tuple[int, int]:
+        """K/V positions attention over [0, end) reads: (its own, the shared prefix's)."""
+        shared = min(self.shared, end) if self.shared else 0
+        return end - shared, shared
+
+
+def scheduled_steps(
+    requests: Sequence[BenchRequest],
+    prefix_caching: bool,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> list[StepLoad]:
+    """The steps of a continuous-batching scheduler running ``requests`` (all arrived at
+    once) to the end: each step first gives every running sequence past its prompt one
+    decode token, then fills the rest of ``max_num_batched_tokens`` with prompt chunks in
+    arrival order, admitting up to ``max_num_seqs`` sequences. With ``prefix_caching``,
+    prompt tokens a cached prefix holds (:func:`cached_prompt_tokens`) are not computed,
+    and the K/V of the prompt prefixes the step's sequences share with other requests
+    (:func:`shared_prompt_tokens`) is read once per step, all such prefixes taken to be
+    one (fewer bytes: a bound)."""
+    none = [0] * len(requests)
+    cached = cached_prompt_tokens(requests) if prefix_caching else none
+    shared = shared_prompt_tokens(requests) if prefix_caching else none
+    waiting = [
+        _Sequence(len(r.prompt_token_ids), r.output_len, c, h, c)
+        for r, c, h in zip(requests, cached, shared, strict=True)
+    ]
+    running: list[_Sequence] = []
+    steps = []
+    while waiting or running:
+        tokens = sampled = pairs = own = prefix = 0
+        for seq in [s for s in running if s.position >= s.prompt]:
+            tokens += 1
+            sampled += 1
+            pairs += seq.position + 1
+            alone, common = seq.read(seq.position + 1)
+            own, prefix = own + alone, max(prefix, common)
+            seq.position += 1
+            seq.decodes_left -= 1
+        while waiting and len(running) < max_num_seqs:
+            running.append(waiting.pop(0))
+        for seq in [s for s in running if s.position < s.prompt]:
+            chunk = min(max_num_batched_tokens - tokens, seq.prompt - seq.position)
+            if chunk <= 0:
+                break
+            end = seq.position + chunk
+            tokens += chunk
+            pairs += (end * (end + 1) - seq.position * (seq.position + 1)) // 2
+            alone, common = seq.read(end)
+            own, prefix = own + alone, max(prefix, common)
+            seq.position = end
+            if end == seq.prompt:
+                sampled += 1
+                seq.decodes_left = seq.output - 1
+        running = [s for s in running if s.position < s.prompt or s.decodes_left > 0]
+        steps.append(StepLoad(tokens, sampled, pairs, own + prefix))
+    return steps
+
+
+def model_bytes(config: dict, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of one model's traffic besides its weights: ``kv_per_position`` (K and V of
+    one position in every layer, the cache in ``dtype``); ``elementwise_per_token`` (one
+    token's passes through a layer's norms, residual adds, rotary and activation, each
+    reading and writing its rows once, every layer); ``logits_per_row`` (one sampled
+    row's float32 logits)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    qk = head_dim(config) * (heads + kv_heads)
+    per_layer = 2 * 2 * hidden + 2 * 3 * hidden + 2 * qk + 3 * config["intermediate_size"]
+    return {
+        "kv_per_position": layers * 2 * kv_heads * head_dim(config) * size,
+        "elementwise_per_token": layers * per_layer * size,
+        "logits_per_row": 4 * config["vocab_size"],
+    }
+
+
+def roofline_record(
+    config: dict,
+    requests: Sequence[BenchRequest],
+    dtype: str,
+    weight_bytes: int,
+    prefix_caching: bool = False,
+    max_num_batched_tokens: int = 1024,
+    max_num_seqs: int = 128,
+    rates: tuple[float, float] | None = None,
+) -> dict:
+    """The memory-aware bound in output tokens/s: step by step (:func:`scheduled_steps`)
+    the larger of the products' time at the best GEMM rate (projections, LM head and
+    attention's two products) and the time to move the step's bytes at the copy
+    bandwidth: ``weight_bytes`` (the weights as stored, streamed once per step), the K/V
+    its attention reads and its new K/V written, its elementwise passes and logits.
+    ``rates``: (GEMM FLOP/s, copy bytes/s), measured when not given."""
+    torch_dtype = getattr(torch, dtype)
+    gemm, bandwidth = rates or (max(gemm_rates(torch_dtype).values()), copy_bandwidth())
+    per_token, head_row = matmul_flops_per_token(config)
+    per_pair = config["num_hidden_layers"] * config["num_attention_heads"] * 4 * head_dim(config)
+    traffic = model_bytes(config, torch_dtype)
+    steps = scheduled_steps(requests, prefix_caching, max_num_batched_tokens, max_num_seqs)
+    totals = dict.fromkeys(("compute_s", "memory_s", "bound_s", "weights", "kv", "other"), 0.0)
+    for step in steps:
+        flops = step.tokens * per_token + step.sampled * head_row + step.attention_pairs * per_pair
+        kv = (step.positions_read + step.tokens) * traffic["kv_per_position"]
+        other = (
+            step.tokens * traffic["elementwise_per_token"]
+            + step.sampled * traffic["logits_per_row"]
+        )
+        moved = weight_bytes + kv + other
+        totals["compute_s"] += flops / gemm
+        totals["memory_s"] += moved / bandwidth
+        totals["bound_s"] += max(flops / gemm, moved / bandwidth)
+        totals["weights"] += weight_bytes
+        totals["kv"] += kv
+        totals["other"] += other
+    outputs = sum(r.output_len for r in requests)
+    return {
+        "measure": "roofline",
+        "dtype": dtype,
+        "prefix_caching": prefix_caching,
+        "steps": len(steps),
+        "gemm_gflop_per_s": gemm / 1e9,
+        "copy_gb_per_s": bandwidth / 1e9,
+        "weight_bytes": weight_bytes,
+        "gb_moved": {name: totals[name] / 1e9 for name in ("weights", "kv", "other")},
+        "compute_seconds": totals["compute_s"],
+        "memory_seconds": totals["memory_s"],
+        "max_output_tokens_per_s": outputs / totals["bound_s"],
     }

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from pagedllm.bench.ceiling import config_fields, roofline_record
 from pagedllm.bench.pool_trace import PoolTracer, draw_trace, trace_path
 from pagedllm.bench.throughput import (
     flops_per_output_token,
@@ -18,22 +19,36 @@ from pagedllm.bench.throughput import (
     run_engine,
     run_transformers,
 )
-from pagedllm.bench.workload import length_range, synthetic_workload
+from pagedllm.bench.workload import (
+    BenchRequest,
+    length_range,
+    shared_prefix_workload,
+    synthetic_workload,
+)
 from pagedllm.choice import parse_choice
-from pagedllm.config import KVAllocation, PreemptionMode, resolve_device
+from pagedllm.config import KVAllocation, PreemptionMode
 from pagedllm.config_flags import add_config_flags, config_from_flags
 from pagedllm.kv_storage.kv_cache import bytes_per_block
-from pagedllm.models.loader import load_model
+from pagedllm.models.loader import load_model, load_model_for
+from pagedllm.models.weight_bytes import weight_bytes_by_format
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--workload",
+        choices=("mixed", "shared-prefix"),
+        default="mixed",
+        help="mixed: random prompts and outputs of --prompt-len / --output-len tokens; "
+        "shared-prefix: requests sharing one 1,024-token prefix, then 32-128 tokens of their "
+        "own, 32 output tokens each",
+    )
+    parser.add_argument("--num-requests", type=int, help="64 mixed, 32 shared-prefix")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload")
     parser.add_argument(
-        "--prompt-len", type=length_range, default=(32, 512), help="MIN,MAX prompt tokens"
+        "--prompt-len", type=length_range, help="MIN,MAX prompt tokens (mixed; 32,512)"
     )
     parser.add_argument(
-        "--output-len", type=length_range, default=(16, 256), help="MIN,MAX output tokens"
+        "--output-len", type=length_range, help="MIN,MAX output tokens (mixed; 16,256)"
     )
     parser.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
     parser.add_argument(
@@ -60,26 +75,29 @@ def emit(record: dict[str, object]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    requests = synthetic_workload(
-        args.num_requests, args.workload_seed, args.prompt_len, args.output_len
+def bench_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    """The requests ``--workload`` names."""
+    if args.workload == "shared-prefix":
+        if args.prompt_len or args.output_len:
+            raise SystemExit("--prompt-len and --output-len shape the mixed workload only")
+        return shared_prefix_workload(args.num_requests or 32, args.workload_seed)
+    return synthetic_workload(
+        args.num_requests or 64,
+        args.workload_seed,
+        args.prompt_len or (32, 512),
+        args.output_len or (16, 256),
     )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    requests = bench_workload(args)
     results: dict[str, dict[str, object]] = {}
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        device = resolve_device(args.device)
-        loaded = load_model(
-            args.model,
-            dtype,
-            device=device,
-            load_format=args.load_format,
-            quantization=args.quantization,
-            linear_kernel=args.linear_kernel,
-            activation_quantization=args.activation_quantization,
-        )
+        config = config_from_flags(args, dtype=dtype, log_stats_interval=0)
+        loaded = load_model_for(config)
         peak = matmul_peak_gflops(dtype)
         emit({"measure": "matmul_peak", "dtype": dtype_name, "gflops": peak})
-        config = config_from_flags(args, dtype=dtype, log_stats_interval=0)
         from pagedllm.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, loaded)
@@ -90,6 +108,11 @@ def run_bench(args: argparse.Namespace) -> int:
         flops = flops_per_output_token(loaded.config)
         result["gflop_per_output_token"] = flops / 1e9
         result["mfu_decode_equivalent"] = result["output_tokens_per_s"] * flops / (peak * 1e9)
+        roofline = workload_roofline(loaded, config, requests, dtype_name)
+        result["share_of_roofline"] = (
+            result["output_tokens_per_s"] / roofline["max_output_tokens_per_s"]
+        )
+        emit(roofline)
         emit({"measure": "throughput", **result})
         results[f"paged_{dtype_name}"] = result
         if args.contiguous:
@@ -102,6 +125,26 @@ def run_bench(args: argparse.Namespace) -> int:
                 ratio = result["output_tokens_per_s"] / baseline["output_tokens_per_s"]
                 emit({"measure": "ratio_vs_transformers", "run": key, "output_tokens_per_s": ratio})
     return 0
+
+
+def workload_roofline(loaded, config, requests, dtype_name: str) -> dict[str, object]:
+    """The memory-aware bound of ``requests`` under the engine's step budget
+    (:func:`~pagedllm.bench.ceiling.roofline_record`), the weights counted as stored
+    without expanded copies (the fewest bytes a step could stream)."""
+    stored = sum(
+        size
+        for name, size in weight_bytes_by_format(loaded.model).items()
+        if not name.endswith("expanded copies")
+    )
+    return roofline_record(
+        config_fields(loaded.config),
+        requests,
+        dtype_name,
+        stored,
+        prefix_caching=config.enable_prefix_caching,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+    )
 
 
 def _paged_vs_contiguous(
