@@ -205,6 +205,23 @@ def _parse_swap_space(value: int | str, config: EngineConfig) -> int:
     return size
 
 
+BLOCK_SIZE_AUTO = 0
+"""``block_size`` until the engine resolves ``"auto"`` (see
+:mod:`pagedllm.engine.block_size_choice`)."""
+
+
+def _parse_block_size(value: int | str) -> int:
+    if value in ("auto", BLOCK_SIZE_AUTO):  # 0: "auto" parsed before (dataclasses.replace)
+        return BLOCK_SIZE_AUTO
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            message = f"block_size must be a power of two or 'auto', got {value!r}"
+            raise ValueError(message) from None
+    return validate_block_size(value)
+
+
 def _parse_nonnegative_size(value: int | str, name: str) -> int:
     size = parse_bytes(value)
     if size < 0:
@@ -309,9 +326,17 @@ class EngineConfig:
     )
     block_size: int = knob(
         DEFAULT_BLOCK_SIZE,
-        "tokens per KV block (a power of two); kv_cache_dtype int4 groups keys over a block: "
-        "3.05x smaller than bfloat16 at 16, 3.56x at 64 at some cost in quality "
-        "(docs/capacity.md)",
+        "tokens per KV block (a power of two), or auto: 8, 16 or 32 chosen at start-up from "
+        "the attention kernel's timed speed at each and the recorded request lengths "
+        "(block_size_workload, else what the server recorded for this model); "
+        "kv_cache_dtype int4 groups keys over a block: 3.05x smaller than bfloat16 at 16, "
+        "3.56x at 64 at some cost in quality (docs/capacity.md)",
+        parse=lambda value, config: _parse_block_size(value),
+    )
+    block_size_workload: str | None = knob(
+        None,
+        "block_size auto weighs the request lengths of this JSON lines file "
+        '({"prompt": tokens, "output": tokens} per line) instead of the recorded ones',
     )
     kv_cache_memory: int | None = knob(
         None,
@@ -451,7 +476,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        validate_block_size(self.block_size)
+        if self.block_size == BLOCK_SIZE_AUTO and self.tensor_parallel_size > 1:
+            raise ValueError("block_size='auto' runs one rank; give tensor parallelism a size")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_n < 1:
@@ -513,7 +539,7 @@ class EngineConfig:
             return
         if self.kv_recent_tokens < 0:
             raise ValueError(f"kv_recent_tokens must be >= 0, got {self.kv_recent_tokens}")
-        if self.block_size < 16:
+        if self.block_size != BLOCK_SIZE_AUTO and self.block_size < 16:
             raise ValueError(
                 f"kv_cache_dtype='int4' groups keys over a block of at least 16 tokens; "
                 f"block_size={self.block_size}"

@@ -15,12 +15,25 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from pagedllm.attention.selector import attention_backend_for
-from pagedllm.config import EngineConfig, KVAllocation, PreemptionMode, same_device
+from pagedllm.config import (
+    BLOCK_SIZE_AUTO,
+    EngineConfig,
+    KVAllocation,
+    PreemptionMode,
+    same_device,
+)
 from pagedllm.cpu.allocator import keep_freed_memory
+from pagedllm.engine.block_size_choice import (
+    CANDIDATES,
+    RequestLengthLog,
+    choose_block_size,
+    read_lengths,
+)
 from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.engine.draft_worker import DraftWorker, draft_block_bytes, load_draft
 from pagedllm.engine.memory_profile import profile_memory
@@ -96,6 +109,8 @@ def build_engine(
     keep_freed_memory()
     loaded = _load(config, loaded, executor)
     model = loaded.model
+    if config.block_size == BLOCK_SIZE_AUTO:
+        config.block_size = _auto_block_size(config, loaded)
     kv_budget = config.kv_cache_memory
     if kv_budget is None:
         kv_budget = _profiled_kv_budget(config, model)
@@ -232,6 +247,27 @@ def _draft_scratch_blocks(config: EngineConfig) -> int:
     """Scratch blocks of the draft's cache (:func:`~pagedllm.kv.capacity.draft_scratch_blocks`)."""
     tokens = config.speculative_config.num_speculative_tokens
     return draft_scratch_blocks(tokens, config.block_size, config.max_num_seqs)
+
+
+def _auto_block_size(config: EngineConfig, loaded: LoadedModel) -> int:
+    """``block_size="auto"`` resolved for ``loaded`` (see
+    :mod:`pagedllm.engine.block_size_choice`), with the reason logged."""
+    if config.block_size_workload is not None:
+        lengths = read_lengths(Path(config.block_size_workload))
+        if not lengths:
+            raise ValueError(
+                f"block_size_workload {config.block_size_workload!r} holds no request "
+                'lengths (JSON lines {"prompt": tokens, "output": tokens})'
+            )
+    else:
+        lengths = RequestLengthLog(str(loaded.source)).read()
+    model = loaded.model
+    layout = (model.dtype, model.layer_config.num_heads, model.layer_config.num_kv_heads,
+              model.layer_config.head_dim)  # fmt: skip
+    candidates = [b for b in CANDIDATES if b >= 16 or not config.kv_cache_dtype.by_age]
+    chosen, reason = choose_block_size(layout, lengths, candidates, config.device.type == "cpu")
+    logger.info("block_size auto: %d (%s)", chosen, reason)
+    return chosen
 
 
 def _load(

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm import __version__
+from pagedllm.engine.block_size_choice import RequestLengthLog
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.server.async_engine import AsyncEngine
 from pagedllm.server.chat import create_chat_completion
@@ -93,6 +94,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         settings.max_pending_requests,
         lifecycle.engine_loop_died,
         settings.max_logprob_entries,
+        RequestLengthLog(str(engine.loaded.source)),
     )
     ctx = ServingContext(
         async_engine,

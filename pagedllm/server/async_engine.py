@@ -36,6 +36,7 @@ from typing import Protocol
 from jinja2 import TemplateError
 
 from pagedllm.distributed.errors import WorkerFailedError
+from pagedllm.engine.block_size_choice import RequestLengthLog
 from pagedllm.engine.llm_engine import LLMEngine, PromptInput
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
@@ -143,16 +144,20 @@ class AsyncEngine:
         max_pending_requests: int,
         on_loop_death: Callable[[], None] | None = None,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+        lengths: RequestLengthLog | None = None,
     ) -> None:
         """``max_pending_requests``: engine requests admitted and not yet finished
         (queued, waiting or running) beyond which new HTTP requests get 503.
         ``on_loop_death``: called once on the event loop if the loop thread dies.
         ``max_logprob_entries``: the most logprob entries one HTTP request may ask
-        for (:mod:`pagedllm.server.reply_size`), beyond which it gets 400."""
+        for (:mod:`pagedllm.server.reply_size`), beyond which it gets 400.
+        ``lengths``: where the prompt and output lengths of finished requests are
+        recorded (for ``block_size="auto"`` at the next start)."""
         self.engine = engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
         self.max_logprob_entries = max_logprob_entries
+        self.lengths = lengths
         self._on_loop_death = on_loop_death
         self.loop_died = False  # set once, by the loop thread
         self._commands: queue.Queue[_Add | _Abort | _Stop | _Call] = queue.Queue()
@@ -191,6 +196,8 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self.engine.shutdown()
+        if self.lengths is not None:
+            self.lengths.close()
 
     def stop_after(self, delay_s: float) -> None:
         """Call :meth:`stop` ``delay_s`` seconds from now; safe from any thread (a
@@ -514,6 +521,10 @@ class AsyncEngine:
             self.metrics.request_progressed(output, now)
             if output.finished:
                 del self._groups[output.request_id]
+                if self.lengths is not None:  # one sequence per completion
+                    for completion in output.outputs:
+                        prompt = len(output.prompt_token_ids or ())
+                        self.lengths.add(prompt, len(completion.token_ids))
             deliveries.append((group, output.request_id, output))
         self._send(deliveries)
 
