@@ -7,10 +7,11 @@ with the ratios and the K/V read bandwidth each achieves; decode over 30 layers'
 in turn, as an engine step reads them (``decode_cold``); prefill chunks of many
 sequences over one prefix in shared blocks (``prefill_shared``); then what
 ``attention_kernel="auto"`` times for prefill chunks (paged against gather-then-SDPA)
-and the crossover it would pick. Candidates are timed round-robin so that background
-load hits them alike.
+and the crossover it would pick; decode per block size; and decode over blocks scattered
+against the same blocks in one contiguous run per sequence (``decode_contiguous_runs``).
+Candidates are timed round-robin so that background load hits them alike.
 
-    python benchmarks/attention.py [--reps 9] [--quick] [--fresh-build]
+    python benchmarks/attention.py [--reps 9] [--quick] [--fresh-build] [--contiguous-runs]
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def memory_bandwidth(reps: int) -> dict[str, float]:
 class PagedBatch:
     """``num_seqs`` sequences of ``seq_len`` tokens in scattered blocks; the last
     ``q_len`` tokens of each are the queries. The first ``shared_blocks`` blocks of every
-    table are the first sequence's (a cached prefix all of them start with)."""
+    table are the first sequence's (a cached prefix all of them start with). With
+    ``contiguous``, each sequence's blocks lie in one run, in order."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class PagedBatch:
         dtype: torch.dtype,
         token_major: bool = False,
         shared_blocks: int = 0,
+        contiguous: bool = False,
     ):
         blocks_per_seq = -(-seq_len // block_size)
         num_blocks = num_seqs * blocks_per_seq
@@ -84,6 +87,8 @@ class PagedBatch:
             self.k_cache, self.v_cache = storage.unbind(0)
         self.kv_bytes = storage.numel() * storage.element_size()
         perm = torch.randperm(num_blocks, dtype=torch.int32)
+        if contiguous:  # each sequence's blocks one run, in order
+            perm = torch.arange(num_blocks, dtype=torch.int32)
         self.block_tables = perm.view(num_seqs, blocks_per_seq)
         self.block_tables[:, :shared_blocks] = self.block_tables[0, :shared_blocks].clone()
         self.seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
@@ -173,6 +178,33 @@ def bench_decode_cold(reps: int, contexts: list[int], layers: int = 30) -> None:
                 ms_per_layer=round(seconds / layers * 1e3, 3),
                 kv_gb_s=round(layers * stack[0].kv_bytes / seconds / 1e9, 2),
             )
+
+
+def bench_contiguous_runs(reps: int, block_sizes: list[int], contexts: list[int]) -> None:
+    """Cold decode (30 layers in turn, as :func:`bench_decode_cold`) with each sequence's
+    blocks scattered over the pool against the same blocks as one contiguous run: what
+    allocating contiguous runs would buy the kernel."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for block_size in block_sizes:
+            for context in contexts:
+                steps = {}
+                for layout in ("scattered", "contiguous"):
+                    stack = [
+                        PagedBatch(NUM_SEQS, context, 1, block_size, dtype,
+                                   contiguous=layout == "contiguous")  # fmt: skip
+                        for _ in range(30)
+                    ]
+                    steps[layout] = lambda stack=stack: [batch.paged() for batch in stack]
+                t = race(steps, reps)
+                emit(
+                    bench="decode_contiguous_runs",
+                    dtype=str(dtype).removeprefix("torch."),
+                    block_size=block_size,
+                    context=context,
+                    scattered_ms_per_layer=round(t["scattered"] / 30 * 1e3, 3),
+                    contiguous_ms_per_layer=round(t["contiguous"] / 30 * 1e3, 3),
+                    scattered_over_contiguous=round(t["scattered"] / t["contiguous"], 3),
+                )
 
 
 def bench_block_sizes(reps: int, block_sizes: list[int], context: int) -> None:
@@ -269,6 +301,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9, help="timed calls per candidate")
     parser.add_argument("--quick", action="store_true", help="decode targets only")
     parser.add_argument(
+        "--contiguous-runs", action="store_true", help="only scattered against contiguous blocks"
+    )
+    parser.add_argument(
         "--fresh-build", action="store_true", help="compile the extension in an empty cache"
     )
     args = parser.parse_args()
@@ -285,6 +320,8 @@ def main() -> None:
         fresh_build=args.fresh_build,
         **{k: round(v, 1) for k, v in memory_bandwidth(args.reps).items()},
     )
+    if args.contiguous_runs:
+        return bench_contiguous_runs(args.reps, [8, 16], [256, 1024])
     bench_decode(args.reps, [512, 2048], [torch.float32, torch.bfloat16])
     bench_decode_cold(args.reps, [128, 384, 1024])
     if args.quick:
@@ -293,6 +330,7 @@ def main() -> None:
     bench_prefill_shared(args.reps)
     bench_prefill_choice()
     bench_block_sizes(args.reps, [8, 16, 32, 64, 128, 256], context=2048)
+    bench_contiguous_runs(args.reps, [8, 16], [256, 1024])
 
 
 if __name__ == "__main__":
