@@ -41,12 +41,13 @@ def prompts_with_shared_prefix() -> list[list[int]]:
     ]
 
 
-def outputs_of(loaded, eager: bool, dtype: str):
+def outputs_of(loaded, eager: bool, dtype: str, **overrides):
     """Tokens and logprobs of every request, with prompts chunked over several steps."""
-    engine = tiny_engine(
-        loaded, num_blocks=256, block_size=16, dtype=dtype, enforce_eager=eager,
+    settings = dict(
+        num_blocks=256, block_size=16, dtype=dtype, enforce_eager=eager,
         max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=True,
     )  # fmt: skip
+    engine = tiny_engine(loaded, **{**settings, **overrides})
     assert (engine.runner.layer_stack is None) == eager
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     done = run_outputs(engine, prompts_with_shared_prefix(), params)
@@ -56,10 +57,10 @@ def outputs_of(loaded, eager: bool, dtype: str):
     }
 
 
-def assert_stack_equals_layers(loaded, dtype: str, kind: type) -> None:
+def assert_stack_equals_layers(loaded, dtype: str, kind: type, **overrides) -> None:
     assert isinstance(loaded.model.layers[0].qkv_weight, kind)
-    stacked = outputs_of(loaded, eager=False, dtype=dtype)
-    assert stacked == outputs_of(loaded, eager=True, dtype=dtype)
+    stacked = outputs_of(loaded, eager=False, dtype=dtype, **overrides)
+    assert stacked == outputs_of(loaded, eager=True, dtype=dtype, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +70,25 @@ def assert_stack_equals_layers(loaded, dtype: str, kind: type) -> None:
 def test_default_model_quantized_blocks(dtype, kind):
     """The shipped Q4_1 file: interleaved blocks in bfloat16, rows of blocks in float32."""
     assert_stack_equals_layers(default_model(getattr(torch, dtype)), dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_default_model_over_int4_blocks(dtype):
+    """Old blocks re-encoded into 4 bits (a 16-token recent window, so that prompts of 40+
+    tokens leave compact blocks behind): the by-age kernel in the stack, bit for bit."""
+    kind = InterleavedWeight if dtype == "bfloat16" else QuantizedWeight
+    loaded = default_model(getattr(torch, dtype))
+    int4 = dict(kv_cache_dtype="int4", kv_recent_tokens=16)
+    assert_stack_equals_layers(loaded, dtype, kind, **int4)
+    engine = tiny_engine(loaded, num_blocks=64, block_size=16, dtype=dtype, **int4)
+    assert engine.runner.layer_stack is not None
+    engine.add_request("long", {"prompt_token_ids": prompts_with_shared_prefix()[-1]},
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # fmt: skip
+    compact = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        compact = max(compact, engine.block_manager.pool.num_compact_used)
+    assert compact >= 3  # 70 tokens, the newest 16 full-size: 3 blocks behind them
 
 
 @pytest.mark.skipif(

@@ -10,6 +10,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -119,17 +120,26 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_;
 };
 
+// A layer's compact 4-bit blocks (kv_cache_dtype int4): the tiles, and the block id from
+// which a table entry names one of them.
+struct CompactBlocks {
+  at::Tensor tiles;
+  int64_t num_full_blocks;
+};
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm, k_cache, v_cache;
   double scale, logit_softcap;
   int64_t sliding_window;
   std::vector<Matrix> matrices;  // qkv, o, gate_up, down
+  std::optional<CompactBlocks> compact;
 };
 
 struct LayerStack : torch::CustomClassHolder {
   int64_t num_q_heads, num_kv_heads;
   double eps;
   at::Tensor cos, sin;  // [max_positions, head_dim / 2] of the model's dtype
+  at::Tensor hadamard;  // float32 [head_dim, head_dim], for compact blocks
   std::vector<Layer> layers;
 
   LayerStack(int64_t num_q_heads, int64_t num_kv_heads, double eps, at::Tensor cos,
@@ -142,7 +152,16 @@ struct LayerStack : torch::CustomClassHolder {
                  at::Tensor v_cache, double scale, int64_t sliding_window,
                  double logit_softcap) {
     layers.push_back({input_norm, post_attention_norm, k_cache, v_cache, scale, logit_softcap,
-                      sliding_window, {}});
+                      sliding_window, {}, std::nullopt});
+  }
+
+  // The last layer added also reads compact 4-bit blocks: its attention runs the by-age
+  // kernel on a float32 query and the query rotated by `hadamard` [head_dim, head_dim],
+  // as the paged backend's by-age path does.
+  void add_compact(at::Tensor tiles, int64_t num_full_blocks, at::Tensor hadamard) {
+    TORCH_CHECK(!layers.empty(), "LayerStack: add_layer first");
+    layers.back().compact = CompactBlocks{tiles, num_full_blocks};
+    this->hadamard = hadamard;
   }
 
   // The next matrix of the last layer added: qkv, o, gate_up, then down.
@@ -190,10 +209,7 @@ struct LayerStack : torch::CustomClassHolder {
       clock.lap(Phase::kRotary);
       ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
       clock.lap(Phase::kWriteKV);
-      at::Tensor attended = at::empty_like(q);
-      ops::paged_attention(attended, q, layer.k_cache, layer.v_cache, block_tables, seq_lens,
-                           query_start_loc, layer.scale, layer.sliding_window,
-                           layer.logit_softcap);
+      at::Tensor attended = attend(layer, q, block_tables, seq_lens, query_start_loc);
       clock.lap(Phase::kAttention);
       if (i + 1 == layers.size() && output_rows.has_value()) {
         hidden = hidden.index_select(0, *output_rows);
@@ -218,6 +234,27 @@ struct LayerStack : torch::CustomClassHolder {
     }
     if (profiling) ++profiled_steps;
     return hidden;
+  }
+
+  // The layer's attention of q over its cache: the paged kernel, or the by-age one over
+  // full and compact blocks (float32 query and its rotation, out in q's dtype).
+  at::Tensor attend(const Layer& layer, const at::Tensor& q, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
+    if (!layer.compact.has_value()) {
+      at::Tensor attended = at::empty_like(q);
+      ops::paged_attention(attended, q, layer.k_cache, layer.v_cache, block_tables, seq_lens,
+                           query_start_loc, layer.scale, layer.sliding_window,
+                           layer.logit_softcap);
+      return attended;
+    }
+    const at::Tensor query = q.to(at::kFloat).contiguous();
+    const at::Tensor rotated = at::matmul(query, hadamard).contiguous();
+    at::Tensor out = at::empty_like(query);
+    ops::paged_attention_compact(out, query, rotated, layer.k_cache, layer.v_cache,
+                                 layer.compact->tiles, layer.compact->num_full_blocks,
+                                 block_tables, seq_lens, query_start_loc, layer.scale,
+                                 layer.sliding_window, layer.logit_softcap);
+    return out.to(q.scalar_type());
   }
 
   // Whether forward adds each phase's wall time to phase_seconds (off: no clock read).
@@ -249,6 +286,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       .def("add_layer", &LayerStack::add_layer)
       .def("add_matrix", &LayerStack::add_matrix)
       .def("add_expanded", &LayerStack::add_expanded)
+      .def("add_compact", &LayerStack::add_compact)
       .def("set_profiling", &LayerStack::set_profiling)
       .def("phases", &LayerStack::phases)
       .def("reset_phases", &LayerStack::reset_phases)

@@ -14,6 +14,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      double scale, int64_t sliding_window, double logit_softcap);
+void paged_attention_compact(const at::Tensor& out, const at::Tensor& q,
+                             const at::Tensor& q_rotated, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& tiles,
+                             int64_t num_full_blocks, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                             double scale, int64_t sliding_window, double logit_softcap);
 void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& slot_mapping);
 at::Tensor pack_weight(const at::Tensor& weight);

@@ -6,8 +6,9 @@ kernels themselves. For the common pre-norm architecture (RMSNorm, q/k/v with Ro
 the whole head and no q/k norm, gated SiLU MLP, plain residual adds: Llama, Mistral,
 Qwen2, SmolLM2, ...) the stack runs every layer in C++ with the same kernels in the same
 order, so its results are bit for bit those of :class:`~pagedllm.models.decoder.DecoderLayer`.
-Any other architecture, cache format or CPU runs layer by layer; so does
-``enforce_eager=True``.
+A cache whose old blocks are 4-bit (``kv_cache_dtype="int4"``) runs the by-age kernel
+in the stack as the paged backend does. Any other architecture, cache format or CPU runs
+layer by layer; so does ``enforce_eager=True``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.cpu.extension import avx512_kernels_available, ops
+from pagedllm.kv_storage.int4_codec import hadamard
 from pagedllm.models.block_expansion import ExpandedBlocks
 from pagedllm.models.interleaved_weight import InterleavedWeight
 from pagedllm.models.linear import OneDNNWeight, PackedWeight, Weight
@@ -53,8 +55,6 @@ def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
         if not holds:
             return reason
     cache = attn.kv_cache
-    if cache.compact is not None:
-        return "old K/V blocks are 4-bit (int4), read by the by-age kernel"
     if cache.format.quantized or cache.format.dtype != model.dtype:
         return "the KV cache's format is not the model's dtype"
     return None
@@ -93,6 +93,7 @@ class LayerStack:
             c.num_heads, c.num_kv_heads, c.rms_norm_eps, model.rotary.cos, model.rotary.sin
         )
         cache = attn.kv_cache
+        rotation = hadamard(cache.head_dim) if cache.compact is not None else None
         for index, layer in enumerate(model.layers):
             options = layer.attention
             self._stack.add_layer(
@@ -104,6 +105,8 @@ class LayerStack:
                 options.sliding_window or 0,
                 options.logit_softcap or 0.0,
             )
+            if rotation is not None:  # old blocks are 4-bit: the by-age kernel reads both
+                self._stack.add_compact(cache.compact.tiles(index), cache.compact_offset, rotation)
             for weight, bias in (
                 (layer.qkv_weight, layer.qkv_bias),
                 (layer.o_weight, layer.o_bias),
