@@ -1,6 +1,7 @@
 """The user's cache folder: what pagedllm measures or converts once and keeps between
-runs (kernel timings, tokenizers converted from GGUF metadata). Everything in it can be
-deleted at any time; it is made again on the next start."""
+runs (kernel timings, tokenizers converted from GGUF metadata, the lengths of the requests
+a server finished). Everything in it can be deleted at any time; it is made again on the
+next start."""
 
 from __future__ import annotations
 
@@ -9,5 +10,9 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``."""
+    """``$PAGEDLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm``, else
+    ``~/.cache/pagedllm``."""
+    explicit = os.environ.get("PAGEDLLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedllm"

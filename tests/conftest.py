@@ -72,6 +72,9 @@ def kernel_choice_without_timing(tmp_path_factory):
         patch.setattr(block_expansion, "time_forms", blocks_first)
         patch.setattr(attention_choice, "time_prefill", paged_first)
         patch.setattr(user_cache, "cache_dir", lambda: folder)
+        # Server processes the tests start keep theirs (timings, tokenizers, recorded
+        # request lengths) in a session folder too, never the user's.
+        patch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path_factory.mktemp("server-cache")))
         patch.setattr(kernel_choice, "contended", lambda cores: False)
         yield
 

@@ -107,7 +107,7 @@ def fake_timings(layout, context, candidates):
 def test_a_server_records_lengths_and_the_next_engine_chooses_from_them(
     monkeypatch, tmp_path, caplog
 ):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache" / "pagedllm"))
     model = write_tiny_chat_llama(tmp_path / "model")
     args = ["--model", str(model), "--dtype", "float32"]
     with ServerProcess(args, entry=[sys.executable, "-m", "pagedllm.cli"]) as server:

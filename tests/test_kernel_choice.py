@@ -131,6 +131,7 @@ def test_dense_can_win_and_a_tied_weight_never_takes_onednns_layout(fake_timer):
 
 
 def test_timings_are_cached_per_machine_and_read_back(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGEDLLM_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(user_cache, "cache_dir", REAL_CACHE_DIR)
     timed = []
