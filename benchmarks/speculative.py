@@ -11,8 +11,14 @@ Workloads, all greedy on the default model (or ``--model``):
 
 Each workload runs at two loads: ``one`` (``--single`` requests sent one after another:
 one sequence decoding at a time) and ``all`` (every request at once, 64 by default).
-For every (workload, load) the methods (``off``, then each of ``--methods``) run in a
-fresh engine over one loaded model, in an order rotated each of ``--runs`` rounds.
+For every (workload, load) the methods (``off``, then each of ``--methods``) run in
+fresh engines over one loaded model, in an order rotated each of ``--runs`` rounds. At
+load ``one`` each round builds every method's engine first and then alternates them
+request by request (each request runs under every method before the next one starts),
+so a machine whose speed drifts within a run slows every method alike. The model is
+loaded once, as a speculative engine loads it: GGUF blocks without the expanded copies
+that plain decoding keeps by default for calls of many rows (``weight_expansion_memory``;
+they are not batch invariant), so ``off`` runs the same products as the methods.
 
 Per (workload, load, method) one line: median ``output_tokens_per_s``, ``ratio`` (median
 of the per-round ratios to ``off`` of the same round), ``acceptance_rate``,
@@ -134,21 +140,17 @@ def workloads(
     }
 
 
-def run(engine: LLMEngine, prompts, params, one_at_a_time: bool) -> dict[str, object]:
-    """Generate every request (all at once, or each alone in turn); wall time and
-    outputs by request."""
+def run(engine: LLMEngine, prompts, params, indexes) -> tuple[float, dict[str, list[int]]]:
+    """Generate requests ``indexes`` at once; wall time and outputs by request."""
     outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
-    groups = [[i] for i in range(len(prompts))] if one_at_a_time else [range(len(prompts))]
-    for group in groups:
-        for i in group:
-            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0].token_ids
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": outputs}
+    for i in indexes:
+        engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return time.perf_counter() - start, outputs
 
 
 def spec_config(method: str, args: argparse.Namespace) -> dict | None:
@@ -167,27 +169,50 @@ def spec_config(method: str, args: argparse.Namespace) -> dict | None:
 
 def measure(loaded, args, methods, prompts, params, one_at_a_time) -> dict[str, list[dict]]:
     """Every method ``args.runs`` times, in an order rotated each round; each run in a
-    fresh engine over ``loaded``."""
+    fresh engine over ``loaded`` (one at a time: the methods' engines alternate request
+    by request)."""
     rows: dict[str, list[dict]] = {m: [] for m in methods}
     for round_index in range(args.runs):
         shift = round_index % len(methods)
-        for method in methods[shift:] + methods[:shift]:
-            config = EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                quantization=args.quantization,
-                log_stats_interval=0,
-                speculative_config=spec_config(method, args),
-            )
-            engine = LLMEngine(config, loaded)
-            result = run(engine, prompts, params, one_at_a_time)
-            stats = engine.get_stats()
-            result["output_tokens"] = sum(len(t) for t in result["tokens"].values())
-            result["rate"] = result["output_tokens"] / result["seconds"]
-            result["spec"] = stats.spec_decode
-            result["blocks_held_after"] = stats.num_blocks_used
-            rows[method].append(result)
+        order = methods[shift:] + methods[:shift]
+        if one_at_a_time:  # every method's engine, alternating request by request
+            engines = {m: engine_for(m, args, loaded) for m in order}
+            results = {m: {"seconds": 0.0, "tokens": {}} for m in order}
+            for i in range(len(prompts)):
+                for method in order:
+                    seconds, tokens = run(engines[method], prompts, params, [i])
+                    results[method]["seconds"] += seconds
+                    results[method]["tokens"].update(tokens)
+            for method in order:
+                rows[method].append(finished_run(results[method], engines[method]))
+        else:  # one engine at a time, every request at once
+            for method in order:
+                engine = engine_for(method, args, loaded)
+                seconds, tokens = run(engine, prompts, params, range(len(prompts)))
+                result = {"seconds": seconds, "tokens": tokens}
+                rows[method].append(finished_run(result, engine))
     return rows
+
+
+def finished_run(result: dict, engine: LLMEngine) -> dict:
+    """``result`` (seconds, tokens by request) with the rate and ``engine``'s counters."""
+    stats = engine.get_stats()
+    result["output_tokens"] = sum(len(t) for t in result["tokens"].values())
+    result["rate"] = result["output_tokens"] / result["seconds"]
+    result["spec"] = stats.spec_decode
+    result["blocks_held_after"] = stats.num_blocks_used
+    return result
+
+
+def engine_for(method: str, args: argparse.Namespace, loaded) -> LLMEngine:
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        log_stats_interval=0,
+        speculative_config=spec_config(method, args),
+    )
+    return LLMEngine(config, loaded)
 
 
 def summary(runs: list[dict], off: list[dict]) -> dict[str, object]:
@@ -225,8 +250,15 @@ def main() -> None:
     parser.add_argument("--draft-activation-quantization", default="int8")
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
+    # loaded as a speculative engine loads it (GGUF blocks without expanded copies, which
+    # are not batch invariant), for plain decoding too: both run the same products
     loaded = load_model_for(
-        EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization)
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 1},
+        )
     )
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     methods = ["off", *args.methods.split(",")]

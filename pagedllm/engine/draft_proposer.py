@@ -23,6 +23,13 @@ at 0; a cached prefix is recomputed once by the draft, not trusted.
 Guesses are the draft's argmax for greedy sequences; sampled sequences draw them from
 the draft's tempered, truncated distribution, which verification needs
 (:class:`~pagedllm.engine.speculation.Guess.probs`).
+
+How far each sequence guesses: up to its limit, but between passes
+:attr:`DraftGuesses.keep_guessing` (when set) may stop a sequence whose guesses so far
+are unlikely to all be kept. Each guess's chance comes from the draft's confidence in it
+through :class:`~pagedllm.spec_decode.guess_calibration.GuessCalibration`, which learns
+from the verifications (:meth:`DraftGuesses.verified`). The guesses made are verified
+whatever the stop, so it changes speed, never the output.
 """
 
 from __future__ import annotations
@@ -39,6 +46,12 @@ from pagedllm.engine.sequence import TokenSequence
 from pagedllm.kv.block_manager import BlockManager
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.guess import Guess
+from pagedllm.spec_decode.guess_calibration import GuessCalibration
+
+KeepGuessing = Callable[[list[float], int, float, int, int], list[bool]]
+"""``(chances, guesses made, expected kept guesses, passes run, sequences drafting)`` ->
+which of the sequences still guessing (their ``chances`` that every guess so far is
+kept) guess once more; the counts are the whole group's, for the step being drafted."""
 
 
 @dataclass
@@ -84,6 +97,9 @@ class _Drafting:
     copy: tuple[int, int] | None = None  # (shared last block, its scratch copy)
     token_ids: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    chance: float = 1.0  # that every guess so far is kept
+    expected: float = 0.0  # kept guesses expected: the sum of the chances so far
     done: bool = False
 
     def slot(self, position: int, block_size: int) -> int:
@@ -114,7 +130,10 @@ class DraftGuesses:
         self.scratch_per_sequence = scratch_blocks_per_sequence(config, self.block_size)
         self.group_size = max(1, worker.num_scratch_blocks // self.scratch_per_sequence)
         self._kv: dict[int, _DraftKV] = {}
+        self._confidences: dict[int, list[float]] = {}  # the guesses offered, by sequence
+        self.calibration = GuessCalibration()
         self.pass_observer: Callable[[int, float], None] | None = None  # (rows, seconds)
+        self.keep_guessing: KeepGuessing | None = None  # set for each step by its owner
         self.num_passes = 0  # forward passes of the draft so far
         self.num_tokens_run = 0  # tokens those passes ran (catch-up and guesses)
 
@@ -142,11 +161,20 @@ class DraftGuesses:
             for drafting in group:
                 self._remember(drafting)
                 probs = torch.stack(drafting.probs) if drafting.probs else None
-                proposals.append((drafting.seq, Guess(drafting.token_ids, probs)))
+                guess = Guess(drafting.token_ids, probs, drafting.confidences)
+                self._confidences[drafting.seq.seq_id] = drafting.confidences
+                proposals.append((drafting.seq, guess))
         return proposals
+
+    def verified(self, seq: TokenSequence, num_drafted: int, num_accepted: int) -> None:
+        """``seq``'s first ``num_drafted`` guesses of the last offer were run and the
+        first ``num_accepted`` kept: the calibration learns from their confidences."""
+        confidences = self._confidences.pop(seq.seq_id, [])
+        self.calibration.observe(confidences[:num_drafted], num_accepted)
 
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         self._kv.pop(seq.seq_id, None)
+        self._confidences.pop(seq.seq_id, None)
 
     def catch_up_rows(self, seq: TokenSequence) -> int:
         """Tokens of decoding ``seq`` the draft would run in its first pass: those whose
@@ -180,6 +208,7 @@ class DraftGuesses:
         """The catch-up passes, then one pass per further guess, until every sequence
         of ``group`` has its guesses or guessed a stop token."""
         pending = [(drafting, drafting.catch_up_from) for drafting in group]
+        num_passes = 0
         while pending:  # catch-up, split over passes of at most max_tokens_per_pass
             step, sampled, later = self._new_pass(), [], []
             budget = self.max_tokens_per_pass
@@ -199,16 +228,35 @@ class DraftGuesses:
                     later.append((drafting, position + take))
             self._draw(sampled, self._forward(step))
             pending = later
+            num_passes += 1
         while True:
-            going = [d for d in group if not d.done]
+            going = self._going_on(group, num_passes)
             if not going:
                 return
+            num_passes += 1
             step = self._new_pass()
             for drafting in going:
                 position = drafting.start + len(drafting.token_ids)
                 self._add(step, drafting, drafting.token_ids[-1:], position)
                 step.sample_rows.append(len(step.token_ids) - 1)
             self._draw(going, self._forward(step))
+
+    def _going_on(self, group: list[_Drafting], num_passes: int) -> list[_Drafting]:
+        """The sequences of ``group`` that guess once more after ``num_passes`` passes:
+        those not done that :attr:`keep_guessing` keeps (the others are done)."""
+        going = [drafting for drafting in group if not drafting.done]
+        if self.keep_guessing is None or not going:
+            return going
+        keep = self.keep_guessing(
+            [drafting.chance for drafting in going],
+            sum(len(drafting.token_ids) for drafting in group),
+            sum(drafting.expected for drafting in group),
+            num_passes,
+            len(group),
+        )
+        for drafting, more in zip(going, keep, strict=True):
+            drafting.done = not more
+        return [drafting for drafting in going if not drafting.done]
 
     @staticmethod
     def _new_pass() -> DraftPass:
@@ -239,7 +287,9 @@ class DraftGuesses:
         a draw from its sampling distribution otherwise."""
         if not group:
             return
-        tokens = logits.argmax(dim=-1).tolist()
+        top = logits.max(dim=-1)
+        tokens = top.indices.tolist()
+        confidences = torch.exp(top.values - torch.logsumexp(logits, dim=-1)).tolist()
         params = [drafting.seq.params for drafting in group]
         generators = [drafting.seq.generator for drafting in group]
         random = random_rows(params, generators, logits.device)
@@ -247,11 +297,16 @@ class DraftGuesses:
             probs = sampling_probabilities(logits[random.rows], random)
             probs = probs / probs.sum(dim=-1, keepdim=True)
             drawn = draw_from(probs, draw_uniforms(random.generators, probs.device)).tolist()
+            top_probs = probs.max(dim=-1).values.tolist()
             for i, row in enumerate(random.rows.tolist()):
                 tokens[row] = drawn[i]
+                confidences[row] = top_probs[i]
                 group[row].probs.append(probs[i])
-        for drafting, token in zip(group, tokens, strict=True):
+        for drafting, token, confidence in zip(group, tokens, confidences, strict=True):
             drafting.token_ids.append(token)
+            drafting.confidences.append(confidence)
+            drafting.chance *= self.calibration.chance_kept(confidence)
+            drafting.expected += drafting.chance
             stops = drafting.seq.params.stop_token_ids
             ends = token in self.stop_token_ids or (stops is not None and token in stops)
             drafting.done = ends or len(drafting.token_ids) >= drafting.limit

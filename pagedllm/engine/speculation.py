@@ -11,7 +11,10 @@ sequence guesses at most
 
 How many: :class:`~pagedllm.spec_decode.draft_length.DraftLengthPolicy` picks one
 length for the step from the proposals and its measurements (down to none), unless
-``adaptive_draft_length`` is off: then every proposal runs in full.
+``adaptive_draft_length`` is off: then every proposal runs in full. A draft model is
+asked for full-length guesses whenever guessing pays, and stops each sequence between
+its passes by ``DraftLengthPolicy.keep_guessing``, which weighs the draft's confidence
+in the guesses so far against the cost of another.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from pagedllm.engine.draft_proposer import DraftGuesses
+from pagedllm.engine.draft_proposer import DraftGuesses, KeepGuessing
 from pagedllm.engine.sampler import SamplerOutput, TokenLogprobs
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import TokenSequence
@@ -48,6 +51,10 @@ class Proposer(Protocol):
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         """``seq`` ended, having completed its output or not (aborted, failed)."""
 
+    def verified(self, seq: TokenSequence, num_drafted: int, num_accepted: int) -> None:
+        """``seq``'s first ``num_drafted`` guesses offered last were run, and the first
+        ``num_accepted`` of them kept."""
+
     @property
     def pays_per_guess(self) -> bool:
         """Whether each guessed token costs a pass of a model (a draft model): the
@@ -66,6 +73,9 @@ class PerSequence:
 
     def catch_up_rows(self, seq: TokenSequence) -> int:
         return 0
+
+    def verified(self, seq: TokenSequence, num_drafted: int, num_accepted: int) -> None:
+        pass  # host proposers learn nothing from the outcome
 
     def propose(self, seq: TokenSequence, limit: int) -> list[int]:
         raise NotImplementedError
@@ -191,12 +201,15 @@ class Speculator:
         if measuring and self.config.adaptive_draft_length:
             wanted = self.policy.measuring_sequences(len(candidates))
         requests = [(seq, limit) for seq, limit in candidates if limit > 0 and self._may_guess(seq)]
+        if pays:
+            self.proposer.keep_guessing = None
         if requests and pays and measuring and self.config.adaptive_draft_length:
             requests.sort(key=lambda request: self.proposer.catch_up_rows(request[0]))
         elif requests and pays and self.config.adaptive_draft_length:
-            # a draft model drafts as far as it is asked: choose the length first
-            lengths = [min(limit, most) for _, limit in requests]
-            most = self.policy.choose(lengths, num_batched_tokens, len(candidates), catch_up)
+            # a draft model guesses in full and stops each sequence between its passes
+            self.proposer.keep_guessing = self._keep_guessing(
+                num_batched_tokens, len(candidates), catch_up
+            )
         requests = [(seq, min(limit, most)) for seq, limit in requests] if most else []
         start = time.perf_counter()
         proposed = self.proposer.propose_all(requests, wanted) if requests else []
@@ -220,6 +233,26 @@ class Speculator:
             seq.draft_token_ids = guess.token_ids
             if guess.probs is not None:
                 self.draft_probs[seq.seq_id] = guess.probs
+
+    def _keep_guessing(
+        self, num_batched_tokens: int, num_emitting: int, catch_up_rows: int | None
+    ) -> KeepGuessing:
+        """The draft's stopping rule for a step of ``num_batched_tokens`` tokens without
+        guesses and ``num_emitting`` sequences emitting tokens."""
+
+        def keep(
+            chances: list[float], guessed: int, expected: float, passes: int, drafting: int
+        ) -> list[bool]:
+            return self.policy.keep_guessing(
+                chances,
+                num_batched_tokens + guessed,
+                num_emitting + expected,
+                passes,
+                drafting,
+                catch_up_rows,
+            )
+
+        return keep
 
     @staticmethod
     def _may_guess(seq: TokenSequence) -> bool:
@@ -245,6 +278,7 @@ class Speculator:
                 continue
             self.stats.record(len(guesses), result.num_accepted)
             self.policy.observe_acceptance(len(guesses), result.num_accepted)
+            self.proposer.verified(seq, len(guesses), result.num_accepted)
             self.num_blocks_rolled_back += scheduler.settle_drafts(seq, result.num_accepted)
 
     def finished(self, seq: TokenSequence, completed: bool) -> None:

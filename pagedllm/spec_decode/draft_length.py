@@ -224,6 +224,43 @@ class DraftLengthPolicy:
             return 1, True
         return 0, False
 
+    def keep_guessing(
+        self,
+        chances: Sequence[float],
+        num_batched_tokens: int,
+        expected_tokens: float,
+        num_passes: int,
+        num_drafting: int,
+        catch_up_rows: int | None = None,
+    ) -> list[bool]:
+        """Asked between a draft model's passes: which of the sequences still guessing
+        should guess once more. ``chances[i]``: the chance that every guess sequence ``i``
+        made so far is kept; ``num_batched_tokens``: the step's tokens with every guess
+        made so far; ``expected_tokens``: the tokens the step is expected to emit so
+        far (one per emitting sequence, plus each guess's chance of being kept);
+        ``num_passes``: the draft passes run so far for ``num_drafting`` sequences,
+        the first one of ``catch_up_rows``.
+
+        A sequence goes on when the tokens another guess may add (its chance times the
+        acceptance ``a``) are worth, at the step's rate so far, the seconds they add:
+        one more row of the step and its share of one more pass, shared among those
+        that go on. Everyone goes on until the costs are fitted."""
+        step = self.step_cost(num_batched_tokens)
+        drafted = self.guessing_cost(num_passes, num_drafting, catch_up_rows)
+        if step is None or drafted is None or not self.pays_per_guess:
+            return [True] * len(chances)
+        row = self.step_cost(num_batched_tokens + 1) - step
+        rate = expected_tokens / (step + drafted)
+        going = [i for i in range(len(chances)) if chances[i] > 0]
+        while going:
+            share = self._draft_passes.cost(len(going)) / len(going)
+            worth = [i for i in going if chances[i] * self.acceptance > rate * (row + share)]
+            if len(worth) == len(going):
+                break
+            going = worth
+        kept = set(going)
+        return [i in kept for i in range(len(chances))]
+
     def explore_interval(self, num_batched_tokens: int, measuring_rows: int = 1) -> int:
         """Steps without guesses before a measuring step: ``EXPLORE_EVERY``, or for a draft
         model whose measuring pass runs ``measuring_rows`` rows, enough steps of
