@@ -31,7 +31,7 @@ machine (CPU model and flags: every figure belongs to it).
         [--workloads grounded,agentic,bench] [--single 16] [--requests 64]
         [--dtype float32 --quantization none]  # the target
         [--draft-model default --draft-quantization auto|q4_0 --draft-dtype auto
-         --draft-activation-quantization int8]  # draft_model's draft
+         --draft-activation-quantization int8 --draft-vocab-size N]  # draft_model's draft
 
 The quantized self-draft: ``--dtype float32 --quantization none --methods draft_model``
 (the target is the default model expanded to float32; the draft its own blocks with
@@ -164,6 +164,8 @@ def spec_config(method: str, args: argparse.Namespace) -> dict | None:
             dtype=args.draft_dtype,
             activation_quantization=args.draft_activation_quantization,
         )
+        if args.draft_vocab_size:
+            config["draft_vocab_size"] = args.draft_vocab_size
     return config
 
 
@@ -248,6 +250,7 @@ def main() -> None:
     parser.add_argument("--draft-quantization", default="auto")
     parser.add_argument("--draft-dtype", default="auto")
     parser.add_argument("--draft-activation-quantization", default="int8")
+    parser.add_argument("--draft-vocab-size", type=int, default=None)
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
     # loaded as a speculative engine loads it (GGUF blocks without expanded copies, which

@@ -175,6 +175,8 @@ class DraftGuesses:
     def finished(self, seq: TokenSequence, completed: bool) -> None:
         self._kv.pop(seq.seq_id, None)
         self._confidences.pop(seq.seq_id, None)
+        if self.worker.head is not None:
+            self.worker.head.forget(seq.seq_id)
 
     def catch_up_rows(self, seq: TokenSequence) -> int:
         """Tokens of decoding ``seq`` the draft would run in its first pass: those whose
@@ -202,6 +204,8 @@ class DraftGuesses:
             table[first_written] = copy[1]
             own_blocks = first_written
         table.extend(next(scratch) for _ in range(len(table), last_needed + 1))
+        if self.worker.head is not None:
+            self.worker.head.note(seq)
         return _Drafting(seq, limit, table, start, valid, own_blocks, copy)
 
     def _run(self, group: list[_Drafting]) -> None:
@@ -223,6 +227,7 @@ class DraftGuesses:
                 budget -= take
                 if position + take == end:
                     step.sample_rows.append(len(step.token_ids) - 1)
+                    step.sample_seq_ids.append(drafting.seq.seq_id)
                     sampled.append(drafting)
                 else:
                     later.append((drafting, position + take))
@@ -239,6 +244,7 @@ class DraftGuesses:
                 position = drafting.start + len(drafting.token_ids)
                 self._add(step, drafting, drafting.token_ids[-1:], position)
                 step.sample_rows.append(len(step.token_ids) - 1)
+                step.sample_seq_ids.append(drafting.seq.seq_id)
             self._draw(going, self._forward(step))
 
     def _going_on(self, group: list[_Drafting], num_passes: int) -> list[_Drafting]:
@@ -260,7 +266,7 @@ class DraftGuesses:
 
     @staticmethod
     def _new_pass() -> DraftPass:
-        return DraftPass([], [], [], [], [], [], [])
+        return DraftPass([], [], [], [], [], [], [], [])
 
     def _forward(self, step: DraftPass) -> torch.Tensor:
         start = time.perf_counter()

@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig, resolve_dtype
+from pagedllm.engine.draft_head import DraftHead
 from pagedllm.engine.model_runner import ModelInput
 from pagedllm.engine.model_worker import make_runner, make_swap_space
 from pagedllm.kv.capacity import draft_scratch_blocks
@@ -78,7 +79,8 @@ class DraftPass:
     """One forward pass of the draft: sequence ``i`` writes ``query_lens[i]`` tokens
     (``token_ids``, ``positions`` and cache ``slots``, sequences concatenated) and reads
     its K/V through ``tables[i]`` (block ids) up to ``seq_lens[i]`` tokens; the logits
-    come back for ``sample_rows`` (indexes into the concatenated tokens)."""
+    come back for ``sample_rows`` (indexes into the concatenated tokens), the rows of
+    sequences ``sample_seq_ids``."""
 
     token_ids: list[int]
     positions: list[int]
@@ -87,6 +89,7 @@ class DraftPass:
     seq_lens: list[int]
     query_lens: list[int]
     sample_rows: list[int]
+    sample_seq_ids: list[int]
 
 
 class DraftWorker:
@@ -118,6 +121,11 @@ class DraftWorker:
         )
         self.runner = make_runner(config, model, self.kv_cache, max_model_len)
         self.swap_space = make_swap_space(config, self.kv_cache, swap_blocks, ".draft")
+        size = config.speculative_config.draft_vocab_size
+        self.head = None
+        if size is not None:
+            vocab = model.config.vocab_size
+            self.head = DraftHead(model.lm_head, size, vocab, model.finish_logits, model.dtype)
 
     @property
     def scratch_block_ids(self) -> range:
@@ -152,4 +160,7 @@ class DraftWorker:
             to_device(torch.zeros(0, dtype=torch.int64)),
             [],
         )
-        return self.runner.forward(batch).logits
+        if self.head is None:
+            return self.runner.forward(batch).logits
+        head, seq_ids = self.head, step.sample_seq_ids
+        return self.runner.forward(batch, lambda hidden: head.logits(hidden, seq_ids)).logits

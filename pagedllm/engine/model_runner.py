@@ -15,6 +15,7 @@ when one was captured for their size (:mod:`pagedllm.engine.cuda_graphs`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,12 +149,18 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> ModelOutput:
-        """The sampling rows' logits and the owed prompt rows' hidden states."""
+    def forward(
+        self,
+        batch: ModelInput,
+        logits_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> ModelOutput:
+        """The sampling rows' logits (the model's, or ``logits_of`` their final hidden
+        states) and the owed prompt rows' hidden states."""
         num_samples, metadata = len(batch.sample_rows), batch.metadata
         if not len(batch.prompt_rows):
-            if self.graphs is not None and self.graphs.can_run(metadata, num_samples):
-                logits = self.graphs.run(batch.input_ids, batch.positions, metadata)
+            graphs = self.graphs if logits_of is None else None
+            if graphs is not None and graphs.can_run(metadata, num_samples):
+                logits = graphs.run(batch.input_ids, batch.positions, metadata)
                 return ModelOutput(logits, logits.new_empty(0))
             rows = batch.sample_rows
         else:
@@ -162,5 +169,5 @@ class ModelRunner:
         if stack is not None and stack.attn.routes_to_sdpa(metadata):
             stack = None  # the C++ stack runs the paged kernel only
         hidden = self.model(batch.input_ids, batch.positions, self.attn, metadata, rows, stack)
-        logits = self.model.compute_logits(hidden[:num_samples])
+        logits = (logits_of or self.model.compute_logits)(hidden[:num_samples])
         return ModelOutput(logits, hidden[num_samples:])

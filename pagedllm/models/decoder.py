@@ -484,7 +484,12 @@ class CausalDecoder(nn.Module):
             logits = self.parallel.gather_columns(logits)
             if logits is None:
                 return None
-        logits = logits[:, : c.vocab_size]
+        return self.finish_logits(logits[:, : c.vocab_size])
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 products made logits: divided by ``logits_divisor`` and
+        soft-capped as the config says (elementwise, any shape)."""
+        c = self.config
         if c.logits_divisor != 1.0:
             logits = logits / c.logits_divisor
         if c.final_logit_softcap:

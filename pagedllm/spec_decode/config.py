@@ -35,7 +35,13 @@ _KEYS = {
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
     },
-    SpeculativeMethod.DRAFT_MODEL: {"model", "quantization", "dtype", "activation_quantization"},
+    SpeculativeMethod.DRAFT_MODEL: {
+        "model",
+        "quantization",
+        "dtype",
+        "activation_quantization",
+        "draft_vocab_size",
+    },
 }
 _COMMON_KEYS = {"method", "num_speculative_tokens", "adaptive_draft_length"}
 
@@ -55,6 +61,9 @@ class SpeculativeConfig:
     its ``quantization`` (``auto``, ``none``, ``int8``: as the engine's knob), ``dtype``
     (``auto``, ``float32``, ``bfloat16``) and ``activation_quantization`` (``none``,
     ``int8``); unset: ``auto``, ``auto`` and ``none``, whatever the target's are.
+    ``draft_vocab_size`` (not a vLLM key for this method): the draft scores only the
+    first this many token ids and each sequence's own tokens
+    (:mod:`pagedllm.engine.draft_head`); unset: the whole vocabulary.
     ``adaptive_draft_length`` (on by default; not a vLLM key): off, every proposal is
     run in full whatever it costs, as vLLM does."""
 
@@ -71,6 +80,7 @@ class SpeculativeConfig:
     quantization: str | None = None
     dtype: str | None = None
     activation_quantization: str | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -89,6 +99,11 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
                 f"got {low} and {high}"
+            )
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"speculative_config: draft_vocab_size must be a positive integer, got {size!r}"
             )
         if self.method is SpeculativeMethod.DRAFT_MODEL and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs a 'model'")
