@@ -32,6 +32,11 @@ every ``EXPLORE_EVERY`` steps without guesses (a draft model: at most ``EXPLORE_
 time in its measuring passes), it guesses one token for some sequences
 (one in ``MEASURING_SHARE``), every other step while the fit has no slope, so the
 acceptance keeps being measured and the slope follows the load, at little cost.
+
+Where a draft model guesses, it is asked for full-length guesses and stops each
+sequence between its passes by :meth:`DraftLengthPolicy.keep_guessing`: another guess
+must be worth, at the step's rate so far, the row and the share of a pass it adds, given
+the chance (from the draft's confidence) that the guesses before it are all kept.
 """
 
 from __future__ import annotations
@@ -283,19 +288,18 @@ class DraftLengthPolicy:
         proposal_lengths: Sequence[int],
         num_batched_tokens: int,
         num_emitting: int,
-        catch_up_rows: int | None = None,
     ) -> int:
         """The guess length for this step, for proposals made within
         :meth:`most_worth_guessing`: at most ``max_tokens``; a sequence whose proposal
         is shorter guesses its whole proposal. ``proposal_lengths``: per decoding
         sequence with a proposal; ``num_batched_tokens``: the step's tokens without
         guesses (one per decoding sequence, plus prefill chunks); ``num_emitting``: the
-        sequences that get a token from it without guesses; ``catch_up_rows``: a draft
-        model's first pass."""
+        sequences that get a token from it without guesses. (A draft model's guesses are
+        cut between its passes instead: :meth:`keep_guessing`.)"""
         unfitted = self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None
         if not proposal_lengths or unfitted:
             return min(1, max(proposal_lengths, default=0))
-        return self._best(proposal_lengths, num_batched_tokens, num_emitting, catch_up_rows)
+        return self._best(proposal_lengths, num_batched_tokens, num_emitting)
 
     def _best(
         self,
