@@ -161,9 +161,8 @@ class DraftGuesses:
             for drafting in group:
                 self._remember(drafting)
                 probs = torch.stack(drafting.probs) if drafting.probs else None
-                guess = Guess(drafting.token_ids, probs, drafting.confidences)
                 self._confidences[drafting.seq.seq_id] = drafting.confidences
-                proposals.append((drafting.seq, guess))
+                proposals.append((drafting.seq, Guess(drafting.token_ids, probs)))
         return proposals
 
     def verified(self, seq: TokenSequence, num_drafted: int, num_accepted: int) -> None:

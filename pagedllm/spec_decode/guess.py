@@ -12,15 +12,12 @@ class Guess:
     """Tokens guessed to follow a sequence, in order. ``probs`` ``[len(token_ids),
     vocab]`` (float32, each row normalised): the distribution each token was drawn
     from, for rejection sampling; None when they were proposed with certainty (n-grams,
-    suffix trees, a draft's argmax). ``confidences``: a draft model's probability of its
-    most likely token at each guess's position (None for host proposers)."""
+    suffix trees, a draft's argmax)."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
-    confidences: list[float] | None = None
 
     def truncated(self, length: int) -> Guess:
-        """The first ``length`` tokens (and their distributions and confidences)."""
+        """The first ``length`` tokens (and their distributions)."""
         probs = None if self.probs is None else self.probs[:length]
-        confidences = None if self.confidences is None else self.confidences[:length]
-        return Guess(self.token_ids[:length], probs, confidences)
+        return Guess(self.token_ids[:length], probs)
