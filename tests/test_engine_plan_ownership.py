@@ -67,7 +67,7 @@ def test_runner_tables_equal_the_block_managers_through_forks_and_preemption(tin
             if item.seq.seq_id not in engine.block_manager:
                 continue  # finished in this step
             held = engine.block_manager.block_table(item.seq.seq_id)
-            runner = engine.runner.block_tables.gather([item.seq.seq_id], len(held))
+            runner = engine.runner.group_tables[0].gather([item.seq.seq_id], len(held))
             assert np.array_equal(runner[0], held)
     assert saw_swap_copies and saw_cow and saw_swap_in
     assert engine.block_manager.pool.num_used == 0

@@ -155,12 +155,16 @@ def test_preemption_under_a_tiny_pool_keeps_the_tokens(mistral, mode):
         assert stats.swap.used_blocks == 0
 
 
-def test_a_model_with_a_global_layer_keeps_every_block(tmp_path):
-    """Qwen2 with windows on its upper layer only: the lower layer reads everything."""
+def test_a_model_with_a_global_layer_keeps_every_block_in_that_layers_group(tmp_path):
+    """Qwen2 with windows on its upper layer only: the lower layer's group reads and
+    keeps everything, the upper layer's group its window (KV layer groups; more in
+    tests/test_engine_layer_groups.py)."""
     write_random_checkpoint(
         tmp_path, "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1
     )
     engine = tiny_engine(load_model(str(tmp_path)), 64, block_size=BLOCK)
     assert engine.block_manager.sliding_window is None
+    assert engine.block_manager.windows == (None, 16)
     _, seen = run(engine, [prompt(20, 3)], [greedy(60)])
-    assert max(held for held, _ in seen) == math.ceil(80 / BLOCK)
+    window_blocks = max_window_blocks(16, 1, BLOCK)
+    assert max(held for held, _ in seen) == math.ceil(80 / BLOCK) + window_blocks

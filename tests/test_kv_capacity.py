@@ -27,10 +27,12 @@ from pagedllm.kv.capacity import (
     block_bytes,
     blocks_for_tokens,
     cdiv,
+    grouped_worst_case_blocks,
     max_window_blocks,
     pool_blocks,
     request_worst_case_blocks,
 )
+from pagedllm.kv.layer_groups import group_layers
 from pagedllm.kv_storage.kv_quant import resolve_kv_format
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import load_model
@@ -249,8 +251,10 @@ def test_the_planner_sizes_preset_pools_as_the_engine_does(name, block_size, kv_
     )
     per_block = block_bytes(model.num_layers, block_size, model.num_kv_heads, row_bytes)
     assert planner_block_bytes(model, block_size, KV_DTYPES[kv_dtype]) == per_block
-    sliding = model.kv_window is not None
-    paged = pool_blocks(budget, per_block, sliding)
+    groups = group_layers(model.sliding_windows, model.num_layers)  # as the engine groups
+    group_block = block_bytes(groups.num_slots, block_size, model.num_kv_heads, row_bytes)
+    sliding = any(window is not None for window in groups.windows)
+    paged = pool_blocks(budget, group_block, sliding)
     assert blocks_per_rank(model, 1, budget, block_size, kv_dtype) == paged
     row = dtype_capacity(model, block_size, budget, Workload(100, 1000), KV_DTYPES[kv_dtype])
     assert row.num_blocks == paged
@@ -263,16 +267,20 @@ def test_the_planner_sizes_preset_pools_as_the_engine_does(name, block_size, kv_
     block_size=st.sampled_from([1, 2, 4, 8, 16]),
     prefix_len=st.integers(0, 200),
     output_len=st.integers(1, 200),
-    window=st.one_of(st.none(), st.integers(1, 100)),
+    windows=st.one_of(
+        st.tuples(st.one_of(st.none(), st.integers(1, 100))),  # one table
+        st.lists(st.one_of(st.none(), st.integers(1, 100)), min_size=2, max_size=4).map(tuple),
+    ),
 )
 def test_the_planners_sequences_are_the_largest_request_that_fits(
-    num_blocks, block_size, prefix_len, output_len, window
+    num_blocks, block_size, prefix_len, output_len, windows
 ):
-    """``max_seqs_paged`` is the most samples of one request that fit, decoding."""
-    fits = max_seqs_paged(num_blocks, block_size, prefix_len + output_len, prefix_len, window)
+    """``max_seqs_paged`` is the most samples of one request that fit, decoding, over one
+    table or a table per KV layer group."""
+    fits = max_seqs_paged(num_blocks, block_size, prefix_len + output_len, prefix_len, windows)
 
     def worst(n: int) -> int:
-        return request_worst_case_blocks(prefix_len, output_len, n, block_size, window=window)
+        return grouped_worst_case_blocks(prefix_len, output_len, n, block_size, windows)
 
     assert fits == 0 or worst(fits) <= num_blocks
     assert worst(fits + 1) > num_blocks

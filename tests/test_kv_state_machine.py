@@ -261,8 +261,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         end = len(shadow.tokens) if count is None else shadow.num_committed + count
         released = self.manager.commit_tokens(seq_id, shadow.tokens[shadow.num_committed : end])
         shadow.num_committed = end
-        assert released == range(num_null, self.manager.live_from(shadow.num_committed))
-        event("window released blocks" if released else "nothing released")
+        assert released == [range(num_null, self.manager.live_from(shadow.num_committed))]
+        event("window released blocks" if released[0] else "nothing released")
         self.record_cached_blocks(held)
 
     def record_cached_blocks(self, block_ids):

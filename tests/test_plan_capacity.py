@@ -23,6 +23,7 @@ from pagedllm.plan.capacity import (
     dtype_capacity,
     hidden_size_estimate,
     kv_bytes_per_token,
+    layer_groups,
     max_seqs_contiguous,
     max_seqs_paged,
     memory_budget,
@@ -123,13 +124,13 @@ def test_a_sliding_window_bounds_the_blocks_a_sequence_holds():
     # a 4,096-token window over blocks of 16: at most 257 blocks (4,096 + 15 positions)
     assert request_worst_case_blocks(0, 32768, 1, 16, window=4096) == 257
     assert request_worst_case_blocks(0, 1000, 1, 16, window=4096) == 63
-    assert max_seqs_paged(1000, 16, 32768, window=4096) == 3
+    assert max_seqs_paged(1000, 16, 32768, windows=(4096,)) == 3
     assert max_seqs_paged(1000, 16, 32768) == 0
     # the prefix's 10 full blocks are shared; each sequence's own blocks, at most 257 of
     # them, run from block 10 to its last: 253 blocks at 4,200 tokens, the window's 257
     # at 8,192
-    assert max_seqs_paged(257 + 253 * 2, 16, 4200, 160, 4096) == 3
-    assert max_seqs_paged(257 * 3, 16, 8192, 160, 4096) == 3
+    assert max_seqs_paged(257 + 253 * 2, 16, 4200, 160, (4096,)) == 3
+    assert max_seqs_paged(257 * 3, 16, 8192, 160, (4096,)) == 3
     plan = resolve_model("mistral-7b").config
     assert plan.kv_window == 4096
     row = dtype_capacity(plan, 16, 10 * 2**30, Workload(32768, 32768), KV_DTYPES["bfloat16"])
@@ -218,7 +219,11 @@ def smollm2_variant(**hf_fields) -> ModelConfig:
 ONE_KV_HEAD = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 1}
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# Gemma 3's layers have four norms and q/k norms, and its one KV head does not split
+LLAMA_LIKE = sorted(n for n in PRESETS if PRESETS[n].hf_config["model_type"] != "gemma3_text")
+
+
+@pytest.mark.parametrize("name", LLAMA_LIKE)
 def test_the_shape_count_matches_the_published_sizes_on_one_device(name):
     config = resolve_model(name).config
     whole = llama_like_parameters(
@@ -227,7 +232,7 @@ def test_the_shape_count_matches_the_published_sizes_on_one_device(name):
     assert rank_parameters(config, 1) == (whole,) == (PRESETS[name].num_parameters,)
 
 
-@pytest.mark.parametrize("name", sorted(set(PRESETS) - {"smollm2-135m"}))
+@pytest.mark.parametrize("name", sorted(set(LLAMA_LIKE) - {"smollm2-135m"}))
 def test_two_devices_each_hold_half_of_every_split_tensor_and_every_norm(name):
     config = resolve_model(name).config
     half = llama_like_parameters(
@@ -297,20 +302,22 @@ def test_blocks_per_device_are_the_engine_pool_of_the_rank_with_most_kv_heads(
         layers, 16, device_kv_heads, head_dim, torch.float32, cache_format
     )
     window = config.kv_window
-    assert row.paged_seqs == max_seqs_paged(row.num_blocks, 16, 100, window=window)
-    assert row.paged_seqs_with_prefix == max_seqs_paged(row.num_blocks, 16, 100, 40, window)
+    assert row.paged_seqs == max_seqs_paged(row.num_blocks, 16, 100, windows=(window,))
+    assert row.paged_seqs_with_prefix == max_seqs_paged(row.num_blocks, 16, 100, 40, (window,))
     assert row.contiguous_seqs == engine_blocks // blocks_for_tokens(1000, 16)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_one_device_keeps_the_whole_model_pool(name):
+    """A block holds one KV layer group's layers (every layer but for Gemma 3)."""
     config = resolve_model(name).config
     budget = 3 * 10**9 + 1
+    groups = layer_groups(config)
     per_block = bytes_per_block(
-        config.num_layers, 16, config.num_kv_heads, config.head_dim, torch.float32
+        groups.num_slots, 16, config.num_kv_heads, config.head_dim, torch.float32
     )
     engine_blocks = pool_blocks(budget, per_block)
-    null_blocks = config.kv_window is not None
+    null_blocks = any(window is not None for window in groups.windows)
     assert blocks_per_rank(config, 1, budget, 16) == engine_blocks - null_blocks
     workload = Workload(100, 1000)
     row = dtype_capacity(config, 16, budget, workload, KV_DTYPES["float32"], 1)
@@ -325,3 +332,18 @@ def test_a_model_the_partition_refuses_has_no_per_device_figures(size):
         rank_parameters(config, size)
     with pytest.raises(PartitionError):
         blocks_per_rank(config, size, 10**9, 16)
+
+
+def test_gemma3_is_planned_as_the_engine_keeps_it():
+    """Gemma-3-1B: 7 KV layer groups of 4 layers (one global, six sliding over 512
+    tokens), so at 8k tokens a sequence holds 512 global blocks and a window per sliding
+    group, each of 4 layers: about 4.8x the sequences of one table for every layer."""
+    config = resolve_model("gemma-3-1b").config
+    assert layer_groups(config).windows == (None,) + (512,) * 6
+    workload = Workload(8192, 8192)
+    row = dtype_capacity(config, 16, 4 << 30, workload, KV_DTYPES["bfloat16"])
+    one_table = layer_groups(config, one_table=True)
+    assert one_table.windows == (None,) and one_table.num_slots == 26
+    assert row.block_bytes == 2 * 4 * 16 * 256 * 2
+    assert row.contiguous_seqs == (4 << 30) // (2 * 26 * 16 * 256 * 2) // 512
+    assert row.paged_seqs > 4 * row.contiguous_seqs

@@ -29,6 +29,10 @@ class AttentionMetadata:
     - ``seq_lens`` ``[num_seqs]``: tokens of each sequence after this step's writes.
     - ``query_start_loc`` ``[num_seqs + 1]``: cumulative query lengths, starting at 0.
     - ``max_query_len``, ``max_seq_len``: host-side maxima of the above, in tokens.
+    - ``more_groups``: with KV layer groups (:mod:`pagedllm.kv.layer_groups`), the
+      metadata of groups 1, 2, ... (this is group 0's): their own ``slot_mapping`` and
+      ``block_tables``, the same sequences, lengths and queries; ``layer_groups``: each
+      layer's group (empty: every layer in group 0).
     """
 
     slot_mapping: torch.Tensor
@@ -37,6 +41,18 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    more_groups: tuple[AttentionMetadata, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV layer group ``group`` attends with."""
+        return self if group == 0 else self.more_groups[group - 1]
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer ``layer_idx`` attends with: its KV layer group's."""
+        if not self.more_groups:
+            return self
+        return self.for_group(self.layer_groups[layer_idx])
 
     @property
     def num_seqs(self) -> int:

@@ -50,42 +50,51 @@ class PagedAttentionBackend:
             if reason is not None:
                 raise ValueError(f"SDPA prefill cannot run here: {reason}")
         self.sdpa_min_rows = sdpa_min_rows
-        self._source: tuple[torch.Tensor | None, ...] = (None,) * 4
-        self._prepared: tuple[torch.Tensor, ...] = ()
-        self._split: StepSplit | None = None
+        self._prepared: dict[int, _Prepared] = {}  # by the id of a step's block tables
 
-    def kernel_metadata(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
-        """Kernel-ready metadata, converted once per step. A step's tensors are not
-        modified in place between its layers."""
+    def _prepare(self, metadata: AttentionMetadata) -> _Prepared:
+        """Kernel-ready metadata, converted once per step and KV layer group. A step's
+        tensors are not modified in place between its layers."""
         source = (
             metadata.slot_mapping,
             metadata.block_tables,
             metadata.seq_lens,
             metadata.query_start_loc,
         )
-        if any(a is not b for a, b in zip(source, self._source, strict=True)):
+        if any(p.source[2] is not metadata.seq_lens for p in self._prepared.values()):
+            self._prepared.clear()  # a new step (its groups share their lengths)
+        prepared = self._prepared.get(id(metadata.block_tables))
+        if prepared is None or any(
+            a is not b for a, b in zip(source, prepared.source, strict=True)
+        ):
             slot_mapping, block_tables, seq_lens, query_start_loc = source
-            self._prepared = (
+            tensors = (
                 slot_mapping.to(torch.int64).contiguous(),
                 block_tables.to(torch.int32).contiguous(),
                 seq_lens.to(torch.int32).contiguous(),
                 query_start_loc.to(torch.int32).contiguous(),
             )
-            self._source = source
-            self._split = self._split_step(metadata)
-        return self._prepared
+            prepared = _Prepared(source, tensors, self._split_step(metadata, tensors))
+            self._prepared[id(metadata.block_tables)] = prepared
+        return prepared
+
+    def kernel_metadata(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """Slot mapping (int64), block tables, sequence lengths and query starts (int32),
+        contiguous, converted once per step."""
+        return self._prepare(metadata).tensors
 
     def routes_to_sdpa(self, metadata: AttentionMetadata) -> bool:
         """Whether some sequence of this step attends through SDPA."""
-        self.kernel_metadata(metadata)
-        return self._split is not None
+        return self._prepare(metadata).split is not None
 
-    def _split_step(self, metadata: AttentionMetadata) -> StepSplit | None:
+    def _split_step(
+        self, metadata: AttentionMetadata, tensors: tuple[torch.Tensor, ...]
+    ) -> StepSplit | None:
         """The step's SDPA chunks and the paged kernel's share of it; ``None`` when every
         row runs paged."""
         if self.sdpa_min_rows is None or metadata.max_query_len < self.sdpa_min_rows:
             return None
-        _, block_tables, seq_lens, starts = self._prepared
+        _, block_tables, seq_lens, starts = tensors
         bounds, lengths = starts.tolist(), seq_lens.tolist()
         block_size = self.kv_cache.block_size
         chunks, paged = [], []
@@ -116,7 +125,8 @@ class PagedAttentionBackend:
     ) -> torch.Tensor:
         """See :class:`~pagedllm.attention.backend.AttentionBackend`; ``k``, ``v`` are
         stored in the cache's format, the output has ``q``'s dtype."""
-        slot_mapping, block_tables, seq_lens, query_start_loc = self.kernel_metadata(metadata)
+        prepared = self._prepare(metadata)
+        slot_mapping, block_tables, seq_lens, query_start_loc = prepared.tensors
         self.write(layer_idx, k, v, slot_mapping)
         keys, values = self.kv_cache.key(layer_idx), self.kv_cache.value(layer_idx)
         if self.kv_cache.compact is not None:
@@ -133,7 +143,7 @@ class PagedAttentionBackend:
         query = q if q.dtype == torch.float32 or same_bf16 else q.float()
         query = query.contiguous()
         out = torch.empty_like(query)
-        split = self._split if options.logit_softcap is None else None
+        split = prepared.split if options.logit_softcap is None else None
         if split is None:
             tables = (block_tables, seq_lens, query_start_loc)
             self._paged(out, query, keys, values, tables, options)
@@ -230,6 +240,16 @@ def sdpa_refusal(kv_cache: KVCache) -> str | None:
     if not fast_kernel_takes(kv_cache):
         return "the C++ paged kernel, which runs the other rows, does not take this cache"
     return None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One step's metadata of one KV layer group as given (``source``), converted for
+    the kernels (``tensors``), and its SDPA ``split``."""
+
+    source: tuple[torch.Tensor, ...]
+    tensors: tuple[torch.Tensor, ...]
+    split: StepSplit | None
 
 
 @dataclass(frozen=True)

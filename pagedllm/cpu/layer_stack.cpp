@@ -131,6 +131,7 @@ struct Layer {
   at::Tensor input_norm, post_attention_norm, k_cache, v_cache;
   double scale, logit_softcap;
   int64_t sliding_window;
+  int64_t kv_group;  // whose slot mapping and block tables it writes and reads
   std::vector<Matrix> matrices;  // qkv, o, gate_up, down
   std::optional<CompactBlocks> compact;
 };
@@ -146,13 +147,15 @@ struct LayerStack : torch::CustomClassHolder {
              at::Tensor sin)
       : num_q_heads(num_q_heads), num_kv_heads(num_kv_heads), eps(eps), cos(cos), sin(sin) {}
 
-  // Appends a layer: its two norms' weights, its K/V caches and attention options.
+  // Appends a layer: its two norms' weights, its K/V caches, attention options and KV
+  // layer group (the index of its slot mapping and block tables in forward's lists).
   // Its four matrices follow through add_matrix.
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor k_cache,
-                 at::Tensor v_cache, double scale, int64_t sliding_window,
-                 double logit_softcap) {
+                 at::Tensor v_cache, double scale, int64_t sliding_window, double logit_softcap,
+                 int64_t kv_group) {
+    TORCH_CHECK(kv_group >= 0, "LayerStack: a KV layer group is >= 0, got ", kv_group);
     layers.push_back({input_norm, post_attention_norm, k_cache, v_cache, scale, logit_softcap,
-                      sliding_window, {}, std::nullopt});
+                      sliding_window, kv_group, {}, std::nullopt});
   }
 
   // The last layer added also reads compact 4-bit blocks: its attention runs the by-age
@@ -191,14 +194,21 @@ struct LayerStack : torch::CustomClassHolder {
 
   // Runs every layer over `hidden` [T, hidden_size] (updated in place, returned); with
   // `output_rows` (int64), the last layer keeps only those rows after attention, as the
-  // Python layers do.
-  at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
-                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc,
+  // Python layers do. `slot_mappings` and `block_tables` hold each KV layer group's.
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions,
+                     std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc,
                      std::optional<at::Tensor> output_rows) {
     PhaseClock clock(profiling ? &phase_seconds : nullptr);
+    TORCH_CHECK(slot_mappings.size() == block_tables.size(),
+                "LayerStack: a slot mapping and block tables per KV layer group");
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
       TORCH_CHECK(layer.matrices.size() == 4, "LayerStack: layer ", i, " lacks matrices");
+      TORCH_CHECK(static_cast<size_t>(layer.kv_group) < block_tables.size(), "LayerStack: layer ",
+                  i, "'s KV layer group ", layer.kv_group, " has no block tables");
+      const at::Tensor& slot_mapping = slot_mappings[layer.kv_group];
+      const at::Tensor& tables = block_tables[layer.kv_group];
       const Matrix &qkv_proj = layer.matrices[0], &o_proj = layer.matrices[1],
                    &gate_up_proj = layer.matrices[2], &down_proj = layer.matrices[3];
       at::Tensor normed = ops::rms_norm(hidden, layer.input_norm, eps);
@@ -209,7 +219,7 @@ struct LayerStack : torch::CustomClassHolder {
       clock.lap(Phase::kRotary);
       ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
       clock.lap(Phase::kWriteKV);
-      at::Tensor attended = attend(layer, q, block_tables, seq_lens, query_start_loc);
+      at::Tensor attended = attend(layer, q, tables, seq_lens, query_start_loc);
       clock.lap(Phase::kAttention);
       if (i + 1 == layers.size() && output_rows.has_value()) {
         hidden = hidden.index_select(0, *output_rows);

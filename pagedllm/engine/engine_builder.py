@@ -38,7 +38,7 @@ from pagedllm.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pagedllm.engine.draft_worker import DraftWorker, draft_block_bytes, load_draft
 from pagedllm.engine.memory_profile import profile_memory
 from pagedllm.engine.model_runner import ModelRunner
-from pagedllm.engine.model_worker import ModelWorker, make_kv_cache
+from pagedllm.engine.model_worker import ModelWorker, layer_groups_for, make_kv_cache
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.tensor_parallel.executor import TensorParallelExecutor
 from pagedllm.engine.tensor_parallel.worker import WorkerSetup, shared_settings
@@ -47,11 +47,13 @@ from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import (
     draft_scratch_blocks,
     full_blocks_wanted,
+    longest_sequence,
     pool_blocks,
     recent_blocks,
     split_by_age,
     swap_split,
 )
+from pagedllm.kv.layer_groups import KVLayerGroups
 from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.kv_tiers.build import make_tiered_cache
@@ -115,13 +117,19 @@ def build_engine(
     if kv_budget is None:
         kv_budget = _profiled_kv_budget(config, model)
     # With every layer sliding, blocks out of the window go back to the pool, and the
-    # cache keeps one block more than the pool for the tables' null entries.
+    # cache keeps one block more than the pool for the tables' null entries; with layers
+    # of several kinds, each kind's group of layers keeps its own tables (and sliding
+    # groups give blocks back).
     contiguous = config.kv_allocation is KVAllocation.CONTIGUOUS
-    window = None if contiguous else model.layer_config.kv_window
+    groups = layer_groups_for(config, model)
+    window = groups.windows[0] if groups.num_groups == 1 else None
+    slides = any(w is not None for w in groups.windows)
+    if groups.num_groups > 1:
+        _check_layer_groups(config, groups)
     draft = _load_draft(config, loaded, window)
     if config.speculative_config is not None:
         _warn_if_batch_variant(model)
-    block_bytes = _block_bytes(config, model)
+    block_bytes = _block_bytes(config, model, groups.num_slots)
     pool_budget, num_scratch = kv_budget, 0
     if draft is not None:  # the draft's K/V ride in the same blocks, scratch beside them
         draft_bytes = draft_block_bytes(draft, config.block_size)
@@ -140,9 +148,11 @@ def build_engine(
     if config.kv_cache_dtype.by_age:
         num_blocks, num_compact = _split_by_age(config, model, pool_budget, block_bytes, window)
     else:
-        num_blocks = pool_blocks(pool_budget, block_bytes, window is not None)
+        num_blocks = pool_blocks(pool_budget, block_bytes, slides)
     model_limit = loaded.config.max_position_embeddings
-    max_model_len = _max_model_len(config, model_limit, num_blocks, kv_budget, num_compact)
+    max_model_len = _max_model_len(
+        config, model_limit, num_blocks, kv_budget, num_compact, groups.windows
+    )
     block_manager = BlockManager(
         num_blocks,
         config.block_size,
@@ -152,11 +162,14 @@ def build_engine(
         sliding_window=window,
         num_compact_blocks=num_compact,
         recent_tokens=config.kv_recent_tokens if num_compact else None,
+        group_windows=groups.windows if groups.num_groups > 1 else None,
     )
     _log_pool(block_manager, max_model_len)
+    if groups.num_groups > 1:
+        logger.info("%s", groups.describe())
     # the cache keeps a null block past the pool's for a window's released entries, and
     # to start the ids of compact blocks after it
-    cache_blocks = num_blocks + (window is not None or num_compact > 0)
+    cache_blocks = num_blocks + (slides or num_compact > 0)
     swap_blocks, swap_compact = _swap_blocks(config, model, block_bytes, num_blocks, num_compact)
     worker = ModelWorker(
         config,
@@ -316,11 +329,30 @@ def _profiled_kv_budget(config: EngineConfig, model: CausalDecoder) -> int:
     return profile.kv_budget
 
 
-def _block_bytes(config: EngineConfig, model: CausalDecoder) -> int:
-    """Bytes of one block over every layer, for this rank's KV heads."""
+def _check_layer_groups(config: EngineConfig, groups: KVLayerGroups) -> None:
+    """Refuse what does not run over KV layer groups yet, naming the way out."""
+    spec = config.speculative_config
+    unsupported = {
+        "kv_cache_dtype": config.kv_cache_dtype.by_age,
+        "kv_tier_memory": config.has_tiers,
+        "speculative_config": spec is not None and spec.method is SpeculativeMethod.DRAFT_MODEL,
+    }
+    refused = [name for name, bad in unsupported.items() if bad]
+    if refused:
+        raise ValueError(
+            f"this model's layers attend in {groups.num_groups} ways and keep a block table "
+            f"per kind (kv_layer_groups); not with "
+            + ", ".join(f"{name}={getattr(config, name)!r}" for name in refused)
+            + " for now. Set kv_layer_groups=False to keep one table for every layer"
+        )
+
+
+def _block_bytes(config: EngineConfig, model: CausalDecoder, num_layers: int) -> int:
+    """Bytes of one block over ``num_layers`` layers (a KV layer group's slots), for this
+    rank's KV heads."""
     mc = model.layer_config
     return bytes_per_block(
-        mc.num_layers,
+        num_layers,
         config.block_size,
         mc.num_kv_heads,
         mc.head_dim,
@@ -360,18 +392,25 @@ def _compact_block_bytes(config: EngineConfig, model: CausalDecoder) -> int:
 
 
 def _max_model_len(
-    config: EngineConfig, model_limit: int, num_blocks: int, kv_budget: int, num_compact: int = 0
+    config: EngineConfig,
+    model_limit: int,
+    num_blocks: int,
+    kv_budget: int,
+    num_compact: int = 0,
+    windows: tuple[int | None, ...] = (None,),
 ) -> int:
     """``max_model_len`` as configured, or the model's limit capped by the slots one
     normal-priority request can ever hold (the pool less the reserve, and the compact
-    blocks where its full-size ones hold the recent window of a whole step); ValueError
-    when the configured one exceeds either, or when the pool cannot hold two tokens."""
+    blocks where its full-size ones hold the recent window of a whole step; over KV
+    layer groups of ``windows``, the sliding groups' windows first); ValueError when the
+    configured one exceeds either, or when the pool cannot hold two tokens."""
     usable = num_blocks - num_reserved_blocks(num_blocks, config.reserved_fraction)
-    if num_compact:
-        step = config.max_num_batched_tokens
-        if usable >= recent_blocks(config.kv_recent_tokens, step, config.block_size):
-            usable += num_compact
-    fits = usable * config.block_size
+    step = config.max_num_batched_tokens
+    if num_compact and usable >= recent_blocks(config.kv_recent_tokens, step, config.block_size):
+        usable += num_compact
+    fits = longest_sequence(usable, config.block_size, windows, step)
+    if fits is None:  # no global group: any length fits
+        fits = model_limit
     requested = config.max_model_len
     if requested is not None and requested > model_limit:
         raise ValueError(
@@ -462,6 +501,9 @@ def _capture_graphs(
         return
     if not model.supports_cuda_graphs:
         logger.info("Decode steps run eagerly: this model's layers cannot be captured")
+        return
+    if len(runner.group_tables) > 1:
+        logger.info("Decode steps run eagerly: the graphs hold one block table per sequence")
         return
     runner.graphs = DecodeGraphs(
         model,

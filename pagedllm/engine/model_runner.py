@@ -15,6 +15,7 @@ when one was captured for their size (:mod:`pagedllm.engine.cuda_graphs`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,7 +62,9 @@ class ModelRunner:
 
     ``device`` is where the model, the cache and the batch tensors live. ``graphs``,
     when given, replays decode-only batches it has captured. The runner never reads the
-    block manager: every sequence's block table arrives as deltas in the plans.
+    block manager: every sequence's block table arrives as deltas in the plans, one per
+    KV layer group (``layer_groups``: each layer's, empty for one group of every layer;
+    :mod:`pagedllm.kv.layer_groups`).
     """
 
     def __init__(
@@ -71,11 +74,15 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device | str = "cpu",
+        layer_groups: tuple[int, ...] = (),
     ):
         self.model = model
         self.attn = attn
         self.block_size = block_size
-        self.block_tables = BlockTableRows(cdiv(max_model_len, block_size))
+        columns = cdiv(max_model_len, block_size)
+        self.layer_groups = layer_groups
+        num_groups = 1 + max(layer_groups, default=0)
+        self.group_tables = [BlockTableRows(columns) for _ in range(num_groups)]
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None
         self.layer_stack: LayerStack | None = None
@@ -83,8 +90,11 @@ class ModelRunner:
     def build_batch(self, plan: SchedulerOutput) -> ModelInput:
         """The plan as one batch; applies its block-table deltas to the runner's
         persistent tables first."""
-        tables = self.block_tables
-        tables.release(plan.released)
+        for tables in self.group_tables:
+            tables.release(plan.released)
+        tables = self.group_tables[0]
+        more_tables = self.group_tables[1:]
+        more_slots: list[list[int]] = [[] for _ in more_tables]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -97,6 +107,12 @@ class ModelRunner:
             seq = item.seq
             if item.new_block_ids:
                 tables.update(seq.seq_id, item.table_start, item.new_block_ids)
+            for group_tables, group_slots, delta in zip(
+                more_tables, more_slots, item.more_groups, strict=True
+            ):
+                if delta.new_block_ids:
+                    group_tables.update(seq.seq_id, delta.table_start, delta.new_block_ids)
+                group_slots.extend(delta.slots)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             owed = seq.prompt_logprob_positions(item.num_tokens)
             if owed:
@@ -117,15 +133,25 @@ class ModelRunner:
         query_start_loc = np.zeros(len(plan.scheduled) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
         max_seq_len = max(seq_lens)
-        block_tables = tables.gather(seq_ids, cdiv(max_seq_len, self.block_size))
+        width = cdiv(max_seq_len, self.block_size)
         metadata = AttentionMetadata(
             slot_mapping=self.to_device(torch.tensor(slots, dtype=torch.int64)),
-            block_tables=self.to_device(torch.from_numpy(block_tables)),
+            block_tables=self.to_device(torch.from_numpy(tables.gather(seq_ids, width))),
             seq_lens=self.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             query_start_loc=self.to_device(torch.from_numpy(query_start_loc)),
             max_query_len=max(query_lens),
             max_seq_len=max_seq_len,
         )
+        metadata.more_groups = tuple(
+            dataclasses.replace(
+                metadata,
+                slot_mapping=self.to_device(torch.tensor(group_slots, dtype=torch.int64)),
+                block_tables=self.to_device(torch.from_numpy(group_tables.gather(seq_ids, width))),
+            )
+            for group_tables, group_slots in zip(more_tables, more_slots, strict=True)
+        )
+        if more_tables:
+            metadata.layer_groups = self.layer_groups
         sample_rows = [
             int(query_start_loc[row + 1]) - 1 - guess
             for row, item in enumerate(plan.scheduled)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.kv.block_manager import BlockManager
-from pagedllm.kv.capacity import recent_blocks, request_worst_case_blocks
+from pagedllm.kv.capacity import grouped_worst_case_blocks, recent_blocks
 from pagedllm.request_errors import InvalidRequestError
 from pagedllm.tokenizer import Tokenizer
 
@@ -81,17 +81,18 @@ class RequestValidator:
     def worst_case_blocks(self, prompt_len: int, max_tokens: int, n: int) -> int:
         """Most blocks a request of ``n`` samples (or beams) of a ``prompt_len``-token
         prompt and up to ``max_tokens`` more tokens each holds at once on this engine:
-        :func:`~pagedllm.kv.capacity.request_worst_case_blocks` under its allocation mode
-        (contiguous: ``max_model_len`` slots up front) and sliding window (a step
-        computes at most ``max_num_batched_tokens`` tokens of a sequence)."""
+        :func:`~pagedllm.kv.capacity.grouped_worst_case_blocks` under its allocation mode
+        (contiguous: ``max_model_len`` slots up front) and the windows of its layer
+        groups (a step computes at most ``max_num_batched_tokens`` tokens of a
+        sequence)."""
         manager = self.block_manager
-        return request_worst_case_blocks(
+        return grouped_worst_case_blocks(
             prompt_len,
             max_tokens,
             n,
             self.config.block_size,
+            manager.windows,
             upfront_tokens=manager.upfront_tokens,
-            window=manager.sliding_window,
             step_tokens=self.config.max_num_batched_tokens,
         )
 

@@ -29,6 +29,11 @@ later query of the sequence reads (:mod:`pagedllm.kv.block_manager`); their entr
 reach the model runner as null entries in the next block-table delta, a swap-out parks
 only the blocks still held, and a swap-in copies back only those inside the window.
 
+With KV layer groups (a model whose layers attend differently,
+:mod:`pagedllm.kv.layer_groups`), every plan entry carries a slot list and a table
+delta per group, a swap-out parks each group's held blocks, and a swap-in restores
+each group's blocks inside its window.
+
 Speculative decoding: a decoding sequence may carry guessed tokens
 (``TokenSequence.draft_token_ids``). The step runs them after its next token, in the
 same allocation call, as far as the token budget and the pool allow (else without
@@ -59,6 +64,16 @@ from pagedllm.kv_tiers.tiered_cache import TieredCache
 
 
 @dataclass
+class GroupDelta:
+    """The slots and block-table delta of one more KV layer group
+    (:mod:`pagedllm.kv.layer_groups`), as :class:`ScheduledSequence` has group 0's."""
+
+    slots: list[int]
+    table_start: int
+    new_block_ids: list[int]
+
+
+@dataclass
 class ScheduledSequence:
     """``num_tokens`` tokens of ``seq``, from ``seq.num_computed_tokens`` on, written at
     ``slots``; ``will_sample`` is True when they reach the end of the sequence, so the step
@@ -68,7 +83,8 @@ class ScheduledSequence:
     Block-table delta for the model runner: logical blocks ``table_start ..`` of the
     sequence now live in physical blocks ``new_block_ids`` (new blocks, a block replaced
     by copy-on-write, null entries of blocks a sliding window released, or the whole
-    table when the sequence starts on a new one).
+    table when the sequence starts on a new one). With KV layer groups these are group
+    0's, and ``more_groups`` holds the others' (groups 1, 2, ...).
     """
 
     seq: TokenSequence
@@ -77,6 +93,7 @@ class ScheduledSequence:
     table_start: int = 0
     new_block_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    more_groups: list[GroupDelta] = field(default_factory=list)
 
     @property
     def num_known_tokens(self) -> int:
@@ -201,7 +218,7 @@ class Scheduler:
         way parallel samples (n > 1) and beam search branch a sequence."""
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_table_blocks_sent = 0
+        child.table_blocks_sent = []
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
 
@@ -229,9 +246,12 @@ class Scheduler:
             return 0
         self._advance(seq, num_accepted)
         released = self.block_manager.rollback(seq.seq_id)
-        if released:  # the runner's entries past the table are stale
-            table_length = len(self.block_manager.block_table(seq.seq_id))
-            seq.num_table_blocks_sent = min(seq.num_table_blocks_sent, table_length)
+        if released and seq.table_blocks_sent:  # the runner's entries past a table are stale
+            manager = self.block_manager
+            seq.table_blocks_sent = [
+                min(sent, len(manager.block_table(seq.seq_id, group)))
+                for group, sent in enumerate(seq.table_blocks_sent)
+            ]
         return released
 
     def _advance(self, seq: TokenSequence, num_tokens: int) -> None:
@@ -244,8 +264,11 @@ class Scheduler:
         released = self.block_manager.commit_tokens(
             seq.seq_id, seq.all_token_ids[start : start + num_tokens]
         )
-        if released:  # the runner's entries from there on are stale
-            seq.num_table_blocks_sent = min(seq.num_table_blocks_sent, released.start)
+        if seq.table_blocks_sent and any(released):  # the runner's entries there are stale
+            seq.table_blocks_sent = [
+                min(sent, gone.start) if gone else sent
+                for sent, gone in zip(seq.table_blocks_sent, released, strict=True)
+            ]
         seq.num_computed_tokens = start + num_tokens
 
     def check_progress(self, plan: SchedulerOutput | None = None) -> None:
@@ -273,8 +296,9 @@ class Scheduler:
                 f"{len(self.running)} are running"
             )
         for seq in self.swapped:
-            parked = cdiv(seq.num_computed_tokens, manager.block_size) - seq.swap_first_block
-            if seq.seq_id in manager or len(seq.swap_block_ids) != max(0, parked):
+            end = cdiv(seq.num_computed_tokens, manager.block_size)
+            parked = sum(max(0, end - first) for first in self._swap_firsts(seq))
+            if seq.seq_id in manager or len(seq.swap_block_ids) != parked:
                 raise AssertionError(
                     f"swapped sequence {seq.seq_id}: {len(seq.swap_block_ids)} parked blocks "
                     f"for {seq.num_computed_tokens} computed tokens from logical block "
@@ -327,7 +351,7 @@ class Scheduler:
     def _free(self, seq: TokenSequence) -> None:
         """Return ``seq``'s blocks to the pool; the runner drops its table next plan."""
         self.block_manager.free(seq.seq_id)
-        seq.num_table_blocks_sent = 0
+        seq.table_blocks_sent = []
         self._released.append(seq.seq_id)
 
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
@@ -350,13 +374,15 @@ class Scheduler:
             compact_end = self._parked_compact_end(seq)
             if not self._append(seq, num_tokens, out, prefix, copied, compact_end=compact_end):
                 break
-            table = manager.block_table(seq.seq_id)
-            first = max(len(prefix.block_ids), manager.num_null_blocks(seq.seq_id))
             end = cdiv(parked, manager.block_size)
-            swap_ids = seq.swap_block_ids
-            out.swap_in.extend(
-                (swap_ids[i - seq.swap_first_block], table[i]) for i in range(first, end)
-            )
+            swap_ids = iter(seq.swap_block_ids)  # group by group
+            for group, parked_from in enumerate(self._swap_firsts(seq)):
+                table = manager.block_table(seq.seq_id, group)
+                group_ids = [next(swap_ids) for _ in range(parked_from, end)]
+                first = max(len(prefix.block_ids), manager.num_null_blocks(seq.seq_id, group))
+                out.swap_in.extend(
+                    (group_ids[i - parked_from], table[i]) for i in range(first, end)
+                )
             # their K/V are back before this plan's forward pass reads any of them
             self._advance(seq, copied)
             self.swap_space.unpark(seq.swap_block_ids)
@@ -366,6 +392,11 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             budget -= num_tokens
         return budget
+
+    @staticmethod
+    def _swap_firsts(seq: TokenSequence) -> list[int]:
+        """The first logical block each KV layer group of swapped ``seq`` parked."""
+        return [seq.swap_first_block, *seq.swap_more_firsts]
 
     def _parked_compact_end(self, seq: TokenSequence) -> int:
         """The compact end of ``seq``'s table when it was parked: its parked compact
@@ -488,12 +519,26 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
         out.block_copies.extend(result.copies)
         out.block_encodes.extend(result.encodes)
-        start = min(seq.num_table_blocks_sent, result.first_changed)
-        new_block_ids = manager.block_ids_from(seq.seq_id, start)
-        seq.num_table_blocks_sent = start + len(new_block_ids)
-        slots = result.slots[parked:] if parked else result.slots
+        sent = seq.table_blocks_sent or [0] * manager.num_groups
+        deltas = []
+        for group, appended in enumerate([result, *result.more_groups]):
+            start = min(sent[group], appended.first_changed)
+            new_block_ids = manager.block_ids_from(seq.seq_id, start, group)
+            sent[group] = start + len(new_block_ids)
+            slots = appended.slots[parked:] if parked else appended.slots
+            deltas.append(GroupDelta(slots, start, new_block_ids))
+        seq.table_blocks_sent = sent
+        first = deltas[0]
         out.scheduled.append(
-            ScheduledSequence(seq, num_tokens, slots, start, new_block_ids, drafts)
+            ScheduledSequence(
+                seq,
+                num_tokens,
+                first.slots,
+                first.table_start,
+                first.new_block_ids,
+                drafts,
+                deltas[1:],
+            )  # fmt: skip
         )
         return True
 
@@ -507,14 +552,18 @@ class Scheduler:
         # nor blocks held up front for later tokens)
         manager = self.block_manager
         num_computed_blocks = cdiv(seq.num_computed_tokens, manager.block_size)
-        first = manager.num_null_blocks(seq.seq_id)
-        block_ids = manager.block_table(seq.seq_id)[first:num_computed_blocks]
+        firsts = [manager.num_null_blocks(seq.seq_id, g) for g in range(manager.num_groups)]
+        block_ids = [  # group by group (KV layer groups)
+            block_id
+            for group, first in enumerate(firsts)
+            for block_id in manager.block_table(seq.seq_id, group)[first:num_computed_blocks]
+        ]
         # compact entries come first and hold committed tokens only
-        num_compact = max(0, manager.compact_end(seq.seq_id) - first)
+        num_compact = max(0, manager.compact_end(seq.seq_id) - firsts[0])
         num_full = len(block_ids) - num_compact
         if self._swaps(seq, num_full, num_compact):
             seq.swap_block_ids = self.swap_space.park(num_full, num_compact)
-            seq.swap_first_block = first
+            seq.swap_first_block, *seq.swap_more_firsts = firsts
             out.swap_out.extend(zip(block_ids, seq.swap_block_ids, strict=True))
             self._free(seq)
             seq.status = SequenceStatus.SWAPPED

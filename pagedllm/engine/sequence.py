@@ -95,12 +95,16 @@ class TokenSequence:
     finished_time: float | None = None
     stop_reason: int | str | None = None
     # Swap blocks parked for logical blocks swap_first_block .. of the preempted table
-    # (its compact blocks first, in swap blocks of their kind).
+    # (its compact blocks first, in swap blocks of their kind); with KV layer groups,
+    # then those of groups 1, 2, ..., each from logical block swap_more_firsts[g - 1] on
+    # (every group's run ends with the computed tokens' last block).
     swap_block_ids: list[int] = field(default_factory=list)
     swap_first_block: int = 0
-    # Leading block-table entries the model runner holds for this sequence; 0 whenever
-    # the sequence (re)starts on a new table, so its next plan sends the whole table.
-    num_table_blocks_sent: int = 0
+    swap_more_firsts: list[int] = field(default_factory=list)
+    # Leading block-table entries the model runner holds for this sequence, one count
+    # per KV layer group; empty (none) whenever the sequence (re)starts on new tables,
+    # so its next plan sends them whole.
+    table_blocks_sent: list[int] = field(default_factory=list)
     # Prompt positions 0.. whose next-token logprobs were computed (prompt_logprobs);
     # a recompute never computes them twice.
     num_prompt_logprob_positions: int = 0

@@ -56,6 +56,16 @@ others still read it, stays theirs until they pass it too and take its twin
 the window of its first computed token, so a cached prompt is read at the precision a
 cold one would be.
 
+Layer groups (``group_windows``, :mod:`pagedllm.kv.layer_groups`): a model whose layers
+attend differently keeps one table per group of layers for each sequence, over the one
+pool. The groups share the sequence's tokens, its committed count and its hash chain;
+each group releases what its own window leaves behind (a global group nothing), and a
+block is cached under its content key qualified by its group
+(:func:`~pagedllm.kv.prefix_hash.group_key`). An allocation takes the blocks of every
+group or none; a prefix-cache hit is the longest prefix every group can serve (for a
+sliding group, with its blocks inside the window of the first computed token cached).
+Compact blocks keep one table only.
+
 A swap-in (``num_restored`` tokens copied back, ``restored_compact_end`` the parked
 table's ``compact_end``) brings every parked block back in its own kind: the logical
 blocks before ``restored_compact_end`` get compact blocks (their compact bytes are
@@ -76,7 +86,7 @@ from pagedllm.kv.block_pool import BlockPool, BlockPoolStats, OutOfBlocksError
 from pagedllm.kv.block_table import AppendResult, BlockTable
 from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.fragmentation import FragmentationStats
-from pagedllm.kv.prefix_hash import BlockKey, PrefixHasher, iter_block_keys
+from pagedllm.kv.prefix_hash import BlockKey, PrefixHasher, group_key, iter_block_keys
 
 SeqId = int | str
 
@@ -85,23 +95,37 @@ SeqId = int | str
 class CachedPrefix:
     """A hit from :meth:`BlockManager.find_cached_prefix`, valid until blocks are allocated.
 
-    ``block_ids``/``keys``: the cached full blocks covering the first ``num_tokens`` tokens
-    of a ``num_prompt_tokens``-token prompt, of which the first ``num_null_blocks`` are
-    null entries (out of a sliding window: not needed, maybe not cached); ``extra_keys``
+    ``tables[g]``: layer group ``g``'s cached full blocks covering the first
+    ``num_tokens`` tokens of a ``num_prompt_tokens``-token prompt, of which the first
+    ``num_nulls[g]`` are null entries (out of the group's sliding window: not needed,
+    maybe not cached); ``keys``: the blocks' content keys (group 0's); ``extra_keys``
     carry on to the sequence's later blocks.
     """
 
-    block_ids: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
     keys: tuple[BlockKey, ...]
     num_tokens: int
     num_prompt_tokens: int
     extra_keys: tuple[str, ...]
-    num_null_blocks: int = 0
+    num_nulls: tuple[int, ...]
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """Group 0's blocks (every group's table has as many entries)."""
+        return self.tables[0]
+
+    @property
+    def num_null_blocks(self) -> int:
+        return self.num_nulls[0]
+
+    def held(self, group: int) -> tuple[int, ...]:
+        """The cached blocks of ``group`` the sequence takes a reference to."""
+        return self.tables[group][self.num_nulls[group] :]
 
     @property
     def held_block_ids(self) -> tuple[int, ...]:
-        """The cached blocks the sequence takes a reference to."""
-        return self.block_ids[self.num_null_blocks :]
+        """Group 0's cached blocks the sequence takes a reference to."""
+        return self.held(0)
 
 
 @dataclass(frozen=True)
@@ -149,13 +173,18 @@ class AllocationTimes:
 
 @dataclass
 class _Sequence:
-    """One live sequence: its table (slots reserved: ``table.num_tokens``), its hash
-    chain and its committed count, the source of its progress (see
-    :meth:`BlockManager.check_progress`)."""
+    """One live sequence: its tables, one per layer group (slots reserved:
+    ``num_tokens`` of each), its hash chain and its committed count, the source of its
+    progress (see :meth:`BlockManager.check_progress`)."""
 
-    table: BlockTable
+    tables: list[BlockTable]
     hasher: PrefixHasher | None  # None: this sequence's blocks are never cached
     num_committed: int = 0  # tokens whose K/V are written: the one progress count
+
+    @property
+    def table(self) -> BlockTable:
+        """Group 0's table (the only one without layer groups)."""
+        return self.tables[0]
 
 
 class BlockManager:
@@ -171,7 +200,21 @@ class BlockManager:
         sliding_window: int | None = None,
         num_compact_blocks: int = 0,
         recent_tokens: int | None = None,
+        group_windows: Sequence[int | None] | None = None,
     ) -> None:
+        if group_windows is not None and (
+            len(group_windows) < 2
+            or sliding_window is not None
+            or upfront_tokens is not None
+            or num_compact_blocks
+            or any(window is not None and window < 1 for window in group_windows)
+        ):
+            raise ValueError(
+                f"layer groups need two or more windows (None or >= 1), on-demand "
+                f"allocation, no single sliding_window and no compact blocks, got "
+                f"group_windows={group_windows}, sliding_window={sliding_window}, "
+                f"upfront_tokens={upfront_tokens}, {num_compact_blocks} compact blocks"
+            )
         if sliding_window is not None and (sliding_window < 1 or upfront_tokens is not None):
             raise ValueError(
                 f"sliding_window must be >= 1 and needs on-demand allocation, got "
@@ -192,6 +235,9 @@ class BlockManager:
         self.block_size = block_size
         self.upfront_tokens = upfront_tokens
         self.sliding_window = sliding_window
+        self.windows: tuple[int | None, ...] = (
+            (sliding_window,) if group_windows is None else tuple(group_windows)
+        )
         self.enable_prefix_caching = enable_prefix_caching and upfront_tokens is None
         self._seqs: dict[SeqId, _Sequence] = {}
         self._prefix_cache_queries = 0
@@ -205,11 +251,18 @@ class BlockManager:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
 
-    def live_from(self, position: int) -> int:
-        """The first logical block a query at ``position`` reads: 0 without a window."""
-        if self.sliding_window is None:
+    @property
+    def num_groups(self) -> int:
+        """Layer groups, each with its own table per sequence (1 without groups)."""
+        return len(self.windows)
+
+    def live_from(self, position: int, group: int = 0) -> int:
+        """The first logical block of ``group`` a query at ``position`` reads: 0 without
+        a window."""
+        window = self.windows[group]
+        if window is None:
             return 0
-        return max(0, position - self.sliding_window + 1) // self.block_size
+        return max(0, position - window + 1) // self.block_size
 
     def compact_before(self, num_committed: int) -> int:
         """Logical blocks wholly behind the recent window of a sequence with
@@ -250,7 +303,8 @@ class BlockManager:
     ) -> CachedPrefix:
         """The longest cached prefix of ``token_ids`` (a query): a chain of cached full
         blocks from the start or, with a sliding window, the longest run of whole blocks
-        whose blocks inside the window of the next token are all cached.
+        whose blocks inside the window of the next token are all cached; with layer
+        groups, the longest that every group can serve so.
 
         Covers at most ``len(token_ids) - 1`` tokens rounded down to whole blocks; empty
         when prefix caching is off. ``for_swap_in``: the hit starts a swap-in of a
@@ -258,33 +312,40 @@ class BlockManager:
         blocks it ends before the first block of another kind than the restored
         sequence holds there (see the module's docstring).
         """
-        block_ids: list[int | None] = []
+        groups = range(self.num_groups)
+        found: list[list[int | None]] = [[] for _ in groups]  # per group, per block
+        runs = [0] * self.num_groups  # per group: cached blocks ending at the current one
         keys: list[BlockKey] = []
-        hit, run = 0, 0  # blocks of the best hit; cached blocks ending at the current one
+        hit = 0  # blocks of the best hit
         if self.enable_prefix_caching:
             cacheable = token_ids[: max(0, len(token_ids) - 1)]
             for key in iter_block_keys(cacheable, self.block_size, extra_keys):
-                block_id = self.pool.lookup(key)
-                if block_id is None and self.sliding_window is None:
-                    break
-                block_ids.append(block_id)
+                block_ids = [self.pool.lookup(group_key(key, group)) for group in groups]
+                if any(b is None and self.windows[g] is None for g, b in enumerate(block_ids)):
+                    break  # a global group's chain ends here
                 keys.append(key)
-                run = 0 if block_id is None else run + 1
-                if len(block_ids) - run <= self.live_from(len(block_ids) * self.block_size):
-                    hit = len(block_ids)
+                length = len(keys)
+                served = True
+                for group, block_id in enumerate(block_ids):
+                    found[group].append(block_id)
+                    runs[group] = 0 if block_id is None else runs[group] + 1
+                    if length - runs[group] > self.live_from(length * self.block_size, group):
+                        served = False
+                if served:
+                    hit = length
         if for_swap_in:
-            hit = self._restorable_hit(block_ids, hit, max(0, len(token_ids) - 1))
+            hit = self._restorable_hit(found[0], hit, max(0, len(token_ids) - 1))
         else:
-            hit = self._usable_hit(block_ids, hit)
-        num_null = self.live_from(hit * self.block_size)
+            hit = self._usable_hit(found[0], hit)
+        nulls = tuple(self.live_from(hit * self.block_size, group) for group in groups)
         null = self.pool.null_block
         return CachedPrefix(
-            block_ids=(null,) * num_null + tuple(block_ids[num_null:hit]),
+            tables=tuple((null,) * nulls[g] + tuple(found[g][nulls[g] : hit]) for g in groups),
             keys=tuple(keys[:hit]),
             num_tokens=hit * self.block_size,
             num_prompt_tokens=len(token_ids),
             extra_keys=extra_keys,
-            num_null_blocks=num_null,
+            num_nulls=nulls,
         )
 
     def _prefix_blocks_needed(
@@ -293,14 +354,18 @@ class BlockManager:
         """Free blocks starting on ``prefix`` takes: evictable hits plus blocks for new tokens
         (none before the window of the first token computed)."""
         pool = self.pool
-        revived = sum(
-            1
-            for block_id in prefix.held_block_ids
-            if pool.ref_count(block_id) == 0 and not pool.is_compact(block_id)
-        )
         total_blocks = cdiv(prefix.num_tokens + num_new_tokens, self.block_size)
-        new_from = max(len(prefix.block_ids), self.live_from(prefix.num_tokens + num_restored))
-        return revived + max(0, total_blocks - new_from)
+        needed = 0
+        for group in range(self.num_groups):
+            needed += sum(
+                1
+                for block_id in prefix.held(group)
+                if pool.ref_count(block_id) == 0 and not pool.is_compact(block_id)
+            )
+            first_query = prefix.num_tokens + num_restored
+            new_from = max(len(prefix.block_ids), self.live_from(first_query, group))
+            needed += max(0, total_blocks - new_from)
+        return needed
 
     def _restored_compact(
         self, prefix: CachedPrefix | None, num_restored: int, restored_compact_end: int
@@ -336,11 +401,12 @@ class BlockManager:
         return count
 
     def _check_prefix(self, prefix: CachedPrefix) -> None:
-        keys = prefix.keys[prefix.num_null_blocks :]
-        for block_id, key in zip(prefix.held_block_ids, keys, strict=True):
-            cached = self.pool.block_key(block_id)
-            if cached is None or cached.digest != key.digest:
-                raise ValueError("stale prefix: its blocks were evicted; find it again")
+        for group in range(self.num_groups):
+            keys = prefix.keys[prefix.num_nulls[group] :]
+            for block_id, key in zip(prefix.held(group), keys, strict=True):
+                cached = self.pool.block_key(block_id)
+                if cached is None or cached.digest != group_key(key, group).digest:
+                    raise ValueError("stale prefix: its blocks were evicted; find it again")
 
     def _start(
         self,
@@ -358,14 +424,22 @@ class BlockManager:
         needed = self._start_blocks_needed(num_new_tokens, prefix, num_restored) - num_compact
         if not self.pool.can_allocate(needed, high_priority):
             return None
+        groups = range(self.num_groups)
         if prefix is None:
-            seq = _Sequence(BlockTable(self.pool), hasher=None)
+            seq = _Sequence([BlockTable(self.pool) for _ in groups], hasher=None)
         else:
-            self.pool.incref(prefix.held_block_ids)
-            table = BlockTable(
-                self.pool, list(prefix.block_ids), prefix.num_tokens, prefix.num_null_blocks
-            )
-            seq = _Sequence(table, self._start_hasher(prefix), prefix.num_tokens)
+            tables = []
+            for group in groups:
+                self.pool.incref(prefix.held(group))
+                tables.append(
+                    BlockTable(
+                        self.pool,
+                        list(prefix.tables[group]),
+                        prefix.num_tokens,
+                        prefix.num_nulls[group],
+                    )
+                )
+            seq = _Sequence(tables, self._start_hasher(prefix), prefix.num_tokens)
         if self.upfront_tokens is not None:
             seq.table.preallocate(self.upfront_tokens, high_priority)
         self._seqs[seq_id] = seq
@@ -399,10 +473,17 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is not None:
-            live_from = self.live_from(self._first_query(seq, num_restored))
-            return seq.table.num_blocks_needed(num_new_tokens, live_from)
+            return self._growth_needed(seq, num_new_tokens, num_restored)
         compact = self._restored_compact(prefix, num_restored, restored_compact_end) or 0
         return self._start_blocks_needed(num_new_tokens, prefix, num_restored) - compact
+
+    def _growth_needed(self, seq: _Sequence, num_new_tokens: int, num_restored: int) -> int:
+        """Blocks every group of live ``seq`` takes for ``num_new_tokens`` more tokens."""
+        first_query = self._first_query(seq, num_restored)
+        return sum(
+            table.num_blocks_needed(num_new_tokens, self.live_from(first_query, group))
+            for group, table in enumerate(seq.tables)
+        )
 
     def _start_blocks_needed(
         self, num_new_tokens: int, prefix: CachedPrefix | None, num_restored: int
@@ -410,7 +491,10 @@ class BlockManager:
         """Free blocks a new sequence takes, every new one full-size."""
         if prefix is None:
             total = cdiv(max(num_new_tokens, self.upfront_tokens or 0), self.block_size)
-            return max(0, total - self.live_from(num_restored))
+            return sum(
+                max(0, total - self.live_from(num_restored, group))
+                for group in range(self.num_groups)
+            )
         num_tokens = max(num_new_tokens, self.upfront_tokens or 0)
         return self._prefix_blocks_needed(prefix, num_tokens, num_restored)
 
@@ -493,7 +577,12 @@ class BlockManager:
                 f"sequence {seq_id!r} exists; a prefix or restored compact blocks only start "
                 f"a sequence"
             )
-        live_from = self.live_from(self._first_query(seq, num_restored))
+        elif len(seq.tables) > 1 and not self.pool.can_allocate(
+            self._growth_needed(seq, num_new_tokens, num_restored), high_priority
+        ):
+            return None  # every group's blocks, or none
+        first_query = self._first_query(seq, num_restored)
+        live_from = self.live_from(first_query)
         table = seq.table
         restored_slots = table.append_compact(num_compact) if num_compact else []
         room = len(table.block_ids) * self.block_size - table.num_tokens  # slots held, unused
@@ -505,6 +594,12 @@ class BlockManager:
             return None
         if restored_slots:
             result.slots = restored_slots + result.slots
+        for group, other in enumerate(seq.tables[1:], start=1):  # their blocks are free
+            more = other.append_slots(
+                num_new_tokens, high_priority, self.live_from(first_query, group)
+            )
+            result.copies.extend(more.copies)
+            result.more_groups.append(more)
         self._table_lookups += num_new_tokens
         self._table_hits += min(num_new_tokens, room)
         if self.recent_tokens is not None:
@@ -512,6 +607,8 @@ class BlockManager:
             result.first_changed = min(result.first_changed, changed)
         if started:  # every entry is new to the caller
             result.first_changed = 0
+            for more in result.more_groups:
+                more.first_changed = 0
             if prefix is not None:
                 self._table_lookups += prefix.num_tokens
                 self._table_hits += prefix.num_tokens
@@ -534,24 +631,27 @@ class BlockManager:
     def commit_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> range:
         """Record that K/V of ``token_ids`` (the next uncommitted tokens) are now written.
 
-        Blocks they complete become cached; with a sliding window, blocks no later query
-        reads are released. Returns the logical blocks released. Raises ValueError beyond
-        the reserved slots.
+        Blocks they complete become cached (in every layer group); with a sliding
+        window, blocks no later query reads are released. Returns the logical blocks
+        released, per group. Raises ValueError beyond the reserved slots.
         """
         seq = self._seqs[seq_id]
-        table = seq.table
-        if seq.num_committed + len(token_ids) > table.num_tokens:
+        if seq.num_committed + len(token_ids) > seq.table.num_tokens:
             raise ValueError(
                 f"committing {len(token_ids)} tokens after {seq.num_committed} exceeds "
-                f"the {table.num_tokens} reserved slots of {seq_id!r}"
+                f"the {seq.table.num_tokens} reserved slots of {seq_id!r}"
             )
         if seq.hasher is not None:
             first_block = seq.num_committed // self.block_size  # the hasher's first pending
             for index, key in enumerate(seq.hasher.extend(token_ids), start=first_block):
-                if index >= table.num_null:  # a null entry's K/V were never written here
-                    self.pool.cache_block(table.block_ids[index], key)
+                for group, table in enumerate(seq.tables):
+                    if index >= table.num_null:  # a null entry's K/V were never written
+                        self.pool.cache_block(table.block_ids[index], group_key(key, group))
         seq.num_committed += len(token_ids)
-        return table.release_before(self.live_from(seq.num_committed))
+        return [
+            table.release_before(self.live_from(seq.num_committed, group))
+            for group, table in enumerate(seq.tables)
+        ]
 
     def rollback(self, seq_id: SeqId) -> int:
         """Give back the slots ``seq_id`` reserved beyond its committed tokens (guessed
@@ -561,7 +661,7 @@ class BlockManager:
         only committed tokens enter the prefix cache."""
         seq = self._seqs[seq_id]
         min_blocks = cdiv(self.upfront_tokens or 0, self.block_size)
-        return seq.table.truncate(seq.num_committed, min_blocks)
+        return sum(table.truncate(seq.num_committed, min_blocks) for table in seq.tables)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks."""
@@ -569,14 +669,16 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already exists")
         parent = self._seqs[parent_id]
         hasher = None if parent.hasher is None else parent.hasher.copy()
-        self._seqs[child_id] = _Sequence(parent.table.fork(), hasher, parent.num_committed)
+        tables = [table.fork() for table in parent.tables]
+        self._seqs[child_id] = _Sequence(tables, hasher, parent.num_committed)
 
     def free(self, seq_id: SeqId) -> None:
         """Release every block of ``seq_id`` and forget it (finish or preemption).
 
         Its cached blocks stay findable until evicted.
         """
-        self._seqs.pop(seq_id).table.free()
+        for table in self._seqs.pop(seq_id).tables:
+            table.free()
 
     # -- progress ------------------------------------------------------------------------
 
@@ -614,15 +716,11 @@ class BlockManager:
             raise AssertionError(
                 f"progress of {seq_id!r}: the block manager holds no such sequence"
             )
-        table, block_size = seq.table, self.block_size
+        block_size = self.block_size
         committed, scheduled = seq.num_committed, num_scheduled_tokens
         problems = []
         if committed != num_computed_tokens:
             problems.append(f"committed {committed} != computed {num_computed_tokens}")
-        if scheduled < 0 or table.num_tokens != committed + scheduled:
-            problems.append(
-                f"reserved {table.num_tokens} != committed {committed} + scheduled {scheduled}"
-            )
         hasher = seq.hasher
         if hasher is not None:
             if len(hasher.pending) != committed % block_size:
@@ -632,12 +730,32 @@ class BlockManager:
                 )
             if (hasher.parent_digest is None) != (committed < block_size):
                 problems.append(f"hash chain's parent digest does not match {committed} committed")
-        lowest = self.live_from(committed)
-        highest = self.live_from(committed + scheduled) if scheduled > 0 else lowest
+        for group, table in enumerate(seq.tables):
+            problems.extend(
+                f"group {group}: {problem}" if len(seq.tables) > 1 else problem
+                for problem in self._table_problems(table, group, committed, scheduled)
+            )
+        problems.extend(self._compaction_problems(seq.table, committed))
+        if problems:
+            raise AssertionError(f"progress of sequence {seq_id!r}: " + "; ".join(problems))
+
+    def _table_problems(
+        self, table: BlockTable, group: int, committed: int, scheduled: int
+    ) -> list[str]:
+        """How ``group``'s table of a sequence with ``committed`` tokens and ``scheduled``
+        more reserved breaks :meth:`check_progress`'s relations."""
+        problems = []
+        block_size = self.block_size
+        if scheduled < 0 or table.num_tokens != committed + scheduled:
+            problems.append(
+                f"reserved {table.num_tokens} != committed {committed} + scheduled {scheduled}"
+            )
+        lowest = self.live_from(committed, group)
+        highest = self.live_from(committed + scheduled, group) if scheduled > 0 else lowest
         if not lowest <= table.num_null <= highest:
             problems.append(
                 f"{table.num_null} null entries, not in {lowest}..{highest} (sliding window "
-                f"{self.sliding_window} after {committed} committed, {scheduled} scheduled)"
+                f"{self.windows[group]} after {committed} committed, {scheduled} scheduled)"
             )
         num_blocks = max(
             cdiv(table.num_tokens, block_size), cdiv(self.upfront_tokens or 0, block_size)
@@ -647,9 +765,7 @@ class BlockManager:
                 f"{len(table.block_ids)} table entries for {table.num_tokens} reserved tokens, "
                 f"not {num_blocks}"
             )
-        problems.extend(self._compaction_problems(table, committed))
-        if problems:
-            raise AssertionError(f"progress of sequence {seq_id!r}: " + "; ".join(problems))
+        return problems
 
     def _compaction_problems(self, table: BlockTable, committed: int) -> list[str]:
         """Entries before ``compact_end`` are compact, the others full, and none is
@@ -676,27 +792,32 @@ class BlockManager:
         """Sequences holding a table."""
         return len(self._seqs)
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
-        """A copy of the physical block ids of ``seq_id``, in logical order (null entries
-        included)."""
-        return list(self._seqs[seq_id].table.block_ids)
+    def block_table(self, seq_id: SeqId, group: int = 0) -> list[int]:
+        """A copy of the physical block ids of ``seq_id``'s table of layer group
+        ``group``, in logical order (null entries included)."""
+        return list(self._seqs[seq_id].tables[group].block_ids)
 
     def held_block_ids(self, seq_id: SeqId) -> list[int]:
-        """The blocks ``seq_id`` references (its table less the null entries; a copy)."""
-        return self._seqs[seq_id].table.held_block_ids
+        """The blocks ``seq_id`` references (its tables less the null entries, group by
+        group; a copy)."""
+        return [b for table in self._seqs[seq_id].tables for b in table.held_block_ids]
 
-    def block_ids_from(self, seq_id: SeqId, start: int) -> list[int]:
-        """The physical blocks of logical blocks ``start ..`` of ``seq_id`` (a copy)."""
-        return self._seqs[seq_id].table.block_ids[start:]
+    def block_ids_from(self, seq_id: SeqId, start: int, group: int = 0) -> list[int]:
+        """The physical blocks of logical blocks ``start ..`` of ``seq_id``'s table of
+        layer group ``group`` (a copy)."""
+        return self._seqs[seq_id].tables[group].block_ids[start:]
 
     def num_held_blocks(self, seq_id: SeqId) -> int:
-        """Blocks ``seq_id``'s table references (0 for an unknown sequence)."""
+        """Blocks ``seq_id``'s tables reference (0 for an unknown sequence)."""
         seq = self._seqs.get(seq_id)
-        return 0 if seq is None else len(seq.table.block_ids) - seq.table.num_null
+        if seq is None:
+            return 0
+        return sum(len(table.block_ids) - table.num_null for table in seq.tables)
 
-    def num_null_blocks(self, seq_id: SeqId) -> int:
-        """Leading null entries of ``seq_id``'s table (released by the sliding window)."""
-        return self._seqs[seq_id].table.num_null
+    def num_null_blocks(self, seq_id: SeqId, group: int = 0) -> int:
+        """Leading null entries of ``seq_id``'s table of layer group ``group`` (released
+        by its sliding window)."""
+        return self._seqs[seq_id].tables[group].num_null
 
     def compact_end(self, seq_id: SeqId) -> int:
         """Leading entries of ``seq_id``'s table that are null or compact
@@ -718,8 +839,7 @@ class BlockManager:
         block_size = self.block_size
         not_full: dict[int, int] = {}
         unshared_blocks = 0
-        for seq in self._seqs.values():
-            table = seq.table
+        for table in (table for seq in self._seqs.values() for table in seq.tables):
             num_tokens, block_ids = table.num_tokens, table.block_ids
             unshared_blocks += max(0, cdiv(num_tokens, block_size) - table.num_null)
             for index in range(max(num_tokens // block_size, table.num_null), len(block_ids)):

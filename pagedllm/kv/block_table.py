@@ -42,13 +42,16 @@ class AppendResult:
     a release, a new block, a re-encoded one); the table's length when no entry
     changed. Entries before it are as they were. ``encodes``: ``(full_block,
     compact_block)`` pairs whose K/V the cache re-encodes before any move but a swap-out
-    (:meth:`BlockTable.compact`).
+    (:meth:`BlockTable.compact`). ``more_groups``: with layer groups
+    (:mod:`pagedllm.kv.layer_groups`), the same append in the tables of groups 1, 2, ...
+    (this result is group 0's; its ``copies`` include theirs).
     """
 
     slots: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     first_changed: int = 0
     encodes: list[tuple[int, int]] = field(default_factory=list)
+    more_groups: list[AppendResult] = field(default_factory=list)
 
 
 class BlockTable:

@@ -10,6 +10,8 @@ the planner (:mod:`~pagedllm.plan.capacity`), so that none of them can disagree.
 - :func:`blocks_for_tokens`: the blocks a sequence of ``n`` tokens holds;
 - :func:`max_window_blocks`: the most a sequence holds under a sliding window;
 - :func:`request_worst_case_blocks`: the most a request of ``n`` samples (or beams) holds;
+- :func:`grouped_worst_case_blocks`: the same over layer groups, each with its own table;
+- :func:`longest_sequence`: the most tokens one sequence can hold in a number of blocks;
 - :func:`recent_blocks`: the most full-size blocks a sequence holds with compact ones;
 - :func:`full_blocks_wanted`: the full-size blocks a pool by age keeps for its windows;
 - :func:`split_by_age`: a budget's full-size and compact blocks;
@@ -74,6 +76,60 @@ def request_worst_case_blocks(
         bound = max_window_blocks(window, step_tokens, block_size)
         first, own = min(first, bound), min(own, bound)
     return first + (n - 1) * own
+
+
+def grouped_worst_case_blocks(
+    prompt_len: int,
+    max_tokens: int,
+    n: int,
+    block_size: int,
+    windows: tuple[int | None, ...],
+    *,
+    upfront_tokens: int | None = None,
+    step_tokens: int = 1,
+) -> int:
+    """Most blocks a request holds when each layer group (``windows``: per group, its
+    sliding window or None; :mod:`pagedllm.kv.layer_groups`) keeps its own table: the
+    sum of each group's :func:`request_worst_case_blocks` (one group: exactly that)."""
+    return sum(
+        request_worst_case_blocks(
+            prompt_len,
+            max_tokens,
+            n,
+            block_size,
+            upfront_tokens=upfront_tokens,
+            window=window,
+            step_tokens=step_tokens,
+        )
+        for window in windows
+    )
+
+
+def longest_sequence(
+    num_blocks: int, block_size: int, windows: tuple[int | None, ...], step_tokens: int
+) -> int | None:
+    """Most tokens one sequence can reach holding at most ``num_blocks`` blocks over the
+    layer groups of ``windows``: a global group holds a block per ``block_size`` tokens,
+    a sliding one as many but at most :func:`max_window_blocks` for a step of
+    ``step_tokens``. None when no group is global and the sliding ones fit (no limit).
+    One group counts every block, window or not, as one table did."""
+    if len(windows) == 1:
+        return num_blocks * block_size
+    bounds = [
+        num_blocks + 1 if w is None else max_window_blocks(w, step_tokens, block_size)
+        for w in windows
+    ]
+
+    def held(length_blocks: int) -> int:
+        return sum(min(length_blocks, bound) for bound in bounds)
+
+    if None not in windows and held(max(bounds)) <= num_blocks:
+        return None
+    low, high = 0, num_blocks  # the most blocks per table whose groups fit
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if held(middle) <= num_blocks else (low, middle - 1)
+    return low * block_size
 
 
 def recent_blocks(recent_tokens: int, step_tokens: int, block_size: int) -> int:

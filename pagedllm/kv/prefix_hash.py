@@ -113,3 +113,16 @@ class PrefixHasher:
         twin = PrefixHasher(self.block_size, self.extra_keys, self.parent_digest)
         twin.pending = list(self.pending)
         return twin
+
+
+GROUP_KEY_MARK = "kv layer group"
+
+
+def group_key(key: BlockKey, group: int) -> BlockKey:
+    """The key of the block holding ``key``'s tokens for layer group ``group``
+    (:mod:`pagedllm.kv.layer_groups`): ``key`` itself for group 0, so a one-group
+    engine's keys are unchanged; for another group a key chained from ``key``'s digest
+    and naming the group, so the groups' blocks of one content never match each other."""
+    if group == 0:
+        return key
+    return BlockKey(key.digest, (group,), (GROUP_KEY_MARK,))

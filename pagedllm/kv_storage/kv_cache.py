@@ -20,6 +20,10 @@ block ids from :attr:`KVCache.compact_offset` on name them (the cache's own bloc
 its last full-size block is the null block, one past the pool's, never written),
 and :meth:`KVCache.encode_blocks` re-encodes full blocks into them.
 
+With KV layer groups (:mod:`pagedllm.kv.layer_groups`, ``layer_slots``), the first axis
+holds the groups' *slots*, not the layers: a block holds the K/V of one group's layers,
+layer ``l`` at slot ``layer_slots[l]``, and each group's table names its own blocks.
+
 The cache holds memory, its layout and its format, and never writes a token: new K/V
 is written by the attention backend that reads it (docs/engine.md, "K/V storage and
 its writes"), into the per-layer views :meth:`KVCache.stored_key` and
@@ -72,9 +76,21 @@ class KVCache:
         device: torch.device | str = "cpu",
         kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
         num_compact_blocks: int = 0,
+        layer_slots: Sequence[int] | None = None,
     ) -> None:
+        """``num_layers`` layers of K/V per block, or with ``layer_slots`` (each model
+        layer's slot, :attr:`KVLayerGroups.layer_slot`) ``num_layers`` slots that the
+        layers of each group share block by block."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if layer_slots is not None and (
+            num_compact_blocks or not all(0 <= slot < num_layers for slot in layer_slots)
+        ):
+            raise ValueError(
+                f"layer slots must lie in 0..{num_layers - 1}, without compact blocks, got "
+                f"{layer_slots} and {num_compact_blocks} compact blocks"
+            )
+        self.layer_slots = tuple(range(num_layers) if layer_slots is None else layer_slots)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -86,8 +102,8 @@ class KVCache:
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, row)
         self.tensor = zeroed_pool(shape, self.dtype, torch.device(device))
         # Per-layer views made once: a view per layer per step costs a few microseconds.
-        self._stored_keys = [self.tensor[i, 0] for i in range(num_layers)]
-        self._stored_values = [self.tensor[i, 1] for i in range(num_layers)]
+        self._stored_keys = [self.tensor[slot, 0] for slot in self.layer_slots]
+        self._stored_values = [self.tensor[slot, 1] for slot in self.layer_slots]
         self._keys = [t.view(self.format.dtype) for t in self._stored_keys]
         self._values = [t.view(self.format.dtype) for t in self._stored_values]
         self.compact_offset = num_blocks

@@ -265,7 +265,8 @@ class DecoderLayer(nn.Module):
         if c.clip_qkv is not None:
             qkv.clamp_(-c.clip_qkv, c.clip_qkv)
         q, k, v = self._rotated_qkv(qkv, positions, rotary)
-        attended = attn.forward(self.layer_idx, q, k, v, metadata, self.attention)
+        own = metadata.for_layer(self.layer_idx)  # its KV layer group's tables
+        attended = attn.forward(self.layer_idx, q, k, v, own, self.attention)
         if output_rows is not None:
             hidden, attended = hidden[output_rows], attended[output_rows]
             if layout == "parallel_shared":

@@ -6,7 +6,9 @@ kernels themselves. For the common pre-norm architecture (RMSNorm, q/k/v with Ro
 the whole head and no q/k norm, gated SiLU MLP, plain residual adds: Llama, Mistral,
 Qwen2, SmolLM2, ...) the stack runs every layer in C++ with the same kernels in the same
 order, so its results are bit for bit those of :class:`~pagedllm.models.decoder.DecoderLayer`.
-A cache whose old blocks are 4-bit (``kv_cache_dtype="int4"``) runs the by-age kernel
+Layers of several kinds (KV layer groups, :mod:`pagedllm.kv.layer_groups`) each write
+and read through their own group's slot mapping and block tables. A cache whose old
+blocks are 4-bit (``kv_cache_dtype="int4"``) runs the by-age kernel
 in the stack as the paged backend does. Any other architecture, cache format or CPU runs
 layer by layer; so does ``enforce_eager=True``.
 """
@@ -85,7 +87,13 @@ class LayerStack:
     :meth:`~pagedllm.attention.paged_backend.PagedAttentionBackend.write` calls, into
     the cache's per-layer views (a cache in the model's dtype, so no encoding)."""
 
-    def __init__(self, model: torch.nn.Module, attn: PagedAttentionBackend) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn: PagedAttentionBackend,
+        layer_groups: tuple[int, ...] = (),
+    ) -> None:
+        """``layer_groups``: each layer's KV layer group (empty: every layer in group 0)."""
         c = model.config
         self.attn = attn
         ops()  # builds or loads the extension, which registers the class
@@ -93,6 +101,8 @@ class LayerStack:
             c.num_heads, c.num_kv_heads, c.rms_norm_eps, model.rotary.cos, model.rotary.sin
         )
         cache = attn.kv_cache
+        layer_groups = layer_groups or (0,) * len(model.layers)
+        self._groups = 1 + max(layer_groups)  # KV layer groups
         rotation = hadamard(cache.head_dim) if cache.compact is not None else None
         for index, layer in enumerate(model.layers):
             options = layer.attention
@@ -104,6 +114,7 @@ class LayerStack:
                 options.scale,
                 options.sliding_window or 0,
                 options.logit_softcap or 0.0,
+                layer_groups[index],
             )
             if rotation is not None:  # old blocks are 4-bit: the by-age kernel reads both
                 self._stack.add_compact(cache.compact.tiles(index), cache.compact_offset, rotation)
@@ -119,13 +130,15 @@ class LayerStack:
                     self._stack.add_expanded(kind, data, out_features, bias, weight.min_rows)
 
     @classmethod
-    def build(cls, model: torch.nn.Module, attn: object) -> LayerStack | None:
+    def build(
+        cls, model: torch.nn.Module, attn: object, layer_groups: tuple[int, ...] = ()
+    ) -> LayerStack | None:
         reason = unsupported_reason(model, attn)
         if reason is not None:
             logger.info("Decoder layers run one by one: %s", reason)
             return None
         logger.info("Decoder layers run as one C++ call per step")
-        return cls(model, attn)
+        return cls(model, attn, layer_groups)
 
     def set_profiling(self, on: bool) -> None:
         """Whether each forward pass adds its phases' wall time to :meth:`phase_seconds`
@@ -150,12 +163,13 @@ class LayerStack:
         """What the layers make of ``hidden`` ``[T, hidden_size]`` (updated in place) at
         ``positions`` (int64 ``[T]``): every row, or only ``output_rows`` after the last
         layer's attention (as :meth:`~pagedllm.models.decoder.DecoderLayer.forward`)."""
-        slots, tables, seq_lens, starts = self.attn.kernel_metadata(metadata)
+        groups = [self.attn.kernel_metadata(metadata.for_group(g)) for g in range(self._groups)]
+        _, _, seq_lens, starts = groups[0]
         return self._stack.forward(
             hidden.contiguous(),
             positions.contiguous(),
-            slots,
-            tables,
+            [slots for slots, *_ in groups],
+            [tables for _, tables, *_ in groups],
             seq_lens,
             starts,
             output_rows,

@@ -19,8 +19,11 @@ Sliding windows: when every layer of a model slides over ``W`` tokens, a sequenc
 at most the blocks of its last window (:func:`~pagedllm.kv.capacity.max_window_blocks`
 while decoding), as the engine releases the others, and the engine's paged pool is one
 block smaller (the null block its tables point at; contiguous allocation has none). A
-model with any global layer holds every block of every sequence: all layers share one
-pool, so a block is kept while any layer may read it.
+model with layers of several kinds (Gemma 2/3, Qwen2 with windows on some layers) is
+planned as the engine runs it by default: its layers grouped by kind
+(:mod:`pagedllm.kv.layer_groups`), a block holding one group's layers, each group with
+its own table per sequence (:func:`~pagedllm.kv.capacity.grouped_worst_case_blocks`);
+with a draft model it keeps one table for every layer, as the engine must.
 
 A draft model (``draft_model`` speculation, :class:`DraftShape`) keeps its K/V in the
 same blocks as the target's, in its own layers and dtype: a block's bytes are the sum,
@@ -59,11 +62,12 @@ from pagedllm.kv.capacity import (
     cdiv,
     draft_scratch_blocks,
     full_blocks_wanted,
+    grouped_worst_case_blocks,
     pool_blocks,
     recent_blocks,
-    request_worst_case_blocks,
     split_by_age,
 )
+from pagedllm.kv.layer_groups import KVLayerGroups, group_layers, single_group
 from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.config import ModelConfig
@@ -188,17 +192,26 @@ def block_elements_per_layer(config: ModelConfig, block_size: int) -> int:
     return 2 * block_size * config.num_kv_heads * config.head_dim
 
 
+def layer_groups(config: ModelConfig, one_table: bool = False) -> KVLayerGroups:
+    """The KV layer groups the engine keeps for ``config`` by default (paged allocation),
+    or with ``one_table`` (a draft model, int4 by age) one group of every layer."""
+    if one_table:
+        return single_group(config.num_layers, config.kv_window)
+    return group_layers(config.sliding_windows, config.num_layers)
+
+
 def block_bytes(
     config: ModelConfig,
     block_size: int,
     kv_dtype: KVDtype,
     model_dtype: torch.dtype = torch.float32,
+    num_layers: int | None = None,
 ) -> int:
-    """Bytes of one (full-size) block across all layers, K and V, scales included:
-    exactly what the engine's pool counts for ``kv_cache_dtype=kv_dtype.cache_format``
-    and a model in ``model_dtype``."""
+    """Bytes of one (full-size) block across all layers (or ``num_layers``, a KV layer
+    group's), K and V, scales included: exactly what the engine's pool counts for
+    ``kv_cache_dtype=kv_dtype.cache_format`` and a model in ``model_dtype``."""
     return bytes_per_block(
-        config.num_layers,
+        num_layers or config.num_layers,
         block_size,
         config.num_kv_heads,
         config.head_dim,
@@ -232,11 +245,14 @@ def blocks_per_rank(
     """Blocks each rank's pool offers sequences for a KV budget of ``kv_bytes`` bytes per
     rank: the blocks of ``block_size`` tokens ``kv_bytes`` holds on the rank with the most
     KV heads (:func:`~pagedllm.kv.capacity.pool_blocks`, as the engine sizes every rank's
-    paged pool), less the null block when every layer slides. ``kv_dtype`` is a
-    :data:`KV_DTYPES` name."""
+    paged pool, a block holding one KV layer group's layers), less the null block when
+    some layer slides. ``kv_dtype`` is a :data:`KV_DTYPES` name."""
     rank_config = kv_rank_config(config, tensor_parallel_size)
-    per_block = block_bytes(rank_config, block_size, KV_DTYPES[kv_dtype])
-    return pool_blocks(kv_bytes, per_block, config.kv_window is not None)
+    groups = layer_groups(config)
+    per_block = block_bytes(
+        rank_config, block_size, KV_DTYPES[kv_dtype], num_layers=groups.num_slots
+    )
+    return pool_blocks(kv_bytes, per_block, any(w is not None for w in groups.windows))
 
 
 def max_seqs_paged(
@@ -244,20 +260,20 @@ def max_seqs_paged(
     block_size: int,
     seq_len: int,
     prefix_len: int = 0,
-    window: int | None = None,
+    windows: tuple[int | None, ...] = (None,),
 ) -> int:
     """Sequences of ``seq_len`` tokens that fit in ``num_blocks`` blocks allocated on demand,
     decoding: the most ``n`` for which one request of ``n`` samples of a
     ``prefix_len``-token prompt, each reaching ``seq_len`` tokens, fits
-    (:func:`~pagedllm.kv.capacity.request_worst_case_blocks`; ``window``: every layer
-    slides over that many tokens). The prefix's full blocks are held once; a partial last
-    prefix block is private. Needs ``prefix_len < seq_len``.
+    (:func:`~pagedllm.kv.capacity.grouped_worst_case_blocks`; ``windows``: each KV layer
+    group's sliding window or None). The prefix's full blocks are held once; a partial
+    last prefix block is private. Needs ``prefix_len < seq_len``.
     """
     output_len = seq_len - prefix_len
-    first = request_worst_case_blocks(prefix_len, output_len, 1, block_size, window=window)
+    first = grouped_worst_case_blocks(prefix_len, output_len, 1, block_size, windows)
     if num_blocks < first:
         return 0
-    own = request_worst_case_blocks(prefix_len, output_len, 2, block_size, window=window) - first
+    own = grouped_worst_case_blocks(prefix_len, output_len, 2, block_size, windows) - first
     return 1 + (num_blocks - first) // own
 
 
@@ -416,13 +432,17 @@ def dtype_capacity(
     if kv_dtype.by_age:
         return by_age_capacity(rank_config, block_size, kv_bytes, workload, kv_dtype, by_age)
     per_token = kv_bytes_per_token(rank_config, kv_dtype)
-    window = config.kv_window
-    per_block = block_bytes(rank_config, block_size, kv_dtype)
+    groups = layer_groups(config, one_table=draft is not None)
+    windows = groups.windows
+    per_block = block_bytes(rank_config, block_size, kv_dtype, num_layers=groups.num_slots)
+    # contiguous allocation keeps one table for every layer and no null block
+    contiguous_blocks = pool_blocks(kv_bytes, block_bytes(rank_config, block_size, kv_dtype))
     if draft is not None:
         per_token += kv_bytes_per_token(draft.model.config, KV_DTYPES[draft.kv_dtype])
         per_block += draft.block_bytes(block_size)
         kv_bytes -= draft.scratch_bytes(block_size)
-    num_blocks = pool_blocks(kv_bytes, per_block, window is not None)
+        contiguous_blocks = pool_blocks(kv_bytes, per_block)
+    num_blocks = pool_blocks(kv_bytes, per_block, any(w is not None for w in windows))
     return DtypeCapacity(
         kv_dtype=kv_dtype.name,
         element_bytes=kv_dtype.element_bytes,
@@ -434,14 +454,11 @@ def dtype_capacity(
         batch_kv_bytes=workload.batch * workload.avg_len * per_token,
         num_blocks=num_blocks,
         num_tokens=num_blocks * block_size,
-        paged_seqs=max_seqs_paged(num_blocks, block_size, workload.avg_len, window=window),
+        paged_seqs=max_seqs_paged(num_blocks, block_size, workload.avg_len, windows=windows),
         paged_seqs_with_prefix=max_seqs_paged(
-            num_blocks, block_size, workload.avg_len, workload.prefix_len, window
+            num_blocks, block_size, workload.avg_len, workload.prefix_len, windows
         ),
-        # contiguous allocation keeps no null block: its pool is every block of the budget
-        contiguous_seqs=max_seqs_contiguous(
-            pool_blocks(kv_bytes, per_block), block_size, workload.max_model_len
-        ),
+        contiguous_seqs=max_seqs_contiguous(contiguous_blocks, block_size, workload.max_model_len),
     )
 
 

@@ -86,7 +86,7 @@ def _paged_segments(
 def _draw_paged(ax, lengths: Sequence[int], plan: CapacityPlan) -> None:
     block_size, max_model_len = plan.block_size, plan.workload.max_model_len
     per_row = blocks_for_tokens(max_model_len, block_size)
-    window = plan.model.config.kv_window
+    window = plan.model.config.kv_window  # the picture draws one table per sequence
     layout = paged_layout(lengths, block_size, plan.workload.prefix_len, window)
     segments = _paged_segments(layout, block_size, per_row, len(lengths))
     for (row, owner, part), bars in segments.items():
@@ -103,7 +103,7 @@ def _draw_paged(ax, lengths: Sequence[int], plan: CapacityPlan) -> None:
     used = len(layout)
     wasted = sum(block_size - use.filled for use in layout)
     avg_len, prefix_len = plan.workload.avg_len, plan.workload.prefix_len
-    more = max_seqs_paged(pool_blocks - used, block_size, avg_len, prefix_len, window)
+    more = max_seqs_paged(pool_blocks - used, block_size, avg_len, prefix_len, (window,))
     ax.set_title(
         f"Paged, the same memory ({pool_blocks:,} blocks of {block_size} slots): {used:,} blocks "
         f"used ({used / pool_blocks:.0%}), {wasted:,} slots of internal fragmentation;\n"

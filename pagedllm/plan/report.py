@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagedllm.kv.capacity import request_worst_case_blocks
+from pagedllm.kv.capacity import grouped_worst_case_blocks, request_worst_case_blocks
 from pagedllm.kv_storage.kv_quant import SCALE_BYTES
 from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.capacity import (
@@ -15,6 +15,7 @@ from pagedllm.plan.capacity import (
     block_elements_per_layer,
     hidden_size_estimate,
     kv_bytes_per_token,
+    layer_groups,
 )
 
 QUANTIZED_SCALES = (
@@ -145,11 +146,18 @@ def _workload_line(plan: CapacityPlan) -> str:
     if workload.prefix_len:
         line += f"; the first {workload.prefix_len:,} tokens are a prefix all sequences share"
     window = plan.model.config.kv_window
+    groups = layer_groups(plan.model.config, one_table=plan.draft is not None)
     if window is not None:
         held = request_worst_case_blocks(0, workload.avg_len, 1, plan.block_size, window=window)
         line += (
             f"; every layer slides over {window:,} tokens, so a paged sequence holds at most "
             f"{held:,} blocks (older ones go back to the pool)"
+        )
+    elif groups.num_groups > 1:
+        held = grouped_worst_case_blocks(0, workload.avg_len, 1, plan.block_size, groups.windows)
+        line += (
+            f"; {groups.describe()}, so a paged sequence holds at most {held:,} blocks of "
+            f"{groups.num_slots} layers (sliding groups give older ones back)"
         )
     return line
 
@@ -183,6 +191,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
+def _block_label(plan: CapacityPlan) -> str:
+    """What one block of the plan's pool spans: every layer, or one KV layer group's."""
+    groups = layer_groups(plan.model.config, one_table=plan.draft is not None)
+    if groups.num_groups == 1:
+        return "block, all layers"
+    return f"block, a group's {groups.num_slots} layers"
+
+
 def _per_token_rows(plan: CapacityPlan) -> list[str]:
     elements = block_elements_per_layer(plan.kv_config, plan.block_size)
     workload = plan.workload
@@ -191,7 +207,7 @@ def _per_token_rows(plan: CapacityPlan) -> list[str]:
         "bytes/elem",
         "KV per token",
         f"block per layer ({elements:,} elements)",
-        "block, all layers",
+        _block_label(plan),
         f"batch {workload.batch} x {workload.avg_len:,} tokens",
     ]
     rows = [
@@ -217,7 +233,7 @@ def _capacity_rows(plan: CapacityPlan) -> list[str]:
     header = [
         "KV dtype",
         "blocks",
-        "tokens",
+        "tokens" if _block_label(plan) == "block, all layers" else "block slots",
         f"paged seqs @ {workload.avg_len:,}",
         f"contiguous seqs @ {workload.max_model_len:,}",
         "paged/contiguous",
@@ -259,7 +275,7 @@ def format_text(plan: CapacityPlan) -> str:
     if plan.draft is not None:
         lines.append(f"Draft     {_draft_line(plan)}")
     if any(PLANNED_KV_DTYPES[row.kv_dtype].quantized for row in plan.rows):
-        lines.append(f"Scales    {QUANTIZED_SCALES} (in 'block, all layers' and the counts)")
+        lines.append(f"Scales    {QUANTIZED_SCALES} (in '{_block_label(plan)}' and the counts)")
     lines += [f"By age    {_by_age_line(plan, row)}" for row in plan.rows if row.num_compact_blocks]
     lines += ["", f"KV cache per token and per block{_per_device(plan)}", *_per_token_rows(plan)]
     kv_budget = decimal_bytes(plan.budget.kv_bytes)

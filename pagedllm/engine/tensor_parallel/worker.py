@@ -16,6 +16,7 @@ any error, which the engine's next collective sees at once.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -52,6 +53,8 @@ SHARED_SETTINGS = (
     "dtype",
     "kv_cache_dtype",
     "kv_recent_tokens",
+    "kv_layer_groups",
+    "kv_allocation",
     "block_size",
     "tensor_parallel_size",
 )
@@ -104,6 +107,11 @@ class StepWork:
             "seq_lens": meta.seq_lens,
             "query_start_loc": meta.query_start_loc,
         }
+        for group, more in enumerate(meta.more_groups, start=1):  # KV layer groups
+            tensors[f"slot_mapping.{group}"] = more.slot_mapping
+            tensors[f"block_tables.{group}"] = more.block_tables
+        if meta.more_groups:
+            tensors["layer_groups"] = torch.tensor(meta.layer_groups)
         arrays = {name: t.numpy() for name, t in tensors.items()}
         return cls(copies, arrays, meta.max_query_len, meta.max_seq_len)
 
@@ -117,6 +125,17 @@ class StepWork:
             self.max_query_len,
             self.max_seq_len,
         )
+        num_more = sum(name.startswith("slot_mapping.") for name in t)
+        metadata.more_groups = tuple(
+            dataclasses.replace(
+                metadata,
+                slot_mapping=t[f"slot_mapping.{group}"],
+                block_tables=t[f"block_tables.{group}"],
+            )
+            for group in range(1, 1 + num_more)
+        )
+        if num_more:
+            metadata.layer_groups = tuple(self.arrays["layer_groups"].tolist())
         rows = t["sample_rows"], t["prompt_rows"]
         return ModelInput(t["input_ids"], t["positions"], metadata, *rows, prompt_spans=[])
 
