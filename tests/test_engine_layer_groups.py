@@ -142,6 +142,44 @@ def test_swap_parks_and_restores_every_groups_blocks(gemma3, mode):
     engine.shutdown()
 
 
+def test_evicted_blocks_of_every_group_come_back_from_host_memory_and_disk(gemma3, tmp_path):
+    """The pool evicts every group's cached blocks into the host tier (and disk); a
+    request that comes back finds each content block in every group and restores the
+    blocks its groups hold (a sliding group's inside its window), the tokens unchanged;
+    a restarted engine finds them on disk."""
+    folder, expected = gemma3
+    block = 2 * 2 * BLOCK * 16 * 4
+    tiers = dict(kv_tier_memory=400 * block, kv_cache_dir=str(tmp_path))
+    small = dict(kv_cache_memory=80 * block, max_num_batched_tokens=16, max_num_seqs=4)
+    engine = engine_for(folder, **small, **tiers)
+    flood = [[(7 * i + j) % 250 + 3 for j in range(40)] for i in range(6)]
+    assert tokens(run_token_ids(engine, PROMPTS, greedy())) == [[e] for e in expected]
+    run_token_ids(engine, flood, greedy())  # the pool evicts the prompts' blocks
+    assert tokens(run_token_ids(engine, PROMPTS, greedy())) == [[e] for e in expected]
+    stats = engine.get_stats().tiers
+    assert stats.spilled_blocks > 0 and stats.host_hits > 0
+    engine.shutdown()  # persists every cached block
+    again = engine_for(folder, **small, **tiers)
+    assert tokens(run_token_ids(again, PROMPTS, greedy())) == [[e] for e in expected]
+    assert again.get_stats().tiers.disk_hits > 0
+    again.shutdown()
+
+
+def test_beam_search_forks_every_groups_table(gemma3):
+    from pagedllm import LLM
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    folder, _ = gemma3
+    grouped = LLM(str(folder), dtype="float32", block_size=BLOCK, log_stats_interval=0)
+    one = LLM(str(folder), dtype="float32", block_size=BLOCK, log_stats_interval=0,
+              kv_layer_groups=False)  # fmt: skip
+    assert grouped.llm_engine.block_manager.num_groups == 6
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    beams = [[b.tokens for b in out.sequences] for out in grouped.beam_search(prompts, params)]
+    assert beams == [[b.tokens for b in out.sequences] for out in one.beam_search(prompts, params)]
+
+
 def test_one_table_for_every_layer_on_request(gemma3):
     folder, expected = gemma3
     engine = engine_for(folder, kv_layer_groups=False)
@@ -163,12 +201,14 @@ def test_ngram_guesses_roll_back_in_every_group(gemma3):
     ("option", "value"),
     [
         ("kv_cache_dtype", "int4"),
-        ("kv_tier_memory", "1MiB"),
+        ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2}),
     ],
 )
 def test_what_groups_do_not_run_yet_is_refused_with_the_way_out(gemma3, option, value):
     folder, _ = gemma3
     extra = {"block_size": 16} if option == "kv_cache_dtype" else {}
+    if option == "speculative_config":
+        value = {**value, "model": str(folder)}
     with pytest.raises(ValueError, match="kv_layer_groups=False"):
         engine_for(folder, **{option: value}, **extra)
 

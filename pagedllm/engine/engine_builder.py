@@ -334,7 +334,6 @@ def _check_layer_groups(config: EngineConfig, groups: KVLayerGroups) -> None:
     spec = config.speculative_config
     unsupported = {
         "kv_cache_dtype": config.kv_cache_dtype.by_age,
-        "kv_tier_memory": config.has_tiers,
         "speculative_config": spec is not None and spec.method is SpeculativeMethod.DRAFT_MODEL,
     }
     refused = [name for name, bad in unsupported.items() if bad]

@@ -50,6 +50,7 @@ head of the queue can always evict everything behind it, so some sequence always
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagedllm.choice import parse_choice
@@ -57,7 +58,7 @@ from pagedllm.config import PreemptionMode
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
 from pagedllm.kv.capacity import cdiv
-from pagedllm.kv.prefix_hash import iter_block_keys
+from pagedllm.kv.prefix_hash import BlockKey, group_key, iter_block_keys
 from pagedllm.kv_storage.swap_space import SwapSpace
 from pagedllm.kv_tiers.tier_moves import TierMove
 from pagedllm.kv_tiers.tiered_cache import TieredCache
@@ -418,7 +419,7 @@ class Scheduler:
                 continue
             prefix = manager.find_cached_prefix(self._cacheable(seq), self._extra_keys(seq))
             run = self._host_run(seq, prefix)
-            restored = len(run) * manager.block_size
+            restored = len(run) // manager.num_groups * manager.block_size
             num_tokens = min(seq.num_tokens - prefix.num_tokens - restored, budget)
             admitted = self._append(seq, num_tokens, out, prefix=prefix, parked=restored)
             if run:
@@ -440,11 +441,18 @@ class Scheduler:
         tokens = cacheable[start : len(cacheable) - 1]
         return iter_block_keys(tokens, self.block_manager.block_size, self._extra_keys(seq), parent)
 
+    def _group_keys(self, keys: Iterable[BlockKey]) -> Iterator[BlockKey]:
+        """Each content key as the keys of its blocks in every KV layer group, block by
+        block (the key itself with one group)."""
+        groups = range(self.block_manager.num_groups)
+        return (group_key(key, group) for key in keys for group in groups)
+
     def _prefetch(self, seq: TokenSequence) -> None:
-        """Ask the tiers to load ``seq``'s cached blocks from disk."""
+        """Ask the tiers to load ``seq``'s cached blocks from disk (every group's)."""
         self._prefetched.add(seq.seq_id)
         pool = self.block_manager.pool
-        self.tiers.prefetch(seq.seq_id, self._block_keys(seq), lambda k: pool.lookup(k) is not None)
+        keys = self._group_keys(self._block_keys(seq))
+        self.tiers.prefetch(seq.seq_id, keys, lambda k: pool.lookup(k) is not None)
 
     def _loads_done(self, seq: TokenSequence) -> bool:
         """Whether ``seq`` may start: no tiers, or none of its disk loads in flight (its
@@ -459,21 +467,38 @@ class Scheduler:
         return True
 
     def _host_run(self, seq: TokenSequence, prefix: CachedPrefix) -> list:
-        """The host tier's blocks continuing ``prefix`` (none without tiers)."""
+        """The host tier's blocks continuing ``prefix`` (none without tiers): each
+        content block's block of every KV layer group in turn, whole content blocks
+        only (the host tier holds a sliding group's blocks past its window too, as the
+        pool evicted them)."""
         if self.tiers is None:
             return []
-        return self.tiers.host_run(self._block_keys(seq, prefix))
+        run = self.tiers.host_run(self._group_keys(self._block_keys(seq, prefix)))
+        whole = len(run) - len(run) % self.block_manager.num_groups
+        self.tiers.unpin(run[whole:])
+        return run[:whole]
 
     def _fill(self, seq: TokenSequence, prefix: CachedPrefix, run: list, admitted: bool) -> None:
         """Copy the host blocks of ``run`` into the blocks ``seq`` was just given after
-        ``prefix``, and count their tokens computed (unpin them if it was not admitted)."""
+        ``prefix`` in each group (not into null entries: a sliding group's blocks out
+        of its window), and count their tokens computed (unpin them if it was not
+        admitted)."""
         if not admitted:
             self.tiers.unpin(run)
             return
-        table = self.block_manager.block_table(seq.seq_id)
+        manager = self.block_manager
+        num_groups, null = manager.num_groups, manager.pool.null_block
         first = len(prefix.block_ids)
-        self.tiers.fill(run, table[first : first + len(run)])
-        self._advance(seq, len(run) * self.block_manager.block_size)
+        num_blocks = len(run) // num_groups
+        fills, targets = [], []
+        for group in range(num_groups):
+            table = manager.block_table(seq.seq_id, group)[first : first + num_blocks]
+            entries = run[group::num_groups]
+            self.tiers.unpin([entry for entry, b in zip(entries, table, strict=True) if b == null])
+            fills += [entry for entry, b in zip(entries, table, strict=True) if b != null]
+            targets += [b for b in table if b != null]
+        self.tiers.fill(fills, targets)
+        self._advance(seq, num_blocks * manager.block_size)
 
     @staticmethod
     def _cacheable(seq: TokenSequence) -> list[int]:
