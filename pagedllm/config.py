@@ -375,8 +375,7 @@ class EngineConfig:
         True,
         "give each kind of layer (global, sliding over W tokens) its own block table per "
         "sequence over the one pool, so sliding layers give their old blocks back; off: "
-        "one table for every layer (needed for int4 and draft models with such models for "
-        "now)",
+        "one table for every layer (needed for kv_cache_dtype int4 with such models for now)",
     )
     enable_prefix_caching: bool = knob(
         True, "reuse the K/V of cached full blocks of earlier prompts (automatic prefix caching)"

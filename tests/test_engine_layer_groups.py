@@ -189,6 +189,18 @@ def test_one_table_for_every_layer_on_request(gemma3):
     engine.shutdown()
 
 
+def test_a_draft_model_drafts_in_the_global_groups_blocks(gemma3):
+    """The draft's K/V ride in group 0's blocks (the global group's, never released by
+    a window); its guesses roll back in every group."""
+    folder, expected = gemma3
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
+    engine = engine_for(folder, speculative_config=spec)
+    assert engine.block_manager.windows[0] is None and engine.block_manager.num_groups == 6
+    assert tokens(run_token_ids(engine, PROMPTS, greedy())) == [[e] for e in expected]
+    assert engine.get_stats().spec_decode.num_accepted_tokens > 0
+    engine.shutdown()
+
+
 def test_ngram_guesses_roll_back_in_every_group(gemma3):
     folder, expected = gemma3
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -201,14 +213,11 @@ def test_ngram_guesses_roll_back_in_every_group(gemma3):
     ("option", "value"),
     [
         ("kv_cache_dtype", "int4"),
-        ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2}),
     ],
 )
 def test_what_groups_do_not_run_yet_is_refused_with_the_way_out(gemma3, option, value):
     folder, _ = gemma3
     extra = {"block_size": 16} if option == "kv_cache_dtype" else {}
-    if option == "speculative_config":
-        value = {**value, "model": str(folder)}
     with pytest.raises(ValueError, match="kv_layer_groups=False"):
         engine_for(folder, **{option: value}, **extra)
 

@@ -168,3 +168,18 @@ def test_a_model_with_a_global_layer_keeps_every_block_in_that_layers_group(tmp_
     _, seen = run(engine, [prompt(20, 3)], [greedy(60)])
     window_blocks = max_window_blocks(16, 1, BLOCK)
     assert max(held for held, _ in seen) == math.ceil(80 / BLOCK) + window_blocks
+
+
+def test_evicted_blocks_come_back_from_the_host_tier_inside_the_window(mistral):
+    """Every layer slides: a request that comes back takes its evicted blocks from
+    host memory, copying in only those inside the window of its first computed token."""
+    loaded, reference = mistral
+    prompts = [prompt(90, seed) for seed in range(3)]
+    flood = [prompt(90, seed) for seed in range(10, 16)]
+    expected = [[reference_greedy(reference, p, 8)] for p in prompts]
+    engine = tiny_engine(loaded, 24, block_size=BLOCK, kv_tier_memory=1 << 20)
+    assert run(engine, prompts, [greedy(8)] * 3)[0] == expected
+    run(engine, flood, [greedy(8)] * 6)  # the pool evicts the prompts' blocks
+    assert run(engine, prompts, [greedy(8)] * 3)[0] == expected
+    stats = engine.get_stats().tiers
+    assert stats.spilled_blocks > 0 and stats.host_hits > 0

@@ -193,7 +193,7 @@ def build_engine(
         )
         executor.start_ranks(setup)
     _capture_graphs(config, model, worker.runner, max_model_len)
-    tiers = make_tiered_cache(config, loaded.source, worker.kv_cache, max_model_len, window)
+    tiers = make_tiered_cache(config, loaded.source, worker.kv_cache, max_model_len)
     if tiers is not None:
         worker.tiers = tiers
         block_manager.pool.add_listener(tiers)
@@ -334,7 +334,10 @@ def _check_layer_groups(config: EngineConfig, groups: KVLayerGroups) -> None:
     spec = config.speculative_config
     unsupported = {
         "kv_cache_dtype": config.kv_cache_dtype.by_age,
-        "speculative_config": spec is not None and spec.method is SpeculativeMethod.DRAFT_MODEL,
+        # a draft's K/V ride in group 0's blocks, which a global group never releases
+        "speculative_config": spec is not None
+        and spec.method is SpeculativeMethod.DRAFT_MODEL
+        and groups.windows[0] is not None,
     }
     refused = [name for name, bad in unsupported.items() if bad]
     if refused:

@@ -38,17 +38,11 @@ def make_tiered_cache(
     source: Path,
     cache: KVCache,
     max_model_len: int,
-    sliding_window: int | None,
 ) -> TieredCache | None:
     """The tiers under ``cache``'s pool (None without any), for the model loaded from
     ``source``; logs what they hold."""
     if not config.has_tiers:
         return None
-    if sliding_window is not None:
-        raise ValueError(
-            "kv_tier_memory and kv_cache_dir need a model without sliding-window layers "
-            f"(this one slides over {sliding_window} tokens)"
-        )
     block = cache.tensor[:, :, 0]
     block_bytes = block.numel() * block.element_size()
     slots = host_tier_slots(config, block_bytes, max_model_len)

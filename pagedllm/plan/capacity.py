@@ -23,7 +23,8 @@ model with layers of several kinds (Gemma 2/3, Qwen2 with windows on some layers
 planned as the engine runs it by default: its layers grouped by kind
 (:mod:`pagedllm.kv.layer_groups`), a block holding one group's layers, each group with
 its own table per sequence (:func:`~pagedllm.kv.capacity.grouped_worst_case_blocks`);
-with a draft model it keeps one table for every layer, as the engine must.
+a draft model's K/V ride in the global group's blocks, and every block carries room
+for them, as the engine's do.
 
 A draft model (``draft_model`` speculation, :class:`DraftShape`) keeps its K/V in the
 same blocks as the target's, in its own layers and dtype: a block's bytes are the sum,
@@ -194,7 +195,8 @@ def block_elements_per_layer(config: ModelConfig, block_size: int) -> int:
 
 def layer_groups(config: ModelConfig, one_table: bool = False) -> KVLayerGroups:
     """The KV layer groups the engine keeps for ``config`` by default (paged allocation),
-    or with ``one_table`` (a draft model, int4 by age) one group of every layer."""
+    or with ``one_table`` (``kv_layer_groups=False``, int4 by age) one group of every
+    layer."""
     if one_table:
         return single_group(config.num_layers, config.kv_window)
     return group_layers(config.sliding_windows, config.num_layers)
@@ -432,7 +434,7 @@ def dtype_capacity(
     if kv_dtype.by_age:
         return by_age_capacity(rank_config, block_size, kv_bytes, workload, kv_dtype, by_age)
     per_token = kv_bytes_per_token(rank_config, kv_dtype)
-    groups = layer_groups(config, one_table=draft is not None)
+    groups = layer_groups(config)
     windows = groups.windows
     per_block = block_bytes(rank_config, block_size, kv_dtype, num_layers=groups.num_slots)
     # contiguous allocation keeps one table for every layer and no null block

@@ -146,7 +146,7 @@ def _workload_line(plan: CapacityPlan) -> str:
     if workload.prefix_len:
         line += f"; the first {workload.prefix_len:,} tokens are a prefix all sequences share"
     window = plan.model.config.kv_window
-    groups = layer_groups(plan.model.config, one_table=plan.draft is not None)
+    groups = layer_groups(plan.model.config)
     if window is not None:
         held = request_worst_case_blocks(0, workload.avg_len, 1, plan.block_size, window=window)
         line += (
@@ -193,7 +193,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _block_label(plan: CapacityPlan) -> str:
     """What one block of the plan's pool spans: every layer, or one KV layer group's."""
-    groups = layer_groups(plan.model.config, one_table=plan.draft is not None)
+    groups = layer_groups(plan.model.config)
     if groups.num_groups == 1:
         return "block, all layers"
     return f"block, a group's {groups.num_slots} layers"
