@@ -244,3 +244,47 @@ def test_two_ranks_keep_the_groups_tables(gemma3):
         assert tokens(run_token_ids(engine, PROMPTS, greedy(n=2))) == [[e, e] for e in expected]
     finally:
         engine.shutdown()
+
+
+def test_groups_change_no_token_or_logprob_against_one_table(gemma3):
+    """Differential: the same requests (shared prefixes, seeded sampling, two samples,
+    chunked prefill) on one table for every layer and on a table per group give the
+    same tokens and logprobs, bit for bit: the kernels read the same K/V, only through
+    other blocks. Both pools hold everything, so both schedule the same batches (a
+    preemption would change them, and with them the products' rounding)."""
+    import random
+
+    folder, _ = gemma3
+    rng = random.Random(5)
+    system = [rng.randrange(3, 250) for _ in range(21)]
+    prompts = [
+        system[: rng.randint(0, 21)] + [rng.randrange(3, 250) for _ in range(rng.randint(1, 30))]
+        for _ in range(8)
+    ]
+    params = SamplingParams(
+        temperature=0.8, seed=11, max_tokens=10, n=2, logprobs=2, ignore_eos=True
+    )
+    runs = []
+    for groups in (False, True):
+        engine = engine_for(
+            folder,
+            kv_layer_groups=groups,
+            kv_cache_memory="8MiB",
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+        )
+        for index, prompt in enumerate(prompts):
+            engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [
+                        (o.token_ids, [(t.token_id, t.logprob) for t in o.logprobs])
+                        for o in out.outputs
+                    ]
+        assert engine.scheduler.num_preemptions == 0
+        assert engine.block_manager.stats().prefix_cache_hits > 0
+        runs.append(done)
+        engine.shutdown()
+    assert runs[0] == runs[1]
