@@ -180,6 +180,16 @@ def test_beam_search_forks_every_groups_table(gemma3):
     assert beams == [[b.tokens for b in out.sequences] for out in one.beam_search(prompts, params)]
 
 
+def test_the_start_up_log_counts_blocks_per_group(gemma3, caplog):
+    folder, _ = gemma3
+    with caplog.at_level("INFO", logger="pagedllm"):
+        engine = engine_for(folder, max_num_batched_tokens=16, max_num_seqs=4)
+    # 256 tokens: 64 global blocks, and at most ceil((8 + 16 + 2) / 4) = 7 per sliding group
+    assert "max_model_len 256, held in at most 99 blocks over the groups" in caplog.text
+    assert "6 KV layer groups of 1 layers (1 global, 5 sliding over 8 tokens)" in caplog.text
+    engine.shutdown()
+
+
 def test_one_table_for_every_layer_on_request(gemma3):
     folder, expected = gemma3
     engine = engine_for(folder, kv_layer_groups=False)

@@ -47,6 +47,7 @@ from pagedllm.kv.block_pool import num_reserved_blocks
 from pagedllm.kv.capacity import (
     draft_scratch_blocks,
     full_blocks_wanted,
+    grouped_worst_case_blocks,
     longest_sequence,
     pool_blocks,
     recent_blocks,
@@ -164,7 +165,7 @@ def build_engine(
         recent_tokens=config.kv_recent_tokens if num_compact else None,
         group_windows=groups.windows if groups.num_groups > 1 else None,
     )
-    _log_pool(block_manager, max_model_len)
+    _log_pool(block_manager, max_model_len, config.max_num_batched_tokens)
     if groups.num_groups > 1:
         logger.info("%s", groups.describe())
     # the cache keeps a null block past the pool's for a window's released entries, and
@@ -432,10 +433,26 @@ def _max_model_len(
     return min(model_limit, fits) if requested is None else requested
 
 
-def _log_pool(block_manager: BlockManager, max_model_len: int) -> None:
+def _log_pool(block_manager: BlockManager, max_model_len: int, step_tokens: int) -> None:
     pool = block_manager.pool
     block_size = block_manager.block_size
     usable = pool.num_blocks - pool.num_reserved + pool.num_compact_blocks
+    if block_manager.num_groups > 1:  # a block holds one group's layers
+        held = grouped_worst_case_blocks(
+            0, max_model_len, 1, block_size, block_manager.windows, step_tokens=step_tokens
+        )
+        logger.info(
+            "KV cache pool: %d blocks x %d tokens of one layer group (%d reserved blocks), "
+            "max_model_len %d, held in at most %d blocks over the groups; maximum "
+            "concurrency at max_model_len: %.2fx",
+            pool.num_blocks,
+            block_size,
+            pool.num_reserved,
+            max_model_len,
+            held,
+            usable / held,
+        )
+        return
     if pool.num_compact_blocks:
         logger.info(
             "KV cache by age: %d full-size blocks for the newest %d tokens of each sequence "
