@@ -23,7 +23,8 @@ Every measure runs ``LLMEngine`` as a user would (chunked prefill of
 
 Schemes: a ``kv_cache_dtype`` (``float32`` is the model's own, ``auto``), and
 ``int4@R`` for ``int4`` with ``kv_recent_tokens=R`` (``int4@R:B`` in blocks of ``B``
-tokens instead of the engine's default 16).
+tokens instead of the engine's default 16; ``int4@R:B:F`` with the recent window in
+format ``F``, ``kv_recent_dtype``, such as ``int8``).
 
     python benchmarks/kv_by_age.py [--schemes float32,bfloat16,int8,int4@0,int4@128]
     python benchmarks/kv_by_age.py --measure passkey --passkey-lengths 1024,8192
@@ -57,19 +58,22 @@ def emit(**record: object) -> None:
     print(json.dumps(record), flush=True)
 
 
-def parse_scheme(scheme: str) -> tuple[str, int | None, int | None]:
-    """``(kv_cache_dtype, kv_recent_tokens, block_size)`` of ``"int4@128:16"``,
-    ``"int4@128"`` or ``"bfloat16"`` (None: the engine's default)."""
+def parse_scheme(scheme: str) -> tuple[str, int | None, int | None, str]:
+    """``(kv_cache_dtype, kv_recent_tokens, block_size, kv_recent_dtype)`` of
+    ``"int4@128:16:int8"``, ``"int4@128:16"``, ``"int4@128"`` or ``"bfloat16"`` (None and
+    ``"auto"``: the engine's defaults)."""
     name, _, window = scheme.partition("@")
-    window, _, block_size = window.partition(":")
+    window, _, rest = window.partition(":")
+    block_size, _, recent = rest.partition(":")
     if name == "float32":
         name = "auto"
-    return name, int(window) if window else None, int(block_size) if block_size else None
+    window_tokens = int(window) if window else None
+    return name, window_tokens, int(block_size) if block_size else None, recent or "auto"
 
 
 def engine_for(args, loaded: LoadedModel, scheme: str, max_len: int) -> LLM:
-    kv_cache_dtype, window, block_size = parse_scheme(scheme)
-    extra = {} if window is None else {"kv_recent_tokens": window}
+    kv_cache_dtype, window, block_size, recent = parse_scheme(scheme)
+    extra = {} if window is None else {"kv_recent_tokens": window, "kv_recent_dtype": recent}
     if block_size is not None:
         extra["block_size"] = block_size
     config = EngineConfig(
@@ -212,10 +216,11 @@ def capacity_records(args, loaded: LoadedModel) -> None:
     )
     bf16_bytes = cdiv(args.max_len, 16) * bf16_block
     for scheme in args.schemes:
-        kv_cache_dtype, window, block_size = parse_scheme(scheme)
+        kv_cache_dtype, window, block_size, recent = parse_scheme(scheme)
         block_size = block_size or EngineConfig.block_size
+        full_format = kv_cache_dtype if window is None else recent
         full = bytes_per_block(
-            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, model_dtype, kv_cache_dtype
+            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, model_dtype, full_format
         )
         num_blocks = cdiv(args.max_len, block_size)
         if window is None:

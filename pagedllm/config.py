@@ -321,8 +321,14 @@ class EngineConfig:
     )
     kv_recent_tokens: int = knob(
         128,
-        "kv_cache_dtype int4: each sequence's newest tokens kept in the model's dtype; a "
-        "block wholly behind them is re-encoded into 4 bits once",
+        "kv_cache_dtype int4: each sequence's newest tokens kept in the model's dtype (or "
+        "kv_recent_dtype); a block wholly behind them is re-encoded into 4 bits once",
+    )
+    kv_recent_dtype: KVCacheDtype = knob(
+        KVCacheDtype.AUTO,
+        "kv_cache_dtype int4: the format of the recent tokens' full-size blocks: auto (the "
+        "model's dtype), bfloat16, float16, or 8-bit int8, fp8_e4m3, fp8_e5m2",
+        KVCacheDtype,
     )
     block_size: int = knob(
         DEFAULT_BLOCK_SIZE,
@@ -538,9 +544,24 @@ class EngineConfig:
                 + ", ".join(f"{name}={getattr(self, name)!r}" for name in refused)
             )
 
+    @property
+    def full_block_dtype(self) -> KVCacheDtype:
+        """The format of the pool's full-size blocks: ``kv_cache_dtype``, or with int4
+        (whose old blocks are compact) ``kv_recent_dtype``."""
+        return self.kv_recent_dtype if self.kv_cache_dtype.by_age else self.kv_cache_dtype
+
     def _check_by_age(self) -> None:
         """int4's compact blocks are allocated on demand and without a draft model;
-        every preemption mode runs (swap parks compact blocks compact)."""
+        every preemption mode runs (swap parks compact blocks compact). Its recent
+        window is in a format of full-size blocks (not int4 again)."""
+        if self.kv_recent_dtype is not KVCacheDtype.AUTO and (
+            not self.kv_cache_dtype.by_age or self.kv_recent_dtype.by_age
+        ):
+            raise ValueError(
+                f"kv_recent_dtype={self.kv_recent_dtype.value!r} sets the format of int4's "
+                f"recent window (a full-size format), not with "
+                f"kv_cache_dtype={self.kv_cache_dtype.value!r}"
+            )
         if not self.kv_cache_dtype.by_age:
             return
         if self.kv_recent_tokens < 0:

@@ -150,22 +150,33 @@ def test_compact_blocks_hold_their_positions_keys_and_values_within_the_codec_bo
         )
 
 
-def test_the_kernel_equals_the_reference_over_every_block_decoded(tiny_model):
+@pytest.mark.parametrize("recent_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_the_kernel_equals_the_reference_over_every_block_decoded(tiny_model, recent_dtype):
     """Mixed tables (compact blocks, then full ones, partly filled last) in prefill
     chunks and decode steps: greedy tokens through the C++ kernel equal those through
-    the reference that decodes every block."""
+    the reference that decodes every block, the recent window in the model's dtype or
+    in 8 bits (``kv_recent_dtype``)."""
     prompts = [prompt(90 + 13 * i, seed=i) for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    fast = run(make_engine(tiny_model, recent_tokens=5), prompts, greedy)
-    engine = make_engine(tiny_model, recent_tokens=5)
+    options = dict(recent_tokens=5, kv_recent_dtype=recent_dtype)
+    fast_engine = make_engine(tiny_model, **options)
+    assert fast_engine.kv_cache.format.name == (
+        "float32" if recent_dtype == "auto" else recent_dtype
+    )
+    fast = run(fast_engine, prompts, greedy)
+    assert fast_engine.block_manager.pool.stats().cached > 0
+    engine = make_engine(tiny_model, **options)
     assert isinstance(engine.runner.attn, PagedAttentionBackend)
     assert engine.runner.attn.uses_fast_kernel
     engine.runner.attn.uses_fast_kernel = False
     assert run(engine, prompts, greedy) == fast
 
 
-def test_shared_blocks_are_encoded_once_and_cached_ones_not_again(tiny_model, monkeypatch):
-    engine = make_engine(tiny_model, recent_tokens=0)
+@pytest.mark.parametrize("recent_dtype", ["auto", "int8"])
+def test_shared_blocks_are_encoded_once_and_cached_ones_not_again(
+    tiny_model, monkeypatch, recent_dtype
+):
+    engine = make_engine(tiny_model, recent_tokens=0, kv_recent_dtype=recent_dtype)
     counter = EncodeCounter(engine.kv_cache, monkeypatch)
     forked = SamplingParams(n=3, temperature=0.9, seed=1, max_tokens=20, ignore_eos=True)
     run(engine, [prompt(100)], forked)
@@ -183,9 +194,14 @@ def test_shared_blocks_are_encoded_once_and_cached_ones_not_again(tiny_model, mo
     assert len(counter.pairs) <= 1
 
 
-def test_a_small_pool_preempts_by_recompute_and_frees_every_block(tiny_model):
+@pytest.mark.parametrize(("recent_dtype", "memory"), [("auto", "600KiB"), ("int8", "360KiB")])
+def test_a_small_pool_preempts_by_recompute_and_frees_every_block(tiny_model, recent_dtype, memory):
     engine = make_engine(
-        tiny_model, recent_tokens=16, kv_cache_memory="600KiB", max_num_batched_tokens=16
+        tiny_model,
+        recent_tokens=16,
+        kv_cache_memory=memory,
+        max_num_batched_tokens=16,
+        kv_recent_dtype=recent_dtype,
     )
     pool = engine.block_manager.pool
     prompts = [prompt(60 + 20 * i, seed=i) for i in range(6)]
@@ -196,11 +212,18 @@ def test_a_small_pool_preempts_by_recompute_and_frees_every_block(tiny_model):
     assert stats.used == 0 and stats.compact_used == 0
 
 
-def test_the_planner_splits_a_budget_as_the_engine_does(tiny_model):
+@pytest.mark.parametrize(("recent_dtype", "recent_format"), [("auto", None), ("int8", "int8")])
+def test_the_planner_splits_a_budget_as_the_engine_does(tiny_model, recent_dtype, recent_format):
     budget = 5 << 20
-    engine = make_engine(tiny_model, recent_tokens=24, kv_cache_memory=budget, max_num_seqs=4)
+    engine = make_engine(
+        tiny_model,
+        recent_tokens=24,
+        kv_cache_memory=budget,
+        max_num_seqs=4,
+        kv_recent_dtype=recent_dtype,
+    )
     model = resolve_model(str(tiny_model.source))
-    by_age = ByAge(24, 4, 64, torch.float32)
+    by_age = ByAge(24, 4, 64, torch.float32, recent_format)
     row = by_age_capacity(
         model.config, BLOCK_SIZE, budget, Workload(100, 512), PLANNED_KV_DTYPES["int4"], by_age
     )

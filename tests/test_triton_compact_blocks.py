@@ -30,7 +30,7 @@ from pagedllm.kv.capacity import cdiv  # noqa: E402
 from pagedllm.kv_storage.compact_blocks import decode_tiles  # noqa: E402
 from pagedllm.kv_storage.int4_codec import hadamard  # noqa: E402
 from pagedllm.kv_storage.kv_cache import KVCache  # noqa: E402
-from pagedllm.kv_storage.kv_quant import decode_rows  # noqa: E402
+from pagedllm.kv_storage.kv_quant import decode_rows, encode_rows  # noqa: E402
 from pagedllm.models.loader import load_model  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -61,6 +61,7 @@ def mixed_case(
     dtype: torch.dtype,
     seed: int,
     shared_compact: int = 0,
+    full_format: str = "int4",
 ) -> MixedCase:
     """Sequence ``i`` has ``compact_blocks[i]`` compact blocks, then full ones (its last
     one partly filled unless its length is a multiple of ``block``); sequence 1 shares
@@ -69,13 +70,14 @@ def mixed_case(
     blocks = [cdiv(n, block) for n in seq_lens]
     num_full = sum(blocks) + 3  # the last one is the null block, never in a table
     num_compact = sum(compact_blocks) + 2
-    cache = KVCache(1, num_full, block, hkv, dim, dtype, DEVICE, "int4", num_compact)
+    cache = KVCache(1, num_full, block, hkv, dim, dtype, DEVICE, full_format, num_compact)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(DEVICE)
 
-    cache.key(0).copy_(randn(*cache.key(0).shape))
-    cache.value(0).copy_(randn(*cache.value(0).shape))
+    rows = (num_full, hkv, block, dim)  # full blocks in the cache's format (int8: codes)
+    cache.stored_key(0).copy_(encode_rows(randn(*rows), cache.format).view(cache.dtype))
+    cache.stored_value(0).copy_(encode_rows(randn(*rows), cache.format).view(cache.dtype))
     channel_spread = 0.2 + 3 * torch.rand(dim, generator=gen).to(DEVICE)  # unequal channels
     tile_shape = (num_compact, hkv, block, dim)
     cache.compact.write(
@@ -179,6 +181,17 @@ def test_sliding_window_and_softcap_over_mixed_tables(query_lens):
     options = dict(sliding_window=40, logit_softcap=5.0)
     want = expected(case, window=40, softcap=5.0)
     assert max_error(attend(case, **options), want) <= 1e-5
+
+
+@pytest.mark.parametrize("full_format", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("query_lens", [[1] * 4, [23, 10, 13, 33]], ids=["decode", "prefill"])
+def test_an_8_bit_recent_window_beside_compact_blocks(full_format, query_lens):
+    """``kv_recent_dtype``: full blocks in 8 bits, decoded by the kernels as a plain
+    8-bit cache's are, beside the compact ones."""
+    case = mixed_case(SEQ_LENS, query_lens, COMPACT_BLOCKS[16], 16, 4, 2, 64, torch.float32,
+                      seed=8, full_format=full_format)  # fmt: skip
+    assert case.cache.format.quantized and case.cache.compact is not None
+    assert max_error(attend(case), expected(case)) <= 1e-5
 
 
 def test_float32_cache_under_a_bfloat16_query():

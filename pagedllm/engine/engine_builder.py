@@ -360,7 +360,7 @@ def _block_bytes(config: EngineConfig, model: CausalDecoder, num_layers: int) ->
         mc.num_kv_heads,
         mc.head_dim,
         config.dtype,
-        config.kv_cache_dtype,
+        config.full_block_dtype,
     )
 
 

@@ -53,7 +53,7 @@ def make_kv_cache(
         mc.head_dim,
         config.dtype,
         device=config.device,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=config.full_block_dtype,
         num_compact_blocks=num_compact_blocks,
         layer_slots=groups.layer_slot if groups.num_groups > 1 else None,
     )

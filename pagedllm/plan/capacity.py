@@ -111,13 +111,23 @@ PLANNED_KV_DTYPES: dict[str, KVDtype] = {
 @dataclass(frozen=True)
 class ByAge:
     """The engine options that split a pool by age (``kv_recent_tokens``,
-    ``max_num_seqs``, ``max_num_batched_tokens``), and the dtype of its full-size
-    blocks (the model's)."""
+    ``max_num_seqs``, ``max_num_batched_tokens``), the model's dtype, and the format
+    of its full-size blocks (``recent_format``: a :data:`KV_DTYPES` name, the engine's
+    ``kv_recent_dtype``; None: the model's dtype)."""
 
     recent_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
     recent_dtype: torch.dtype = torch.bfloat16
+    recent_format: str | None = None
+
+    @property
+    def full_kv_dtype(self) -> KVDtype:
+        """The format the full-size blocks keep."""
+        if self.recent_format is not None:
+            return KV_DTYPES[self.recent_format]
+        name = str(self.recent_dtype).removeprefix("torch.")
+        return KVDtype(name, self.recent_dtype, "auto")
 
 
 # Bytes per weight by storage type. The GGUF block formats are what the engine holds when
@@ -479,7 +489,7 @@ def by_age_capacity(
         raise ValueError(f"the {kv_dtype.name} row needs the options that split its pool")
     if config.kv_window is not None:
         raise ValueError(f"{kv_dtype.name} does not run with a model whose every layer slides")
-    full_bytes = block_bytes(config, block_size, kv_dtype, by_age.recent_dtype)
+    full_bytes = block_bytes(config, block_size, by_age.full_kv_dtype, by_age.recent_dtype)
     compact_bytes = compact_block_bytes(config, block_size)
     wanted = full_blocks_wanted(
         by_age.max_num_seqs, by_age.recent_tokens, by_age.max_num_batched_tokens, block_size
@@ -501,7 +511,7 @@ def by_age_capacity(
         element_bytes=kv_dtype.element_bytes,
         kv_bytes_per_token=compact_bytes // block_size,
         block_bytes_per_layer=block_elements_per_layer(config, block_size)
-        * by_age.recent_dtype.itemsize,
+        * by_age.full_kv_dtype.element_bytes,
         block_bytes=full_bytes,
         batch_kv_bytes=workload.batch * workload.avg_len * compact_bytes // block_size,
         num_blocks=num_full,

@@ -16,6 +16,7 @@ from pagedllm.config import (
 from pagedllm.kv.block_pool import validate_block_size
 from pagedllm.models.presets import PRESETS
 from pagedllm.plan.capacity import (
+    KV_DTYPES,
     PLANNED_KV_DTYPES,
     WEIGHT_BYTES,
     ByAge,
@@ -105,6 +106,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         default=EngineConfig.kv_recent_tokens,
         help="int4: each sequence's newest tokens kept in full-size blocks (default "
         f"{EngineConfig.kv_recent_tokens})",
+    )
+    parser.add_argument(
+        "--kv-recent-dtype",
+        dest="recent_format",  # the planner's names, not EngineConfig's field
+        choices=["auto", *sorted(KV_DTYPES)],
+        default="auto",
+        help="int4: the format of the recent tokens' full-size blocks (default auto: the "
+        "weights' float dtype)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -213,6 +222,7 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
             args.max_num_seqs,
             args.max_num_batched_tokens,
             RECENT_DTYPES.get(args.weight_dtype, torch.bfloat16),
+            None if args.recent_format == "auto" else args.recent_format,
         )
     return plan_capacity(
         model, block_size, budget, workload, kv_dtypes, tensor_parallel_size, draft, by_age

@@ -164,7 +164,7 @@ def _workload_line(plan: CapacityPlan) -> str:
 
 def _by_age_line(plan: CapacityPlan, row: DtypeCapacity) -> str:
     by_age = plan.by_age
-    dtype = str(by_age.recent_dtype).removeprefix("torch.")
+    dtype = by_age.full_kv_dtype.name
     return (
         f"{row.kv_dtype} keeps each sequence's newest {by_age.recent_tokens:,} tokens in "
         f"full-size {dtype} blocks and re-encodes older blocks into 4 bits (keys per channel "

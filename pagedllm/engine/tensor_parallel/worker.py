@@ -53,6 +53,7 @@ SHARED_SETTINGS = (
     "dtype",
     "kv_cache_dtype",
     "kv_recent_tokens",
+    "kv_recent_dtype",
     "kv_layer_groups",
     "kv_allocation",
     "block_size",
