@@ -3,12 +3,14 @@ layers of window 8, then a global one) and a Qwen2 with a window on its upper la
 keep one table per KV layer group; sliding groups give their old blocks back while the
 global group keeps the whole context, and greedy tokens still equal transformers'
 through chunked prefill, prefix-cache hits, parallel samples (forks), preemption by
-recompute, speculation (rolled-back guesses) and two tensor-parallel ranks."""
+recompute and by swap, the prefix cache's lower tiers (and a restart), speculation
+(n-gram guesses rolled back, a draft model), beam search and two tensor-parallel
+ranks; against one table for every layer, tokens and logprobs are bit-identical."""
 
 from __future__ import annotations
 
 import pytest
-from tiny_checkpoints import run_token_ids
+from tiny_checkpoints import run_outputs, run_token_ids
 from transformers_oracle import reference_greedy, write_random_checkpoint
 
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
@@ -283,16 +285,12 @@ def test_groups_change_no_token_or_logprob_against_one_table(gemma3):
             max_num_batched_tokens=16,
             max_num_seqs=4,
         )
-        for index, prompt in enumerate(prompts):
-            engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = [
-                        (o.token_ids, [(t.token_id, t.logprob) for t in o.logprobs])
-                        for o in out.outputs
-                    ]
+        done = {
+            request_id: [
+                (o.token_ids, [(t.token_id, t.logprob) for t in o.logprobs]) for o in out.outputs
+            ]
+            for request_id, out in run_outputs(engine, prompts, params).items()
+        }
         assert engine.scheduler.num_preemptions == 0
         assert engine.block_manager.stats().prefix_cache_hits > 0
         runs.append(done)
