@@ -107,12 +107,13 @@ class ModelRunner:
             seq = item.seq
             if item.new_block_ids:
                 tables.update(seq.seq_id, item.table_start, item.new_block_ids)
-            for group_tables, group_slots, delta in zip(
-                more_tables, more_slots, item.more_groups, strict=True
-            ):
-                if delta.new_block_ids:
-                    group_tables.update(seq.seq_id, delta.table_start, delta.new_block_ids)
-                group_slots.extend(delta.slots)
+            if more_tables:  # KV layer groups
+                for group_tables, group_slots, delta in zip(
+                    more_tables, more_slots, item.more_groups, strict=True
+                ):
+                    if delta.new_block_ids:
+                        group_tables.update(seq.seq_id, delta.table_start, delta.new_block_ids)
+                    group_slots.extend(delta.slots)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
             owed = seq.prompt_logprob_positions(item.num_tokens)
             if owed:

@@ -57,6 +57,7 @@ from pagedllm.choice import parse_choice
 from pagedllm.config import PreemptionMode
 from pagedllm.engine.sequence import SequenceStatus, TokenSequence
 from pagedllm.kv.block_manager import BlockManager, CachedPrefix
+from pagedllm.kv.block_table import AppendResult
 from pagedllm.kv.capacity import cdiv
 from pagedllm.kv.prefix_hash import BlockKey, group_key, iter_block_keys
 from pagedllm.kv_storage.swap_space import SwapSpace
@@ -544,28 +545,30 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
         out.block_copies.extend(result.copies)
         out.block_encodes.extend(result.encodes)
-        sent = seq.table_blocks_sent or [0] * manager.num_groups
-        deltas = []
-        for group, appended in enumerate([result, *result.more_groups]):
-            start = min(sent[group], appended.first_changed)
-            new_block_ids = manager.block_ids_from(seq.seq_id, start, group)
-            sent[group] = start + len(new_block_ids)
-            slots = appended.slots[parked:] if parked else appended.slots
-            deltas.append(GroupDelta(slots, start, new_block_ids))
-        seq.table_blocks_sent = sent
-        first = deltas[0]
+        if not seq.table_blocks_sent:
+            seq.table_blocks_sent = [0] * manager.num_groups
+        more = [  # the other KV layer groups' deltas (none without groups)
+            GroupDelta(*self._delta(seq, group, appended, parked))
+            for group, appended in enumerate(result.more_groups, start=1)
+        ]
+        slots, start, new_block_ids = self._delta(seq, 0, result, parked)
         out.scheduled.append(
-            ScheduledSequence(
-                seq,
-                num_tokens,
-                first.slots,
-                first.table_start,
-                first.new_block_ids,
-                drafts,
-                deltas[1:],
-            )  # fmt: skip
+            ScheduledSequence(seq, num_tokens, slots, start, new_block_ids, drafts, more)
         )
         return True
+
+    def _delta(
+        self, seq: TokenSequence, group: int, appended: AppendResult, parked: int
+    ) -> tuple[list[int], int, list[int]]:
+        """``(slots, table_start, new_block_ids)`` for ``group`` of ``seq`` after
+        ``appended``: the slots of the tokens computed (past the ``parked`` ones copied
+        in), and the table entries the runner lacks or that changed; records what it
+        was sent."""
+        sent = seq.table_blocks_sent
+        start = min(sent[group], appended.first_changed)
+        new_block_ids = self.block_manager.block_ids_from(seq.seq_id, start, group)
+        sent[group] = start + len(new_block_ids)
+        return appended.slots[parked:] if parked else appended.slots, start, new_block_ids
 
     def _preempt(self, seq: TokenSequence, out: SchedulerOutput) -> None:
         """Take ``seq``'s blocks back: park them in the swap space, or drop them and

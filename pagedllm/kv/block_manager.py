@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import BlockPool, BlockPoolStats, OutOfBlocksError
 from pagedllm.kv.block_table import AppendResult, BlockTable
@@ -180,11 +180,10 @@ class _Sequence:
     tables: list[BlockTable]
     hasher: PrefixHasher | None  # None: this sequence's blocks are never cached
     num_committed: int = 0  # tokens whose K/V are written: the one progress count
+    table: BlockTable = field(init=False)  # group 0's (the only one without groups)
 
-    @property
-    def table(self) -> BlockTable:
-        """Group 0's table (the only one without layer groups)."""
-        return self.tables[0]
+    def __post_init__(self) -> None:
+        self.table = self.tables[0]
 
 
 class BlockManager:
@@ -594,12 +593,13 @@ class BlockManager:
             return None
         if restored_slots:
             result.slots = restored_slots + result.slots
-        for group, other in enumerate(seq.tables[1:], start=1):  # their blocks are free
-            more = other.append_slots(
-                num_new_tokens, high_priority, self.live_from(first_query, group)
-            )
-            result.copies.extend(more.copies)
-            result.more_groups.append(more)
+        if len(seq.tables) > 1:  # KV layer groups; their blocks are free (checked above)
+            for group, other in enumerate(seq.tables[1:], start=1):
+                more = other.append_slots(
+                    num_new_tokens, high_priority, self.live_from(first_query, group)
+                )
+                result.copies.extend(more.copies)
+                result.more_groups.append(more)
         self._table_lookups += num_new_tokens
         self._table_hits += min(num_new_tokens, room)
         if self.recent_tokens is not None:
@@ -643,11 +643,14 @@ class BlockManager:
             )
         if seq.hasher is not None:
             first_block = seq.num_committed // self.block_size  # the hasher's first pending
-            for index, key in enumerate(seq.hasher.extend(token_ids), start=first_block):
+            keys = seq.hasher.extend(token_ids)  # the blocks these tokens complete
+            for index, key in enumerate(keys, start=first_block):
                 for group, table in enumerate(seq.tables):
                     if index >= table.num_null:  # a null entry's K/V were never written
                         self.pool.cache_block(table.block_ids[index], group_key(key, group))
         seq.num_committed += len(token_ids)
+        if len(seq.tables) == 1:
+            return [seq.table.release_before(self.live_from(seq.num_committed))]
         return [
             table.release_before(self.live_from(seq.num_committed, group))
             for group, table in enumerate(seq.tables)
