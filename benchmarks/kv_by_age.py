@@ -21,7 +21,8 @@ Every measure runs ``LLMEngine`` as a user would (chunked prefill of
    engine step) after a prompt of each ``--decode-contexts`` length, schemes in
    alternating rounds, medians of ``--rounds``.
 
-Schemes: a ``kv_cache_dtype`` (``float32`` is the model's own, ``auto``), and
+Schemes: a ``kv_cache_dtype`` (``float32`` is the model's own, ``auto``), the model
+itself in another dtype with its own cache (``bfloat16-model``, agreement only), and
 ``int4@R`` for ``int4`` with ``kv_recent_tokens=R`` (``int4@R:B`` in blocks of ``B``
 tokens instead of the engine's default 16; ``int4@R:B:F`` with the recent window in
 format ``F``, ``kv_recent_dtype``, such as ``int8``).
@@ -71,13 +72,21 @@ def parse_scheme(scheme: str) -> tuple[str, int | None, int | None, str]:
     return name, window_tokens, int(block_size) if block_size else None, recent or "auto"
 
 
+MODEL_SUFFIX = "-model"
+"""A scheme ``"bfloat16-model"``: the model itself in that dtype, with its own cache."""
+
+
 def engine_for(args, loaded: LoadedModel, scheme: str, max_len: int) -> LLM:
+    dtype = args.dtype
+    if scheme.endswith(MODEL_SUFFIX):
+        dtype, scheme = scheme.removesuffix(MODEL_SUFFIX), "float32"
+        loaded = load_model_for(EngineConfig(dtype=dtype))
     kv_cache_dtype, window, block_size, recent = parse_scheme(scheme)
     extra = {} if window is None else {"kv_recent_tokens": window, "kv_recent_dtype": recent}
     if block_size is not None:
         extra["block_size"] = block_size
     config = EngineConfig(
-        dtype=args.dtype,
+        dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=max_len,

@@ -8,14 +8,19 @@ element), so they agree to float32 rounding: atol = rtol = 5e-5.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_cases import build_case
 
+from pagedllm.attention.backend import AttentionOptions
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
-from pagedllm.attention.reference import reference_paged_attention
+from pagedllm.attention.reference import dense_causal_attention, reference_paged_attention
 from pagedllm.cpu import paged_attention
 from pagedllm.kv.capacity import pool_blocks
+from pagedllm.kv_storage.key_rotation import key_rotation
 from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
 from pagedllm.kv_storage.kv_quant import SCALE_BYTES, decode_rows, encode_rows, resolve_kv_format
 
@@ -153,7 +158,8 @@ def test_backend_write_and_cache_copy_blocks_carry_scales(name):
     slots = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11])  # blocks 1 and 2
     PagedAttentionBackend(cache).write(1, k, v, slots)
     stored = decode_rows(cache.key(1)[1:3], cache.format).transpose(1, 2).reshape(8, 2, 64)
-    torch.testing.assert_close(stored, decode_rows(encode_rows(k, cache.format), cache.format))
+    keys = k @ key_rotation(64) if cache.format.rotates_keys else k
+    torch.testing.assert_close(stored, decode_rows(encode_rows(keys, cache.format), cache.format))
     cache.copy_blocks([(1, 4), (2, 5)])
     assert torch.equal(cache.tensor[:, :, 4:6], cache.tensor[:, :, 1:3])
     assert cache.tensor.dtype == torch.uint8 and cache.tensor.shape[-1] == 64 + SCALE_BYTES
@@ -167,3 +173,49 @@ def test_unknown_kv_cache_dtype_is_rejected():
 def test_int4_keeps_its_recent_blocks_in_the_models_dtype():
     assert resolve_kv_format("int4", torch.bfloat16).dtype == torch.bfloat16
     assert not resolve_kv_format("int4", torch.float32).quantized
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 112, 128])
+def test_key_rotation_is_orthonormal_and_symmetric(head_dim):
+    rotation = key_rotation(head_dim)
+    torch.testing.assert_close(rotation @ rotation, torch.eye(head_dim), atol=1e-6, rtol=0)
+    assert torch.equal(rotation, rotation.T)
+    # every row spreads over more than one channel (no block of order 1 unless head_dim is odd)
+    assert (rotation != 0).sum(dim=1).min() >= 16
+
+
+def outlier_attention_error(rotated: bool) -> float:
+    """Largest deviation from float32 attention of one decode row over an int8 cache whose
+    keys carry two large channels (as trained models' keys do), keys stored rotated or
+    not."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, dim = 64, 2, 64
+    keys = torch.randn(tokens, heads, dim, generator=gen)
+    keys[..., [3, 40]] = 40 + 10 * torch.randn(tokens, heads, 2, generator=gen)
+    values = torch.randn(tokens, heads, dim, generator=gen)
+    query = torch.randn(1, heads, dim, generator=gen)
+    query[..., [3, 40]] = 0.0  # the scores rest on the small channels
+    cache = KVCache(1, 16, 16, heads, dim, torch.float32, kv_cache_dtype="int8")
+    if not rotated:
+        cache.key_rotation = None
+    backend = PagedAttentionBackend(cache)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, dtype=torch.int64),
+        block_tables=torch.arange(4, dtype=torch.int32).view(1, 4),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=tokens,
+    )
+    backend.write(0, keys, values, metadata.slot_mapping)
+    metadata = dataclasses.replace(metadata, slot_mapping=torch.full((1,), -1))
+    got = backend.forward(0, query, keys[-1:], values[-1:], metadata, AttentionOptions(0.5))
+    expected = dense_causal_attention(query, keys.transpose(0, 1), values.transpose(0, 1), 0.5)
+    return (got - expected).abs().max().item()
+
+
+def test_int8_keys_stored_rotated_keep_small_channels():
+    """A rotation that the queries did not share, or no rotation, fails this."""
+    rotated, plain = outlier_attention_error(True), outlier_attention_error(False)
+    assert rotated < 0.12
+    assert rotated < plain / 2

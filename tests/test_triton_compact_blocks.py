@@ -223,19 +223,20 @@ def test_launchers_take_one_block_per_tile_over_compact_blocks():
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def int4_engine(loaded, device: str) -> LLMEngine:
+def int4_engine(loaded, device: str, **settings) -> LLMEngine:
     """int4 K/V by age over 16-token blocks, all but each sequence's last 5 tokens'
-    blocks re-encoded (as tests/test_engine_kv_by_age.py configures it)."""
+    blocks re-encoded (as tests/test_engine_kv_by_age.py configures it); ``settings``
+    replace any of these."""
+    settings = {"kv_cache_dtype": "int4", "kv_recent_tokens": 5} | settings
     config = EngineConfig(
         device=device,
         dtype="float32",
-        kv_cache_dtype="int4",
-        kv_recent_tokens=5,
         block_size=16,
         kv_cache_memory="8MiB",
         max_num_seqs=8,
         max_num_batched_tokens=48,
         log_stats_interval=0,
+        **settings,
     )
     return LLMEngine(config, loaded)
 
@@ -257,15 +258,21 @@ def greedy_tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def test_int4_engine_on_triton_matches_the_cpu_backend(tiny_model, monkeypatch):
+PROMPTS = [[(31 * i + 7 * s) % 480 + 3 for i in range(60 + 17 * s)] for s in range(3)]
+
+
+@pytest.mark.parametrize("recent_dtype", ["auto", "int8"])
+def test_int4_engine_on_triton_matches_the_cpu_backend(tiny_model, monkeypatch, recent_dtype):
     """Greedy tokens through the Triton kernels equal the C++ kernel's: prompts prefilled
-    in chunks over their own re-encoded blocks, then decoding over mixed tables."""
-    prompts = [[(31 * i + 7 * s) % 480 + 3 for i in range(60 + 17 * s)] for s in range(3)]
-    cpu_engine = int4_engine(tiny_model, "cpu")
+    in chunks over their own re-encoded blocks, then decoding over mixed tables (with
+    an int8 window, its keys stored rotated like the compact ones)."""
+    prompts = PROMPTS
+    cpu_engine = int4_engine(tiny_model, "cpu", kv_recent_dtype=recent_dtype)
     assert cpu_engine.runner.attn.uses_fast_kernel  # the C++ kernel over both kinds
     expected_tokens = greedy_tokens(cpu_engine, prompts)
     monkeypatch.setattr(model_worker, "attention_backend_for", triton_backend_for)
-    engine = int4_engine(load_model(str(tiny_model.source), device=TRITON_DEVICE), TRITON_DEVICE)
+    loaded = load_model(str(tiny_model.source), device=TRITON_DEVICE)
+    engine = int4_engine(loaded, TRITON_DEVICE, kv_recent_dtype=recent_dtype)
     assert isinstance(engine.runner.attn, TritonAttentionBackend)
     encoded = []
     encode = engine.kv_cache.encode_blocks
@@ -278,3 +285,17 @@ def test_int4_engine_on_triton_matches_the_cpu_backend(tiny_model, monkeypatch):
     assert greedy_tokens(engine, prompts) == expected_tokens
     # at least the blocks wholly behind each prompt's last 5 tokens were re-encoded
     assert len(encoded) >= sum((len(p) - 5) // 16 for p in prompts)
+
+
+def test_int8_engine_on_triton_matches_the_cpu_backend(tiny_model, monkeypatch):
+    """An int8 cache (keys stored rotated, queries rotated alike) gives the same greedy
+    tokens through the Triton kernels as through the C++ kernel."""
+    int8 = {"kv_cache_dtype": "int8", "kv_recent_tokens": EngineConfig.kv_recent_tokens}
+    cpu_engine = int4_engine(tiny_model, "cpu", **int8)
+    assert cpu_engine.kv_cache.key_rotation is not None
+    expected_tokens = greedy_tokens(cpu_engine, PROMPTS)
+    monkeypatch.setattr(model_worker, "attention_backend_for", triton_backend_for)
+    loaded = load_model(str(tiny_model.source), device=TRITON_DEVICE)
+    engine = int4_engine(loaded, TRITON_DEVICE, **int8)
+    assert isinstance(engine.runner.attn, TritonAttentionBackend)
+    assert greedy_tokens(engine, PROMPTS) == expected_tokens

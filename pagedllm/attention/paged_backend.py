@@ -37,6 +37,9 @@ class PagedAttentionBackend:
     its gathered K/V (:mod:`pagedllm.attention.sdpa_prefill`), the other rows through
     the paged kernel; soft-capped layers run every row paged.
 
+    Over an int8 cache keys are stored rotated and queries rotated alike
+    (:mod:`pagedllm.kv_storage.key_rotation`), which the kernels never see.
+
     Over a cache with compact blocks (``kv_cache_dtype="int4"``) every row runs through
     the C++ kernel that reads both kinds (compact keys against the query rotated like
     them, :mod:`pagedllm.kv_storage.compact_blocks`).
@@ -132,15 +135,19 @@ class PagedAttentionBackend:
         if self.kv_cache.compact is not None:
             tables = (block_tables, seq_lens, query_start_loc)
             return self._by_age(layer_idx, q, keys, values, tables, metadata, options)
+        rotation = self.kv_cache.key_rotation
         if not self.uses_fast_kernel:
             fmt = self.kv_cache.format
             return reference_paged_attention(
-                q, decode_rows(keys, fmt), decode_rows(values, fmt), metadata,
+                q if rotation is None else (q.float() @ rotation).to(q.dtype),
+                decode_rows(keys, fmt), decode_rows(values, fmt), metadata,
                 options.scale, options.sliding_window, options.logit_softcap,
             )  # fmt: skip
         # The kernel takes a float32 query, or a bfloat16 one over a bfloat16 cache.
         same_bf16 = q.dtype == keys.dtype == torch.bfloat16
         query = q if q.dtype == torch.float32 or same_bf16 else q.float()
+        if rotation is not None:
+            query = query @ rotation
         query = query.contiguous()
         out = torch.empty_like(query)
         split = prepared.split if options.logit_softcap is None else None
@@ -173,17 +180,20 @@ class PagedAttentionBackend:
         compact = cache.compact
         query = q.float().contiguous()
         rotated = (query @ hadamard(cache.head_dim)).contiguous()
+        if cache.key_rotation is not None:  # full blocks hold keys rotated alike
+            query = rotated
         if not self.uses_fast_kernel:
             fmt = cache.format
             compact_keys, compact_values = decode_tiles(
-                compact.tiles(layer_idx), cache.block_size, cache.head_dim
-            )
+                compact.tiles(layer_idx), cache.block_size, cache.head_dim,
+                unrotate=cache.key_rotation is None,
+            )  # fmt: skip
             all_keys = torch.cat([decode_rows(keys, fmt), compact_keys])
             all_values = torch.cat([decode_rows(values, fmt), compact_values])
             return reference_paged_attention(
-                q, all_keys, all_values, metadata, options.scale, options.sliding_window,
+                query, all_keys, all_values, metadata, options.scale, options.sliding_window,
                 options.logit_softcap,
-            )  # fmt: skip
+            ).to(q.dtype)  # fmt: skip
         out = torch.empty_like(query)
         paged_attention_compact(
             out, query, rotated, keys, values, compact.tiles(layer_idx), cache.compact_offset,
@@ -199,6 +209,8 @@ class PagedAttentionBackend:
         ``slot_mapping[i]`` (int64) of layer ``layer_idx``, all tokens in one call; slots
         equal to ``-1`` are skipped."""
         cache = self.kv_cache
+        if cache.key_rotation is not None:
+            k = k.float() @ cache.key_rotation
         write_kv(
             cache.stored_key(layer_idx), cache.stored_value(layer_idx),
             encode_rows(k, cache.format).contiguous(), encode_rows(v, cache.format).contiguous(),

@@ -75,25 +75,32 @@ class TritonAttentionBackend:
         if metadata.num_tokens != num_tokens:
             raise ValueError(f"slot_mapping has {metadata.num_tokens} rows, q {num_tokens}")
         keys, values = cache.stored_key(layer_idx), cache.stored_value(layer_idx)
+        if cache.key_rotation is not None:  # keys stored rotated, queries rotated alike
+            k = k.float() @ cache.key_rotation
         write_kv(k.contiguous(), v.contiguous(), keys, values, metadata.slot_mapping, cache.format)
+        out_dtype = q.dtype
         q = q.contiguous()
         compact = None
         if cache.compact is not None:
             # float32, contiguous like q: the kernels read it with q's strides
             rotated = q.float() @ self._hadamard
             compact = CompactOperands(cache.compact.tiles(layer_idx), cache.compact_offset, rotated)
+        if cache.key_rotation is not None:
+            q = compact.rotated_q if compact is not None else q.float() @ cache.key_rotation
         if metadata.is_decode_only:
             if num_tokens != metadata.num_seqs:
                 raise ValueError("a decode-only batch has one query row per sequence")
-            return decode_attention(
+            out = decode_attention(
                 q, keys, values, metadata.block_tables, metadata.seq_lens,
                 metadata.max_seq_len, options.scale, cache.format,
                 sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
                 compact=compact,
             )  # fmt: skip
-        return prefill_attention(
+            return out.to(out_dtype)
+        out = prefill_attention(
             q, keys, values, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.max_query_len, options.scale, cache.format,
             sliding_window=options.sliding_window, logit_softcap=options.logit_softcap,
             compact=compact,
         )  # fmt: skip
+        return out.to(out_dtype)

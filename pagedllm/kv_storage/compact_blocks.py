@@ -93,12 +93,17 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 15, packed >> 4], dim=-1)
 
 
-def encode_tiles(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """K/V ``[..., B, D]`` (any float dtype, keys not rotated) as tiles ``[..., tile_bytes]``
-    of uint8."""
+def encode_tiles(
+    keys: torch.Tensor, values: torch.Tensor, keys_rotated: bool = False
+) -> torch.Tensor:
+    """K/V ``[..., B, D]`` (any float dtype; keys as computed, or already rotated by
+    ``hadamard(D)`` with ``keys_rotated``, as an int8 cache stores them) as tiles
+    ``[..., tile_bytes]`` of uint8."""
     *lead, block_size, head_dim = keys.shape
     layout = TileLayout(block_size, head_dim)
-    rotated = keys.float() @ hadamard(head_dim).to(keys.device)
+    rotated = keys.float()
+    if not keys_rotated:
+        rotated = rotated @ hadamard(head_dim).to(keys.device)
     key_codes, key_scale, key_zero = quantize_groups(rotated, dim=-2)
     value_codes, value_scale, value_zero = quantize_groups(values, dim=-1)
     sections = [

@@ -39,6 +39,7 @@ import torch
 from pagedllm.cpu.allocator import zeroed_pool
 from pagedllm.kv.capacity import block_bytes, pool_blocks
 from pagedllm.kv_storage.compact_blocks import CompactKVCache, encode_tiles
+from pagedllm.kv_storage.key_rotation import key_rotation
 from pagedllm.kv_storage.kv_quant import KVCacheDtype, KVFormat, decode_rows, resolve_kv_format
 
 
@@ -106,6 +107,10 @@ class KVCache:
         self._stored_values = [self.tensor[slot, 1] for slot in self.layer_slots]
         self._keys = [t.view(self.format.dtype) for t in self._stored_keys]
         self._values = [t.view(self.format.dtype) for t in self._stored_values]
+        # keys stored rotated (queries rotated alike), float32 on the cache's device
+        self.key_rotation: torch.Tensor | None = None
+        if self.format.rotates_keys:
+            self.key_rotation = key_rotation(head_dim).to(self.tensor.device)
         self.compact_offset = num_blocks
         self.compact: CompactKVCache | None = None
         if num_compact_blocks:
@@ -192,7 +197,8 @@ class KVCache:
         fmt = self.format
         keys = decode_rows(blocks[:, 0].view(fmt.dtype), fmt)
         values = decode_rows(blocks[:, 1].view(fmt.dtype), fmt)
-        self.compact.tensor.index_copy_(1, dst - self.compact_offset, encode_tiles(keys, values))
+        tiles = encode_tiles(keys, values, keys_rotated=self.key_rotation is not None)
+        self.compact.tensor.index_copy_(1, dst - self.compact_offset, tiles)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]] | torch.Tensor) -> None:
         """Copies block ``src`` onto block ``dst`` for every ``(src, dst)`` pair, K and V of

@@ -13,6 +13,9 @@ Why per token: a block-wide scale would have to be fixed when the block's first 
 written (later tokens are unknown during decoding) or re-quantized as they arrive; a
 per-row scale is final at write time and tracks outlier tokens, at 2 bytes per
 ``head_dim`` bytes (3 % at head_dim 64).
+
+int8 stores keys rotated (``KVFormat.rotates_keys``): the rows hold ``k @ R``, and the
+attention backends rotate queries alike (:mod:`pagedllm.kv_storage.key_rotation`).
 """
 
 from __future__ import annotations
@@ -53,12 +56,14 @@ class KVFormat:
     ``dtype`` is the element type the attention kernel sees (a view of the cache);
     ``storage_dtype`` the type the cache tensor is allocated with (``uint8`` for the
     quantized formats, so that any byte copy works on it); ``max_code`` the largest
-    code magnitude (0 when not quantized).
+    code magnitude (0 when not quantized); ``rotates_keys`` whether keys are stored
+    rotated (:mod:`pagedllm.kv_storage.key_rotation`, queries rotated alike).
     """
 
     name: str
     dtype: torch.dtype
     max_code: float = 0.0
+    rotates_keys: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -77,7 +82,7 @@ class KVFormat:
 
 
 _QUANTIZED = {
-    "int8": KVFormat("int8", torch.int8, 127.0),
+    "int8": KVFormat("int8", torch.int8, 127.0, rotates_keys=True),
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
 }

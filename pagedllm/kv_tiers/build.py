@@ -49,7 +49,9 @@ def make_tiered_cache(
     host = HostTier(slots, tuple(block.shape), cache.dtype, pin=cache.tensor.is_cuda)
     disk = None
     if config.kv_cache_dir is not None:
-        fingerprint = tier_fingerprint(source, cache.tensor, cache.format.name, cache.block_size)
+        # keys stored rotated are other bytes than the same format unrotated
+        kv_format = cache.format.name + (" keys rotated" if cache.format.rotates_keys else "")
+        fingerprint = tier_fingerprint(source, cache.tensor, kv_format, cache.block_size)
         disk = DiskTier(config.kv_cache_dir, config.kv_cache_dir_size, block_bytes, fingerprint)
     _log_tiers(config, host, disk)
     return TieredCache(cache.tensor, cache.block_size, host, disk, config.kv_tier_wait)
