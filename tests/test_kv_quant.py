@@ -18,7 +18,7 @@ from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged_backend import PagedAttentionBackend
 from pagedllm.attention.reference import dense_causal_attention, reference_paged_attention
-from pagedllm.cpu import paged_attention
+from pagedllm.cpu import paged_attention, write_kv, write_kv_int8
 from pagedllm.kv.capacity import pool_blocks
 from pagedllm.kv_storage.key_rotation import key_rotation
 from pagedllm.kv_storage.kv_cache import KVCache, bytes_per_block
@@ -219,3 +219,25 @@ def test_int8_keys_stored_rotated_keep_small_channels():
     rotated, plain = outlier_attention_error(True), outlier_attention_error(False)
     assert rotated < 0.12
     assert rotated < plain / 2
+
+
+def test_the_int8_write_quantizes_as_encode_rows_bit_for_bit():
+    """The C++ write that quantizes as it stores gives encode_rows' bytes: rows over 11
+    orders of magnitude, an all-zero row, ties rounded to even, a skipped slot."""
+    fmt = resolve_kv_format("int8", torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(37, 3, 64, generator=gen) * torch.logspace(-8, 3, 37).view(37, 1, 1)
+    v = torch.randn(37, 3, 64, generator=gen)
+    k[0] = 0.0
+    v[1, 0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: codes 127, 2, -4, 0
+    v[1, 0, 4:] = 0.0
+    slots = torch.randperm(48, generator=gen)[:37]
+    slots[5] = -1
+    shape = (12, 3, 4, 64 + SCALE_BYTES)
+    expected = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+    got = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+    write_kv(*expected, encode_rows(k, fmt), encode_rows(v, fmt), slots)
+    write_kv_int8(*got, k, v, slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    block, offset = divmod(slots[1].item(), 4)
+    assert got[1][block, 0, offset, :4].view(torch.int8).tolist() == [127, 2, -4, 0]

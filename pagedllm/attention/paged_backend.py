@@ -10,7 +10,7 @@ from pagedllm.attention.backend import AttentionOptions
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.attention.sdpa_prefill import PrefillChunk, attend_chunk
-from pagedllm.cpu import paged_attention, paged_attention_compact, write_kv
+from pagedllm.cpu import paged_attention, paged_attention_compact, write_kv, write_kv_int8
 from pagedllm.cpu.extension import kernels_built
 from pagedllm.kv.capacity import cdiv
 from pagedllm.kv_storage.compact_blocks import decode_tiles
@@ -211,10 +211,13 @@ class PagedAttentionBackend:
         cache = self.kv_cache
         if cache.key_rotation is not None:
             k = k.float() @ cache.key_rotation
+        keys, values = cache.stored_key(layer_idx), cache.stored_value(layer_idx)
+        if cache.format.name == "int8" and kernels_built():  # quantized as written, in C++
+            write_kv_int8(keys, values, k, v, slot_mapping)
+            return
         write_kv(
-            cache.stored_key(layer_idx), cache.stored_value(layer_idx),
-            encode_rows(k, cache.format).contiguous(), encode_rows(v, cache.format).contiguous(),
-            slot_mapping,
+            keys, values, encode_rows(k, cache.format).contiguous(),
+            encode_rows(v, cache.format).contiguous(), slot_mapping,
         )  # fmt: skip
 
     @staticmethod

@@ -6,6 +6,13 @@ from pagedllm.cpu.extension import (
     paged_attention,
     paged_attention_compact,
     write_kv,
+    write_kv_int8,
 )
 
-__all__ = ["packed_linear", "paged_attention", "paged_attention_compact", "write_kv"]
+__all__ = [
+    "packed_linear",
+    "paged_attention",
+    "paged_attention_compact",
+    "write_kv",
+    "write_kv_int8",
+]

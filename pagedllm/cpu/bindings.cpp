@@ -1,8 +1,8 @@
 // Torch operators over the kernels in paged_attention.cpp, paged_attention_compact.cpp,
 // packed_linear.cpp, elementwise.cpp, argmax.cpp and the quant_*.cpp files: argument
 // checks, then raw pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention,
-// paged_attention_compact, write_kv, pack_weight, packed_linear, rms_norm, silu_and_mul,
-// rotary, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
+// paged_attention_compact, write_kv, write_kv_int8, pack_weight, packed_linear, rms_norm,
+// silu_and_mul, rotary, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
 // quant_x16_supports, quant_x16_int8_supports, dequantize_rows, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
@@ -247,6 +247,30 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
                       k_cache.stride(2), k.element_size()});
 }
 
+// Quantizes row i of k and v (float32) to int8 codes and a scale, stored at flat slot
+// slot_mapping[i] of the uint8 caches; slot -1 is skipped.
+void write_kv_int8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& slot_mapping) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && slot_mapping.is_contiguous());
+  TORCH_CHECK(k_cache.scalar_type() == at::kByte, "an int8 cache is stored as uint8");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "new K/V must be float32");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&
+              k.size(2) + 2 == k_cache.size(3) && k.size(0) == slot_mapping.size(0),
+              "k and v are [num_tokens, num_kv_heads, head_dim], one slot per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
+  }
+  pagedllm::write_kv_int8({k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                           slots, k.size(0), k_cache.size(1), k_cache.size(2),
+                           k.size(2) * k.element_size(), k_cache.stride(0), k_cache.stride(1),
+                           k_cache.stride(2), 1});
+}
+
 // weight [N, K] -> panels [num_panels(N), ceil(K / S), panel width, S] (see kernels.h).
 at::Tensor pack_weight(const at::Tensor& weight) {
   const bool bf16 = is_bfloat16(weight, "pack_weight");
@@ -458,6 +482,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
         "float logit_softcap=0.0) -> ()");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
+  m.def("write_kv_int8(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+        "Tensor slot_mapping) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, "
         "bool float_output=False) -> Tensor");
@@ -482,6 +508,7 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("paged_attention", &pagedllm::tensor_ops::paged_attention);
   m.impl("paged_attention_compact", &pagedllm::tensor_ops::paged_attention_compact);
   m.impl("write_kv", &pagedllm::tensor_ops::write_kv);
+  m.impl("write_kv_int8", &pagedllm::tensor_ops::write_kv_int8);
   m.impl("pack_weight", &pagedllm::tensor_ops::pack_weight);
   m.impl("packed_linear", &pagedllm::tensor_ops::packed_linear);
   m.impl("rms_norm", &pagedllm::tensor_ops::rms_norm);

@@ -188,6 +188,23 @@ def write_kv(
     v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
 
 
+def write_kv_int8(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Quantizes token ``i`` of ``k``, ``v`` ``[num_tokens, Hkv, D]`` into int8 rows (codes
+    and a bfloat16 scale, :func:`~pagedllm.kv_storage.kv_quant.encode_rows`' bits) and
+    stores them as :func:`write_kv` does, in one pass. Needs the C++ kernels."""
+    kernels = ops()
+    if kernels is None:
+        raise RuntimeError("write_kv_int8 needs the C++ kernels, which are not built")
+    k, v = k.float().contiguous(), v.float().contiguous()
+    kernels.write_kv_int8(k_cache, v_cache, k, v, slot_mapping)
+
+
 @functools.cache
 def avx512_kernels_available() -> bool:
     """Whether the build has :func:`packed_linear`, :func:`rms_norm`, :func:`silu_and_mul`

@@ -64,6 +64,9 @@ struct KVWrite {
 };
 
 void write_kv(const KVWrite& w);
+// The same from float32 rows (row_bytes = head_dim * 4) into an int8 cache (element_size
+// 1, rows of head_dim codes and a bfloat16 scale), quantizing each row as it goes.
+void write_kv_int8(const KVWrite& w);
 
 // Whether this build has the AVX-512 kernels: packed_linear and the elementwise ones
 // below do nothing without it.

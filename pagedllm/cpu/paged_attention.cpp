@@ -706,6 +706,56 @@ void paged_attention(const AttentionBatch& batch) {
   }
 }
 
+namespace {
+
+// The row x (head_dim float32 values) as int8 codes followed by their bfloat16 scale, at
+// dst: kv_quant.encode_rows' encoding bit for bit. The scale is amax|x| / 127 (at least
+// 1e-30) rounded to the nearest bfloat16, one step up if that fell below it; a code is
+// x / scale clamped to +-127 and rounded half to even.
+void quantize_row_int8(const float* x, int64_t head_dim, uint8_t* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float exact = std::max(amax / 127.f, 1e-30f);
+  const auto as_float = [](uint32_t half) {
+    const uint32_t bits = half << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  };
+  uint32_t bits;
+  std::memcpy(&bits, &exact, sizeof bits);
+  uint32_t half = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // to nearest, ties to even
+  if (as_float(half) < exact) ++half;
+  const float scale = as_float(half);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float code = std::nearbyint(std::clamp(x[d] / scale, -127.f, 127.f));
+    dst[d] = static_cast<uint8_t>(static_cast<int8_t>(code));
+  }
+  const auto scale_bits = static_cast<uint16_t>(half);
+  std::memcpy(dst + head_dim, &scale_bits, sizeof scale_bits);
+}
+
+}  // namespace
+
+void write_kv_int8(const KVWrite& w) {
+  auto* kc = static_cast<uint8_t*>(w.k_cache);
+  auto* vc = static_cast<uint8_t*>(w.v_cache);
+  const auto* ks = static_cast<const float*>(w.k);
+  const auto* vs = static_cast<const float*>(w.v);
+  const int64_t head_dim = w.row_bytes / static_cast<int64_t>(sizeof(float));
+  for (int64_t i = 0; i < w.num_tokens; ++i) {
+    const int64_t slot = w.slots[i];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < w.num_kv_heads; ++h) {
+      const int64_t dst = (slot / w.block_size) * w.block_stride + h * w.head_stride +
+                          (slot % w.block_size) * w.token_stride;
+      const int64_t src = (i * w.num_kv_heads + h) * head_dim;
+      quantize_row_int8(ks + src, head_dim, kc + dst);
+      quantize_row_int8(vs + src, head_dim, vc + dst);
+    }
+  }
+}
+
 void write_kv(const KVWrite& w) {
   auto* kc = static_cast<char*>(w.k_cache);
   auto* vc = static_cast<char*>(w.v_cache);
