@@ -248,12 +248,13 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 }
 
 // Quantizes row i of k and v (float32) to int8 codes and a scale, stored at flat slot
-// slot_mapping[i] of the uint8 caches; slot -1 is skipped.
+// slot_mapping[i] of the caches (uint8, or their int8 view); slot -1 is skipped.
 void write_kv_int8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                    const at::Tensor& v, const at::Tensor& slot_mapping) {
   check_cache(k_cache, v_cache);
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && slot_mapping.is_contiguous());
-  TORCH_CHECK(k_cache.scalar_type() == at::kByte, "an int8 cache is stored as uint8");
+  TORCH_CHECK(k_cache.scalar_type() == at::kByte || k_cache.scalar_type() == at::kChar,
+              "an int8 cache is one byte per element");
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "new K/V must be float32");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&

@@ -141,6 +141,9 @@ struct LayerStack : torch::CustomClassHolder {
   double eps;
   at::Tensor cos, sin;  // [max_positions, head_dim / 2] of the model's dtype
   at::Tensor hadamard;  // float32 [head_dim, head_dim], for compact blocks
+  // float32 [head_dim, head_dim]: over an int8 cache, keys are stored rotated by it and
+  // queries rotated alike (pagedllm/kv_storage/key_rotation.py)
+  std::optional<at::Tensor> key_rotation;
   std::vector<Layer> layers;
 
   LayerStack(int64_t num_q_heads, int64_t num_kv_heads, double eps, at::Tensor cos,
@@ -166,6 +169,11 @@ struct LayerStack : torch::CustomClassHolder {
     layers.back().compact = CompactBlocks{tiles, num_full_blocks};
     this->hadamard = hadamard;
   }
+
+  // Every layer's cache is int8 (codes and a scale per row): new K/V are quantized as
+  // they are written, keys rotated by `rotation` first, and queries rotated alike meet
+  // them as float32, as the paged backend does.
+  void set_int8_cache(at::Tensor rotation) { key_rotation = rotation; }
 
   // The next matrix of the last layer added: qkv, o, gate_up, then down.
   void add_matrix(int64_t kind, at::Tensor data, int64_t ggml_type, int64_t out_features,
@@ -217,7 +225,13 @@ struct LayerStack : torch::CustomClassHolder {
       clock.lap(Phase::kProducts);
       auto [q, k, v] = ops::rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads);
       clock.lap(Phase::kRotary);
-      ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
+      if (key_rotation.has_value()) {
+        const at::Tensor rotated_k = at::matmul(k.to(at::kFloat), *key_rotation);
+        ops::write_kv_int8(layer.k_cache, layer.v_cache, rotated_k, v.to(at::kFloat).contiguous(),
+                           slot_mapping);
+      } else {
+        ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
+      }
       clock.lap(Phase::kWriteKV);
       at::Tensor attended = attend(layer, q, tables, seq_lens, query_start_loc);
       clock.lap(Phase::kAttention);
@@ -250,15 +264,24 @@ struct LayerStack : torch::CustomClassHolder {
   // full and compact blocks (float32 query and its rotation, out in q's dtype).
   at::Tensor attend(const Layer& layer, const at::Tensor& q, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
-    if (!layer.compact.has_value()) {
+    if (!layer.compact.has_value() && !key_rotation.has_value()) {
       at::Tensor attended = at::empty_like(q);
       ops::paged_attention(attended, q, layer.k_cache, layer.v_cache, block_tables, seq_lens,
                            query_start_loc, layer.scale, layer.sliding_window,
                            layer.logit_softcap);
       return attended;
     }
-    const at::Tensor query = q.to(at::kFloat).contiguous();
-    const at::Tensor rotated = at::matmul(query, hadamard).contiguous();
+    if (!layer.compact.has_value()) {  // an int8 cache: a float32 query, rotated
+      const at::Tensor query = at::matmul(q.to(at::kFloat), *key_rotation).contiguous();
+      at::Tensor out = at::empty_like(query);
+      ops::paged_attention(out, query, layer.k_cache, layer.v_cache, block_tables, seq_lens,
+                           query_start_loc, layer.scale, layer.sliding_window,
+                           layer.logit_softcap);
+      return out.to(q.scalar_type());
+    }
+    const at::Tensor rotated = at::matmul(q.to(at::kFloat).contiguous(), hadamard).contiguous();
+    // full blocks in int8 hold keys rotated like the compact ones
+    const at::Tensor query = key_rotation.has_value() ? rotated : q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty_like(query);
     ops::paged_attention_compact(out, query, rotated, layer.k_cache, layer.v_cache,
                                  layer.compact->tiles, layer.compact->num_full_blocks,
@@ -294,6 +317,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.class_<LayerStack>("LayerStack")
       .def(torch::init<int64_t, int64_t, double, at::Tensor, at::Tensor>())
       .def("add_layer", &LayerStack::add_layer)
+      .def("set_int8_cache", &LayerStack::set_int8_cache)
       .def("add_matrix", &LayerStack::add_matrix)
       .def("add_expanded", &LayerStack::add_expanded)
       .def("add_compact", &LayerStack::add_compact)

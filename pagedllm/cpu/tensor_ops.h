@@ -22,6 +22,8 @@ void paged_attention_compact(const at::Tensor& out, const at::Tensor& q,
                              double scale, int64_t sliding_window, double logit_softcap);
 void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& slot_mapping);
+void write_kv_int8(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& slot_mapping);
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const std::optional<at::Tensor>& bias, bool float_output = false);

@@ -56,9 +56,9 @@ def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
     for holds, reason in checks:
         if not holds:
             return reason
-    cache = attn.kv_cache
-    if cache.format.quantized or cache.format.dtype != model.dtype:
-        return "the KV cache's format is not the model's dtype"
+    fmt = attn.kv_cache.format
+    if fmt.name != "int8" and (fmt.quantized or fmt.dtype != model.dtype):
+        return "the KV cache's format is neither the model's dtype nor int8"
     return None
 
 
@@ -83,9 +83,10 @@ class LayerStack:
     """Every layer of ``model`` over ``attn``'s KV cache, run by one C++ call; build it
     with :meth:`build`, which returns None (and logs why) when the model or the cache is
     not of the kind it runs. It is the paged backend's own path run across the layers:
-    each layer's new K/V go through the C++ ``write_kv`` that
+    each layer's new K/V go through the C++ ``write_kv`` (``write_kv_int8`` over an int8
+    cache, keys rotated first) that
     :meth:`~pagedllm.attention.paged_backend.PagedAttentionBackend.write` calls, into
-    the cache's per-layer views (a cache in the model's dtype, so no encoding)."""
+    the cache's per-layer views (a cache in the model's dtype or int8)."""
 
     def __init__(
         self,
@@ -104,6 +105,8 @@ class LayerStack:
         layer_groups = layer_groups or (0,) * len(model.layers)
         self._groups = 1 + max(layer_groups)  # KV layer groups
         rotation = hadamard(cache.head_dim) if cache.compact is not None else None
+        if cache.format.name == "int8":
+            self._stack.set_int8_cache(cache.key_rotation)
         for index, layer in enumerate(model.layers):
             options = layer.attention
             self._stack.add_layer(
