@@ -563,6 +563,12 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype.value!r}"
             )
         if not self.kv_cache_dtype.by_age:
+            if self.kv_recent_tokens != type(self).kv_recent_tokens:
+                raise ValueError(
+                    f"kv_recent_tokens={self.kv_recent_tokens} sets how many tokens int4 keeps "
+                    f"in full-size blocks; kv_cache_dtype={self.kv_cache_dtype.value!r} keeps "
+                    f"every token in one format"
+                )
             return
         if self.kv_recent_tokens < 0:
             raise ValueError(f"kv_recent_tokens must be >= 0, got {self.kv_recent_tokens}")

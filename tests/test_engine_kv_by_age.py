@@ -88,6 +88,14 @@ def test_int4_refuses_what_it_does_not_run_with(overrides, named):
         EngineConfig(dtype="float32", kv_cache_dtype="int4", **overrides)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_recent_window_without_int4_is_refused(kv_cache_dtype):
+    """A window size other than the default would be ignored: refused instead."""
+    EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_recent_tokens=EngineConfig.kv_recent_tokens)
+    with pytest.raises(ValueError, match="kv_recent_tokens=16 .* int4"):
+        EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_recent_tokens=16)
+
+
 def error_bounds(tile: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The codec's bound for one tile: per token, the L2 error of a key (half a step
     per rotated channel; the rotation keeps L2 norms) and the largest error of a value
