@@ -131,7 +131,7 @@ def test_compact_blocks_hold_their_positions_keys_and_values_within_the_codec_bo
     # re-encoded at the last reservation, from the tokens committed before that step
     assert len(compact) == (seq.num_computed_tokens - 1 - 8) // BLOCK_SIZE > 3
     assert [b for _, b in compact] == [c for _, c in counter.pairs]
-    reference = make_engine(tiny_model, recent_tokens=0, kv_cache_dtype="auto")
+    reference = make_engine(tiny_model, EngineConfig.kv_recent_tokens, kv_cache_dtype="auto")
     tokens = seq.all_token_ids[: seq.num_computed_tokens]
     reference.add_request("0", {"prompt_token_ids": tokens}, SamplingParams(max_tokens=2))
     (ref_seq,) = [*reference.scheduler.waiting]
