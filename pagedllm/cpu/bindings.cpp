@@ -225,6 +225,17 @@ void paged_attention_compact(const at::Tensor& out, const at::Tensor& q,
       {full, q_rotated.data_ptr(), tiles.data_ptr<uint8_t>(), num_full_blocks});
 }
 
+// The int64 slots of a K/V write, each checked to lie inside the cache (-1: skipped).
+const int64_t* checked_slots(const at::Tensor& slot_mapping, const at::Tensor& k_cache) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
+  }
+  return slots;
+}
+
 // Copies row i of k and v to flat slot slot_mapping[i] of the caches; slot -1 is skipped.
 void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& slot_mapping) {
@@ -235,12 +246,7 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&
               k.size(2) == k_cache.size(3) && k.size(0) == slot_mapping.size(0),
               "k and v are [num_tokens, num_kv_heads, head_dim], one slot per token");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
-    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
-  }
+  const int64_t* slots = checked_slots(slot_mapping, k_cache);
   pagedllm::write_kv({k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots,
                       k.size(0), k_cache.size(1), k_cache.size(2),
                       k_cache.size(3) * k.element_size(), k_cache.stride(0), k_cache.stride(1),
@@ -260,12 +266,7 @@ void write_kv_int8(const at::Tensor& k_cache, const at::Tensor& v_cache, const a
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) &&
               k.size(2) + 2 == k_cache.size(3) && k.size(0) == slot_mapping.size(0),
               "k and v are [num_tokens, num_kv_heads, head_dim], one slot per token");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
-    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache");
-  }
+  const int64_t* slots = checked_slots(slot_mapping, k_cache);
   pagedllm::write_kv_int8({k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                            slots, k.size(0), k_cache.size(1), k_cache.size(2),
                            k.size(2) * k.element_size(), k_cache.stride(0), k_cache.stride(1),
