@@ -4,12 +4,15 @@
 ``reference_paged_attention``. A table entry ``e >= num_full`` indexes the decoded compact
 blocks concatenated after the full ones, as it indexes the tiles in the kernel.
 
-Tolerance: ``TOLERANCE`` times the largest value the rows average (an output is a convex
+Tolerance: a share of the largest value the rows average (an output is a convex
 combination of value rows: a long context averages them down, not their errors). Both
-sides accumulate in float32, in different orders, and the kernel scores compact keys
-against the rotated query in 24-bit fixed point (~1e-7 of the largest folded query
-channel per product). Measured at most 2.5e-6 over these cases; a tile read in a wrong
-layout is off by 1e-2 to 1.
+sides accumulate in float32, in different orders: over full blocks alone the kernel is
+within ``TOLERANCE`` (1e-5). Over compact blocks it meets the codes in 16-bit fixed
+point, the rotated query folded with the key scales and each step's weights, so scores
+and weights are off by up to 1/65,000 of their largest, about a thousandth of what the
+4-bit codes themselves lose: ``COMPACT_TOLERANCE`` (5e-4); measured at most 2.1e-4 over
+these cases, the peaked softmax the largest. A tile read in a wrong layout is off by
+1e-2 to 1.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pagedllm.kv_storage.int4_codec import hadamard
 from pagedllm.kv_storage.kv_quant import KVFormat, decode_rows, encode_rows, resolve_kv_format
 
 TOLERANCE = 1e-5
+COMPACT_TOLERANCE = 5e-4
 LAYOUTS = ["compact_first", "all_compact", "all_full", "shuffled"]
 MODES = ["decode", "prefill", "mixed"]
 
@@ -121,7 +125,8 @@ def kernel_output(
 def oracle_output(
     case: MixedCase, window: int = 0, softcap: float = 0.0
 ) -> tuple[torch.Tensor, float]:
-    """The oracle's output and the largest magnitude of a value it averages."""
+    """The oracle's output and the absolute tolerance: the share for the blocks the
+    tables read (any compact one, or full ones only) of the largest value averaged."""
     block_size, head_dim = case.k_cache.shape[2], case.q.shape[-1]
     compact_keys, compact_values = decode_tiles(case.tiles, block_size, head_dim)
     keys = torch.cat([decode_rows(case.k_cache, case.fmt), compact_keys])
@@ -129,12 +134,14 @@ def oracle_output(
     out = reference_paged_attention(
         case.q, keys, values, case.metadata, case.scale, window or None, softcap or None
     )
-    return out, values.abs().max().item()
+    reads_compact = bool((case.metadata.block_tables >= case.num_full).any())
+    share = COMPACT_TOLERANCE if reads_compact else TOLERANCE
+    return out, share * values.abs().max().item()
 
 
 def assert_matches(out: torch.Tensor, oracle: tuple[torch.Tensor, float]) -> None:
-    expected, value_scale = oracle
-    torch.testing.assert_close(out, expected, atol=TOLERANCE * value_scale, rtol=0)
+    expected, atol = oracle
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
 
 
 def lengths_for(mode: str, rng: random.Random, block_size: int) -> tuple[list[int], list[int]]:

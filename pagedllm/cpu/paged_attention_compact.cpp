@@ -19,16 +19,18 @@
 // A compact key block is scored with its codes as they are: per channel d the folded
 // query q'[d] = q_rot[d] * key_scale[d] and once per block and row the bias
 // q_rot . key_zero, so that score_t = bias + sum_d q'[d] code[t][d]. The folded query
-// goes in 24-bit fixed point, three signed bytes, to meet the codes in VNNI dot products
-// of bytes summed exactly in 32 bits: 64 code products take 3 instructions and a mask,
+// goes in 16-bit fixed point, two signed bytes, to meet the codes in VNNI dot products
+// of bytes summed exactly in 32 bits: 64 code products take 2 instructions and a mask,
 // against 4 float32 multiply-adds and 8 instructions to turn nibbles into floats. 16
 // tokens' code rows are transposed in registers to one vector per 4 bytes with a token
 // per lane, so the scores come out one token per lane without horizontal sums. Values
-// accumulate p_t value_scale[t] code[t][d] in float32, channel by channel, and
-// sum_t p_t value_zero[t] apart. At 8k positions, SmolLM2's heads (9 query, 3 kv, 64
-// channels) and blocks of 64, decode measured ~21 cycles per position and kv head, about
-// half of paged_attention's over bfloat16 blocks (AMD Zen 5; see
-// benchmarks/attention_compact.py).
+// go the same way where the CPU permutes bytes (AVX512-VBMI): each step's weights
+// p_t value_scale[t] in 16-bit fixed point against 4 positions' codes of a channel per
+// lane, sum_t p_t value_zero[t] apart; elsewhere channel by channel in float32.
+// Rounding to 16 bits costs a score or a weight at most 1/65,000 of the largest, about
+// a thousandth of what the 4-bit codes lose. At 8k positions, SmolLM2's heads (9 query,
+// 3 kv, 64 channels) and blocks of 64, decode runs ~2.2x faster than paged_attention
+// over bfloat16 blocks (AMD Zen 4; see benchmarks/attention_compact.py).
 
 #include <immintrin.h>
 
@@ -209,37 +211,57 @@ inline vfloat tokens_in_order(vfloat x, std::integer_sequence<int, T...>) {
   else return __builtin_shufflevector(x, x, (T % P * N + T / P)...);
 }
 
-// Numbers x as integers Q ~ x / scale of at most kLimbRange in magnitude, kept in kLimbs
-// signed bytes (limbs) L_l with Q = sum_l 256^l L_l: 24-bit fixed point, multiplied by
-// 4-bit codes in VNNI dot products of bytes. Limb l is the low byte of Q_l, Q_0 = Q and
-// Q_{l+1} = (Q_l + 128) >> 8: signed digits, Q_l - L_l a multiple of 256. (Values weighted
-// this way, 4 tokens to a dot product, measured 1.06x slower than in float32: the bytes
-// of 4 code rows must first be interleaved, on the same units.)
-constexpr int kLimbs = 3;
-// The largest Q whose limbs are all within a signed byte, 127 (1 + 256 + 65536), less a
+// Numbers x as integers Q ~ x / scale of at most limb_range<L> in magnitude, kept in L
+// signed bytes (limbs) L_l with Q = sum_l 256^l L_l: fixed point, multiplied by 4-bit
+// codes in VNNI dot products of bytes. Limb l is the low byte of Q_l, Q_0 = Q and
+// Q_{l+1} = (Q_l + 128) >> 8: signed digits, Q_l - L_l a multiple of 256. The folded
+// query and a value step's weights take 2 (16 bits).
+constexpr int kKeyLimbs = 2;
+constexpr int kValueLimbs = 2;
+// The largest Q whose L limbs are all within a signed byte, 127 (1 + 256 + ...), less a
 // margin for the rounding of max |x| / scale.
-constexpr float kLimbRange = 127.f * (1 + 256 + 65536) - 64;
+template <int L>
+constexpr float limb_range = L == 3 ? 127.f * (1 + 256 + 65536) - 64 : 127.f * (1 + 256) - 1;
 
-// Stores the limbs of x * inverse (16 numbers) at limbs, limbs + stride, ...
-inline void store_limbs(vfloat x, float inverse, int8_t* limbs, int64_t stride) {
-  vint digits = round_to_int(x * inverse);
-  for (int l = 0; l < kLimbs; ++l) {
+// Stores the L limbs of Q = x * inverse rounded (16 numbers) at limbs, limbs + stride,
+// ...; returns x - Q unit (unit = 1 / inverse, or 0 with inverse), what the rounding lost.
+template <int L>
+inline vfloat store_limbs(vfloat x, float inverse, float unit, int8_t* limbs, int64_t stride) {
+  const vint rounded = round_to_int(x * inverse);
+  vint digits = rounded;
+  for (int l = 0; l < L; ++l) {
     store_low_bytes(limbs + l * stride, digits);
     digits = (digits + 128) >> 8;
   }
+  return x - __builtin_convertvector(rounded, vfloat) * unit;
 }
 
-// sum_l 256^l acc[l] in float32. |acc[l]| <= D * 15 * 128 (a score's sum over D
-// channels): limbs 0 and 1 add up exactly in 32 bits first.
-inline vfloat limbs_sum(const vint (&acc)[kLimbs]) {
-  return __builtin_convertvector(acc[2], vfloat) * 65536.f +
-         __builtin_convertvector((acc[1] << 8) + acc[0], vfloat);
+// Codes are 0 .. 15, 7.5 on average: a sum of code times rounding loss over channels
+// (or positions) is 7.5 times the losses' sum, plus a part of mean 0 half as large at
+// most. The kernel adds the first back.
+constexpr float kMeanCode = 7.5f;
+
+// sum_l 256^l acc[l] in float32. |acc[l]| <= 64 * 15 * 128 (a sum over 64 channels or
+// positions): limbs 0 and 1 add up exactly in 32 bits first.
+template <int L>
+inline vfloat limbs_sum(const vint (&acc)[L]) {
+  static_assert(L == 2 || L == 3);
+  const vfloat low = __builtin_convertvector((acc[1] << 8) + acc[0], vfloat);
+  if constexpr (L == 2) return low;
+  else return __builtin_convertvector(acc[2], vfloat) * 65536.f + low;
 }
 
 // Rows of the largest divisor of RB whose NV-vector accumulators fit 24 registers: the
 // value passes' row blocks.
 template <int NV, int RB>
 constexpr int kValueRows = RB * NV <= 24 ? RB : RB % 2 == 0 && RB / 2 * NV <= 24 ? RB / 2 : 1;
+
+// Rows of the largest divisor of RB whose integer sums (4 channel vectors of kValueLimbs
+// limbs each) fit 24 registers: the byte value pass's row blocks.
+template <int RB>
+constexpr int byte_value_rows = RB * 4 * kValueLimbs <= 24                              ? RB
+                                : RB % 2 == 0 && RB / 2 * 4 * kValueLimbs <= 24 ? RB / 2
+                                                                                : 1;
 
 // One compact tile: block `block_size` tokens of one kv head (offsets as TileLayout's).
 template <int NV>
@@ -271,32 +293,39 @@ struct CompactKeys {
   }
 
   // RB rows' folded query q'[d] = q_rot[d] key_scale[d] (softmax scale included) in
-  // limbs, scale = max |q'| / kLimbRange, and the bias q_rot . key_zero. A score is then
-  // off by at most D * 7.5 / kLimbRange of max |q'|, float32's order of error.
+  // limbs, scale = max |q'| / limb_range, and the bias q_rot . key_zero. A score is then
+  // off by at most D * 7.5 / limb_range of max |q'|.
   template <int RB>
   struct Query {
-    alignas(64) int8_t limbs[RB][kLimbs][kDim];
+    alignas(64) int8_t limbs[RB][kKeyLimbs][kDim];
     float scale[RB], bias[RB];
   };
 
   template <int RB>
   void fold(const vfloat* rotated, Query<RB>& q) const {
-    for (int i = 0; i < RB; ++i) {
-      vfloat folded[NV], bias = vfloat{}, magnitude = vfloat{};
+    static_assert(RB <= 4, "combine_rows reduces four rows");
+    vfloat folded[RB][NV], bias[4] = {}, magnitude[4] = {};
+    for (int i = 0; i < RB; ++i)
       for (int j = 0; j < NV; ++j) {
         const vfloat x = rotated[i * NV + j];
-        folded[j] = x * load(key_scale + j * kLanes);
-        bias = fmadd(x, load(key_zero + j * kLanes), bias);
-        const vfloat a = folded[j] < 0.f ? -folded[j] : folded[j];
-        magnitude = magnitude > a ? magnitude : a;
+        folded[i][j] = x * load(key_scale + j * kLanes);
+        bias[i] = fmadd(x, load(key_zero + j * kLanes), bias[i]);
+        const vfloat a = folded[i][j] < 0.f ? -folded[i][j] : folded[i][j];
+        magnitude[i] = magnitude[i] > a ? magnitude[i] : a;
       }
-      const float max = hmax(magnitude);
-      const float inverse = max > 0.f ? kLimbRange / max : 0.f;
-      q.scale[i] = max / kLimbRange;
-      q.bias[i] = hsum(bias);
-      for (int j = 0; j < NV; ++j)
-        store_limbs(folded[j], inverse, &q.limbs[i][0][j * kLanes], kDim);
+    const vfloat max = max_of_rows(magnitude);  // row i in lane i
+    const vfloat scale = max * (1.f / limb_range<kKeyLimbs>);
+    const vfloat inverse = max > 0.f ? limb_range<kKeyLimbs> / max : vfloat{};
+    for (int i = 0; i < RB; ++i) {
+      q.scale[i] = scale[i];
+      for (int j = 0; j < NV; ++j) {
+        const vfloat lost = store_limbs<kKeyLimbs>(folded[i][j], inverse[i], scale[i],
+                                                   &q.limbs[i][0][j * kLanes], kDim);
+        bias[i] = fmadd(broadcast(kMeanCode), lost, bias[i]);
+      }
     }
+    const vfloat sums = sum_of_rows(bias);
+    for (int i = 0; i < RB; ++i) q.bias[i] = sums[i];
   }
 
   // Scores of tokens t .. t + 15 (t a multiple of 16), one per lane. The 16 code rows
@@ -304,7 +333,7 @@ struct CompactKeys {
   // every token's row: channels 4k .. 4k + 3 in its low nibbles, 4k + D/2 .. in its high
   // ones, which a mask (and a shift) turn into 4 bytes of codes per lane to meet 4 bytes
   // of a limb in the dot product of bytes. D = 256 goes in two halves. Each row's limbs
-  // sum in kSets interleaved chains, so that there are at least 9 to keep the units busy.
+  // sum in kSets interleaved chains, so that there are at least 6 to keep the units busy.
   template <int RB>
   void scores(const Query<RB>& q, int64_t t, int, int, vfloat (&out)[RB]) const {
     ahead.fetch(t);
@@ -316,7 +345,7 @@ struct CompactKeys {
     const int8_t* limbs = &q.limbs[0][0][0];
     asm volatile("" : "+r"(limbs));
     constexpr int kSets = RB >= 3 ? 1 : 4 / RB;
-    vint acc[kSets][RB][kLimbs] = {};
+    vint acc[kSets][RB][kKeyLimbs] = {};
     for (int half = 0; half < kWords / N; ++half) {
       vuint col[N];
       for (int r = 0; r < N; ++r)
@@ -326,10 +355,10 @@ struct CompactKeys {
       for (int k = 0; k < N; ++k) {
         const int word = half * N + k;
         const vuint low = col[k] & 0x0F0F0F0Fu, high = (col[k] >> 4) & 0x0F0F0F0Fu;
-        vint(&set)[RB][kLimbs] = acc[k % kSets];
+        vint(&set)[RB][kKeyLimbs] = acc[k % kSets];
         for (int i = 0; i < RB; ++i)
-          for (int l = 0; l < kLimbs; ++l) {
-            const int8_t* limb = limbs + (i * kLimbs + l) * kDim + 4 * word;
+          for (int l = 0; l < kKeyLimbs; ++l) {
+            const int8_t* limb = limbs + (i * kKeyLimbs + l) * kDim + 4 * word;
             set[i][l] = dot_bytes(set[i][l], low, limb);
             set[i][l] = dot_bytes(set[i][l], high, limb + kDim / 2);
           }
@@ -337,8 +366,8 @@ struct CompactKeys {
     }
     for (int i = 0; i < RB; ++i) {
       for (int c = 1; c < kSets; ++c)
-        for (int l = 0; l < kLimbs; ++l) acc[0][i][l] += acc[c][i][l];
-      out[i] = tokens_in_order<N>(limbs_sum(acc[0][i]) * q.scale[i] + q.bias[i],
+        for (int l = 0; l < kKeyLimbs; ++l) acc[0][i][l] += acc[c][i][l];
+      out[i] = tokens_in_order<N>(limbs_sum<kKeyLimbs>(acc[0][i]) * q.scale[i] + q.bias[i],
                                   std::make_integer_sequence<int, kLanes>{});
     }
   }
@@ -347,10 +376,14 @@ struct CompactKeys {
   vfloat value_zeros(int64_t t) const { return load(value_zero + t); }
 
   // acc[i] = acc[i] correction[i] + the sum over step positions t in [lo, hi) of
-  // weight[i][t] code[step + t] (weight: p times the value scale), VB rows at a time.
+  // weight[i][t] code[step + t] (weight: p times the value scale, 0 where row i does not
+  // see t), VB rows at a time.
   template <int RB>
   void values(int64_t step, int64_t lo, int64_t hi, const float (&weight)[RB][kStep],
               vfloat correction, vfloat* acc) const {
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    if constexpr (NV % 4 == 0) return values_in_bytes<RB>(step, lo, hi, weight, correction, acc);
+#endif
     constexpr int VB = kValueRows<NV, RB>;
     for (int v0 = 0; v0 < RB; v0 += VB) {
       vfloat a[VB][NV];
@@ -372,6 +405,82 @@ struct CompactKeys {
         for (int j = 0; j < NV; ++j) acc[(v0 + i) * NV + j] = a[i][j];
     }
   }
+
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+  // As values, the codes met in VNNI dot products of bytes: each row's weights over the
+  // step in kValueLimbs bytes of fixed point (unit: its largest weight / limb_range, so
+  // a weight is off by at most 1 / 65,000 of that), the codes of 4 positions under one
+  // channel in the 4 bytes of a lane. One byte permutation interleaves them from 4
+  // code rows: bytes 4 l + b of the register `low` are byte l of code row b (channels
+  // l and l + D/2 of its 32-byte span), of `high` byte 16 + l. Positions go 4 at a time
+  // over [lo, hi) rounded out to 4; weights there are 0 where no row sees them.
+  template <int RB>
+  void values_in_bytes(int64_t step, int64_t lo, int64_t hi, const float (&weight)[RB][kStep],
+                       vfloat correction, vfloat* acc) const {
+    constexpr int L = kValueLimbs;
+    constexpr int VB = byte_value_rows<RB>;
+    alignas(64) int8_t limbs[RB][L][kStep];
+    float unit[RB], restored[RB];
+    const int64_t t0 = lo / 4 * 4, t1 = (hi + 3) / 4 * 4;
+    const int g0 = static_cast<int>(t0 / kLanes), g1 = static_cast<int>((t1 + kLanes - 1) / kLanes);
+    for (int i = 0; i < RB; ++i) {
+      vfloat most = vfloat{};
+      for (int g = g0; g < g1; ++g) {
+        const vfloat w = load(&weight[i][g * kLanes]);
+        most = most > w ? most : w;
+      }
+      const float max = hmax(most);
+      const float inverse = max > 0.f ? limb_range<L> / max : 0.f;
+      unit[i] = max / limb_range<L>;
+      vfloat lost = vfloat{};
+      for (int g = g0; g < g1; ++g)
+        lost += store_limbs<L>(load(&weight[i][g * kLanes]), inverse, unit[i],
+                               &limbs[i][0][g * kLanes], kStep);
+      restored[i] = kMeanCode * hsum(lost);
+    }
+    const __m512i low_index = interleave_index(0), high_index = interleave_index(16);
+    for (int v0 = 0; v0 < RB; v0 += VB) {
+      for (int span = 0; span < NV / 4; ++span) {  // bytes 32 span .. + 31 of each code row
+        vint sums[VB][4][L] = {};
+        for (int64_t t = t0; t < t1; t += 4) {
+          const uint8_t* rows = value_codes + (step + t) * kRowBytes + 32 * span;
+          const __m512i first = two_spans(rows), second = two_spans(rows + 2 * kRowBytes);
+          const vuint low = (vuint)_mm512_permutex2var_epi8(first, low_index, second);
+          const vuint high = (vuint)_mm512_permutex2var_epi8(first, high_index, second);
+          const vuint codes[4] = {low & 0x0F0F0F0Fu, high & 0x0F0F0F0Fu,
+                                  (low >> 4) & 0x0F0F0F0Fu, (high >> 4) & 0x0F0F0F0Fu};
+          for (int i = 0; i < VB; ++i)
+            for (int k = 0; k < 4; ++k)
+              for (int l = 0; l < L; ++l)
+                sums[i][k][l] = dot_bytes(sums[i][k][l], codes[k], &limbs[v0 + i][l][t]);
+        }
+        // codes[k]'s channels: 32 span + 16 k (k < 2), D/2 + 32 span + 16 (k - 2).
+        for (int i = 0; i < VB; ++i)
+          for (int k = 0; k < 4; ++k) {
+            vfloat& a = acc[(v0 + i) * NV + (k / 2) * (NV / 2) + 2 * span + k % 2];
+            a = a * correction[v0 + i] + (limbs_sum<L>(sums[i][k]) * unit[v0 + i] + restored[v0 + i]);
+          }
+      }
+    }
+  }
+
+  // The 32 bytes at p and the 32 one code row on, in one register.
+  static __m512i two_spans(const uint8_t* p) {
+    if constexpr (kRowBytes == 32) return _mm512_loadu_si512(p);
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kRowBytes));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+  }
+
+  // Byte 4 l + b: byte offset + l of code row b, rows 0 and 1 in the permutation's first
+  // register (32 bytes each), 2 and 3 in its second.
+  static __m512i interleave_index(int offset) {
+    alignas(64) uint8_t index[64];
+    for (int l = 0; l < kLanes; ++l)
+      for (int b = 0; b < 4; ++b) index[4 * l + b] = static_cast<uint8_t>(32 * b + offset + l);
+    return _mm512_load_si512(index);
+  }
+#endif
 };
 
 // One full block of one kv head: rows `token_stride` elements apart in K and V.

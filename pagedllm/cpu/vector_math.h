@@ -117,25 +117,36 @@ inline float hmax(vfloat v) {
   return m;
 }
 
-// Lane i of the result (i < 4) is the largest lane of rows[i]; the other lanes hold
-// copies of those. Four horizontal maxima in 14 shuffles and maxima instead of ~40.
-inline vfloat max_of_rows(const vfloat (&rows)[4]) {
-  const auto vmax = [](vfloat a, vfloat b) { return a > b ? a : b; };
+// Lane i of the result (i < 4) is rows[i]'s lanes combined by op (max, +; associative
+// and commutative); the other lanes hold copies of those. Four horizontal reductions in
+// 14 shuffles and ops instead of ~40.
+template <typename Op>
+inline vfloat combine_rows(const vfloat (&rows)[4], Op op) {
   const auto halves = [&](vfloat x, vfloat y) {  // lanes 0-7: x's halves, 8-15: y's
-    return vmax(
+    return op(
         __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
                                 31));
   };
   const vfloat ab = halves(rows[0], rows[1]), cd = halves(rows[2], rows[3]);
   // Lanes 4 i .. 4 i + 3: rows[i] in four lanes.
-  vfloat x = vmax(
+  vfloat x = op(
       __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
       __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
                               31));
-  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return __builtin_shufflevector(x, x, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+}
+
+// Lane i (i < 4): the largest lane of rows[i].
+inline vfloat max_of_rows(const vfloat (&rows)[4]) {
+  return combine_rows(rows, [](vfloat a, vfloat b) { return a > b ? a : b; });
+}
+
+// Lane i (i < 4): the sum of rows[i]'s lanes.
+inline vfloat sum_of_rows(const vfloat (&rows)[4]) {
+  return combine_rows(rows, [](vfloat a, vfloat b) { return a + b; });
 }
 
 // Lane t of the result is the sum of the lanes of parts[t]: 16 horizontal sums in
