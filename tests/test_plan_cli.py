@@ -193,3 +193,35 @@ def test_a_split_the_partition_refuses_is_a_clear_error(capsys):
     err = capsys.readouterr().err
     assert "3 KV heads and 9 query heads cannot be split over 4 ranks" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("memory", [3 << 20, 0])
+def test_the_lower_tiers_hold_the_blocks_the_engine_gives_them(
+    capsys, tiny_model, tmp_path, memory
+):
+    """Host memory (or, without, the staging tier of two prompts of the engine's
+    max_model_len, here what its small pool holds) and a directory: the plan's blocks
+    per tier are the engine's, and int4 has none."""
+    from tiny_checkpoints import tiny_engine
+
+    options = dict(kv_cache_dir=str(tmp_path / "kv"), kv_cache_dir_size=5 << 20)
+    if memory:
+        options["kv_tier_memory"] = memory
+    engine = tiny_engine(tiny_model, 40, **options)
+    argv = ["--json", "--kv-dtype", "float32,int4", "--block-size", "4"]
+    argv += ["--kv-cache-dir-size", str(5 << 20), "--max-model-len", str(engine.max_model_len)]
+    if memory:
+        argv += ["--kv-tier-memory", str(memory)]
+    plan = json.loads(run_plan(capsys, str(tiny_model.source), *argv))
+    float32, int4 = plan["kv_dtypes"]
+    tiers = engine.tiers
+    assert float32["tiers"]["block_bytes"] == tiers.host.block_bytes
+    assert float32["tiers"]["host_blocks"] == tiers.host.num_slots > 0
+    assert float32["tiers"]["disk_blocks"] == tiers.disk.capacity_entries > 0
+    assert int4["tiers"] is None
+    assert plan["tiers"] == {"memory": memory, "dir_size": 5 << 20}
+
+
+def test_tiers_with_two_devices_are_refused(capsys):
+    assert main(["plan", "llama-3-8b", "--tensor-parallel-size", "2", "--kv-tier-memory", "1GiB"])
+    assert "lower tiers run on one rank" in capsys.readouterr().err

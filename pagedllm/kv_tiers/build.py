@@ -18,19 +18,20 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def host_tier_slots(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
-    """Blocks of the host tier: ``kv_tier_memory`` bytes of them, or, with only a
-    directory, a staging tier of two ``max_model_len`` prompts (what a disk load passes
-    through)."""
-    if config.kv_tier_memory:
-        slots = config.kv_tier_memory // block_bytes
+def host_tier_slots(
+    kv_tier_memory: int, block_bytes: int, block_size: int, max_model_len: int
+) -> int:
+    """Blocks of the host tier: ``kv_tier_memory`` bytes of them, or, without (with only
+    a directory), a staging tier of two ``max_model_len`` prompts (what a disk load
+    passes through)."""
+    if kv_tier_memory:
+        slots = kv_tier_memory // block_bytes
         if slots < 1:
             raise ValueError(
-                f"kv_tier_memory={config.kv_tier_memory} bytes holds no block of "
-                f"{block_bytes} bytes"
+                f"kv_tier_memory={kv_tier_memory} bytes holds no block of {block_bytes} bytes"
             )
         return slots
-    return 2 * cdiv(max_model_len, config.block_size)
+    return 2 * cdiv(max_model_len, block_size)
 
 
 def make_tiered_cache(
@@ -45,7 +46,7 @@ def make_tiered_cache(
         return None
     block = cache.tensor[:, :, 0]
     block_bytes = block.numel() * block.element_size()
-    slots = host_tier_slots(config, block_bytes, max_model_len)
+    slots = host_tier_slots(config.kv_tier_memory, block_bytes, config.block_size, max_model_len)
     host = HostTier(slots, tuple(block.shape), cache.dtype, pin=cache.tensor.is_cuda)
     disk = None
     if config.kv_cache_dir is not None:

@@ -88,6 +88,11 @@ def slot_bytes_for(entry_bytes: int) -> int:
     return -(-(HEADER_BYTES + entry_bytes) // PAGE_BYTES) * PAGE_BYTES
 
 
+def capacity_entries_for(capacity_bytes: int, entry_bytes: int) -> int:
+    """Entries of ``entry_bytes`` a directory of at most ``capacity_bytes`` holds."""
+    return capacity_bytes // slot_bytes_for(entry_bytes)
+
+
 @dataclass(frozen=True)
 class DiskTierStats:
     """Counters since open. Entries are counted in entries, bytes in payload bytes.
@@ -178,7 +183,7 @@ class DiskTier:
             raise ValueError(f"the fingerprint is 32 bytes, got {len(fingerprint)}")
         self.entry_bytes = entry_bytes
         self.slot_bytes = slot_bytes_for(entry_bytes)
-        self.capacity_entries = capacity_bytes // self.slot_bytes
+        self.capacity_entries = capacity_entries_for(capacity_bytes, entry_bytes)
         if self.capacity_entries < 1:
             raise ValueError(
                 f"capacity_bytes={capacity_bytes} holds no entry: one takes {self.slot_bytes} "

@@ -48,6 +48,13 @@ and sequences are per device. A device's weights are those of the rank holding t
 (:func:`~pagedllm.plan.model_shape.rank_parameters`); every rank's pool has as many
 blocks as the pool of the rank with the most KV heads, since all ranks hold the same
 block ids, so a budget's blocks and a block's bytes are that rank's.
+
+The prefix cache's lower tiers (``kv_tier_memory``, ``kv_cache_dir_size``,
+:class:`Tiers`) keep blocks the pool evicts, each shaped like a pool block (the target's
+K/V of every layer), sized as the engine sizes them
+(:func:`~pagedllm.kv_tiers.build.host_tier_slots`,
+:func:`~pagedllm.kv_tiers.disk_tier.capacity_entries_for`); one rank and one block
+format only, so not with int4 or tensor parallelism, as the engine refuses.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ from pagedllm.kv.capacity import (
 from pagedllm.kv.layer_groups import KVLayerGroups, group_layers, single_group
 from pagedllm.kv_storage.compact_blocks import TileLayout
 from pagedllm.kv_storage.kv_cache import bytes_per_block
+from pagedllm.kv_tiers.build import host_tier_slots
+from pagedllm.kv_tiers.disk_tier import capacity_entries_for, slot_bytes_for
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.partition import TensorPartition
 from pagedllm.plan.model_shape import ModelShape
@@ -386,6 +395,50 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Tiers:
+    """The lower tiers asked for: ``memory`` bytes of host memory (0: a staging tier of
+    two ``max_model_len`` prompts when there is a directory) and a directory of at most
+    ``dir_size`` bytes (None: none)."""
+
+    memory: int = 0
+    dir_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TierCapacity:
+    """One KV dtype's lower tiers: blocks of ``block_bytes`` (a pool block without a
+    draft's K/V) in host memory, and on disk in slots of ``disk_slot_bytes`` (a 128-byte
+    header and the block, in whole pages)."""
+
+    block_bytes: int
+    host_blocks: int
+    host_tokens: int
+    disk_blocks: int
+    disk_tokens: int
+    disk_slot_bytes: int
+
+
+def tier_capacity(
+    block_bytes: int, block_size: int, tiers: Tiers, max_model_len: int
+) -> TierCapacity:
+    """The blocks ``tiers`` hold of ``block_bytes`` each, as the engine sizes them."""
+    host = host_tier_slots(tiers.memory, block_bytes, block_size, max_model_len)
+    disk = 0 if tiers.dir_size is None else capacity_entries_for(tiers.dir_size, block_bytes)
+    if tiers.dir_size is not None and disk < 1:
+        raise ValueError(
+            f"kv_cache_dir_size={tiers.dir_size} bytes holds no block of {block_bytes} bytes"
+        )
+    return TierCapacity(
+        block_bytes=block_bytes,
+        host_blocks=host,
+        host_tokens=host * block_size,
+        disk_blocks=disk,
+        disk_tokens=disk * block_size,
+        disk_slot_bytes=slot_bytes_for(block_bytes) if tiers.dir_size is not None else 0,
+    )
+
+
+@dataclass(frozen=True)
 class DtypeCapacity:
     """One KV dtype's figures. Bytes include quantization scales only in ``block_bytes``
     and what derives from it (``num_blocks``, sequence counts). ``num_blocks`` is the
@@ -405,6 +458,7 @@ class DtypeCapacity:
     contiguous_seqs: int
     num_compact_blocks: int = 0
     compact_block_bytes: int = 0
+    tiers: TierCapacity | None = None  # None: no tiers asked for, or int4
 
 
 @dataclass(frozen=True)
@@ -420,6 +474,7 @@ class CapacityPlan:
     tensor_parallel_size: int = 1
     draft: DraftShape | None = None
     by_age: ByAge | None = None
+    tiers: Tiers | None = None
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -436,17 +491,29 @@ def dtype_capacity(
     tensor_parallel_size: int = 1,
     draft: DraftShape | None = None,
     by_age: ByAge | None = None,
+    tiers: Tiers | None = None,
 ) -> DtypeCapacity:
     """The figures of one KV dtype for a budget of ``kv_bytes`` bytes per device, on each
     of ``tensor_parallel_size`` devices (see :func:`blocks_per_rank`); a ``draft``
-    model's K/V in every block and its scratch blocks counted."""
+    model's K/V in every block and its scratch blocks counted; the lower ``tiers``
+    below the pool (not for int4, whose pool has two block kinds)."""
     rank_config = kv_rank_config(config, tensor_parallel_size)
     if kv_dtype.by_age:
         return by_age_capacity(rank_config, block_size, kv_bytes, workload, kv_dtype, by_age)
+    if tiers is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            "the prefix cache's lower tiers run on one rank; not with "
+            f"tensor_parallel_size={tensor_parallel_size}"
+        )
     per_token = kv_bytes_per_token(rank_config, kv_dtype)
     groups = layer_groups(config)
     windows = groups.windows
     per_block = block_bytes(rank_config, block_size, kv_dtype, num_layers=groups.num_slots)
+    below = (
+        None
+        if tiers is None
+        else tier_capacity(per_block, block_size, tiers, workload.max_model_len)
+    )
     # contiguous allocation keeps one table for every layer and no null block
     contiguous_blocks = pool_blocks(kv_bytes, block_bytes(rank_config, block_size, kv_dtype))
     if draft is not None:
@@ -471,6 +538,7 @@ def dtype_capacity(
             num_blocks, block_size, workload.avg_len, workload.prefix_len, windows
         ),
         contiguous_seqs=max_seqs_contiguous(contiguous_blocks, block_size, workload.max_model_len),
+        tiers=below,
     )
 
 
@@ -533,6 +601,7 @@ def plan_capacity(
     tensor_parallel_size: int = 1,
     draft: DraftShape | None = None,
     by_age: ByAge | None = None,
+    tiers: Tiers | None = None,
 ) -> CapacityPlan:
     """Every figure of the plan, one row per name in ``kv_dtypes`` (the target's K/V; a
     ``draft``'s beside it); ``budget`` is per device, on each of
@@ -547,9 +616,10 @@ def plan_capacity(
             tensor_parallel_size,
             draft,
             by_age,
+            tiers,
         )
         for name in kv_dtypes
     )
     return CapacityPlan(
-        model, block_size, budget, workload, rows, tensor_parallel_size, draft, by_age
+        model, block_size, budget, workload, rows, tensor_parallel_size, draft, by_age, tiers
     )

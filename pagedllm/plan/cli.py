@@ -22,6 +22,7 @@ from pagedllm.plan.capacity import (
     ByAge,
     CapacityPlan,
     DraftShape,
+    Tiers,
     Workload,
     memory_budget,
     plan_capacity,
@@ -138,6 +139,20 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prefix-len", type=int, default=0, help="tokens every sequence shares at its start"
     )
     parser.add_argument("--batch", type=int, default=8, help="sequences for the batch KV column")
+    tiers = parser.add_argument_group("the prefix cache's lower tiers (evicted blocks kept)")
+    tiers.add_argument(
+        "--kv-tier-memory",
+        dest="tier_memory",  # the planner's names, not EngineConfig's fields
+        default=None,
+        help="host memory of the tier beside the pool, as the engine's option, e.g. 4GiB",
+    )
+    tiers.add_argument(
+        "--kv-cache-dir-size",
+        dest="tier_dir_size",
+        default=None,
+        help="a kv_cache_dir of at most this size, e.g. 20GiB (the engine's default "
+        f"{EngineConfig.kv_cache_dir_size >> 30}GiB)",
+    )
     draft = parser.add_argument_group("draft_model speculation (its K/V ride in every block)")
     draft.add_argument(
         "--draft-model",
@@ -224,8 +239,14 @@ def build_plan(args: argparse.Namespace) -> CapacityPlan:
             RECENT_DTYPES.get(args.weight_dtype, torch.bfloat16),
             None if args.recent_format == "auto" else args.recent_format,
         )
+    tiers = None
+    if args.tier_memory is not None or args.tier_dir_size is not None:
+        tiers = Tiers(
+            memory=0 if args.tier_memory is None else parse_bytes(args.tier_memory),
+            dir_size=None if args.tier_dir_size is None else parse_bytes(args.tier_dir_size),
+        )
     return plan_capacity(
-        model, block_size, budget, workload, kv_dtypes, tensor_parallel_size, draft, by_age
+        model, block_size, budget, workload, kv_dtypes, tensor_parallel_size, draft, by_age, tiers
     )
 
 

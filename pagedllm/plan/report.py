@@ -12,6 +12,7 @@ from pagedllm.plan.capacity import (
     PLANNED_KV_DTYPES,
     CapacityPlan,
     DtypeCapacity,
+    Tiers,
     block_elements_per_layer,
     hidden_size_estimate,
     kv_bytes_per_token,
@@ -281,7 +282,43 @@ def format_text(plan: CapacityPlan) -> str:
     kv_budget = decimal_bytes(plan.budget.kv_bytes)
     lines += ["", f"Capacity of {kv_budget} of KV cache{_per_device(plan)}"]
     lines += _capacity_rows(plan)
+    if plan.tiers is not None:
+        lines += ["", f"Below the pool: {_tiers_line(plan.tiers)}", *_tier_rows(plan)]
     return "\n".join(lines)
+
+
+def _tiers_line(tiers: Tiers) -> str:
+    host = (
+        f"host memory {decimal_bytes(tiers.memory)}"
+        if tiers.memory
+        else "a host staging tier of two max-model-len prompts"
+    )
+    disk = "" if tiers.dir_size is None else f", a directory of {decimal_bytes(tiers.dir_size)}"
+    return (
+        f"the prefix cache's lower tiers, {host}{disk}: blocks the pool evicts, kept to be "
+        "found again (int4 has none: two block kinds)"
+    )
+
+
+def _tier_rows(plan: CapacityPlan) -> list[str]:
+    header = ["KV dtype", "block", "host blocks", "host tokens", "disk blocks", "disk tokens"]
+    rows = []
+    for row in plan.rows:
+        t = row.tiers
+        if t is None:
+            rows.append([row.kv_dtype, *["-"] * 5])
+            continue
+        rows.append(
+            [
+                row.kv_dtype,
+                binary_bytes(t.block_bytes),
+                f"{t.host_blocks:,}",
+                f"{t.host_tokens:,}",
+                f"{t.disk_blocks:,}",
+                f"{t.disk_tokens:,}",
+            ]
+        )
+    return _table(header, rows)
 
 
 def to_json(plan: CapacityPlan) -> dict[str, Any]:
@@ -309,6 +346,7 @@ def to_json(plan: CapacityPlan) -> dict[str, Any]:
         "assumptions": {"quantized_scales": QUANTIZED_SCALES},
         "kv_dtypes": [dataclasses.asdict(row) for row in plan.rows],
         "draft": None if plan.draft is None else _draft_json(plan),
+        "tiers": None if plan.tiers is None else dataclasses.asdict(plan.tiers),
     }
 
 
