@@ -150,6 +150,26 @@ def test_kernel_decodes_every_finite_fp8_code_like_torch(name):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", list(FP8))
+def test_kernel_widens_all_256_fp8_codes_exactly(name):
+    """One position whose value row holds every code (scale 1, keys 0): the output is
+    that row, code for code as torch decodes it, NaN and infinities included."""
+    head_dim = 256
+    rows = torch.zeros(1, 1, 16, head_dim + SCALE_BYTES, dtype=torch.uint8)
+    unit = torch.ones(1, dtype=torch.bfloat16).view(torch.uint8)
+    rows[..., head_dim:] = unit
+    keys = rows.clone().view(FP8[name])
+    rows[0, 0, 0, :head_dim] = torch.arange(256, dtype=torch.uint8)
+    values = rows.view(FP8[name])
+    q = torch.randn(1, 2, head_dim)
+    out = torch.empty_like(q)
+    one = torch.ones(1, dtype=torch.int32)
+    tables, starts = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    paged_attention(out, q, keys, values, tables, one, starts, head_dim**-0.5)
+    want = torch.arange(256, dtype=torch.uint8).view(FP8[name]).float()
+    torch.testing.assert_close(out, want.expand_as(out), atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_backend_write_and_cache_copy_blocks_carry_scales(name):
     cache = KVCache(2, 6, 4, 2, 64, torch.float32, kv_cache_dtype=name)

@@ -120,6 +120,21 @@ def test_tiny_model_with_biases(tmp_path_factory, dtype, linear_kernel, kind):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_default_model_over_an_fp8_cache(dtype, kv_cache_dtype):
+    """fp8 K/V (encoded as written, in C++ by encode_rows' operations): the stack equals
+    the layers bit for bit, alone and as the recent window of 4-bit blocks."""
+    kind = InterleavedWeight if dtype == "bfloat16" else QuantizedWeight
+    loaded = default_model(getattr(torch, dtype))
+    engine = tiny_engine(loaded, num_blocks=64, block_size=16, dtype=dtype,
+                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    assert engine.runner.layer_stack is not None
+    assert_stack_equals_layers(loaded, dtype, kind, kv_cache_dtype=kv_cache_dtype)
+    int4 = dict(kv_cache_dtype="int4", kv_recent_tokens=16, kv_recent_dtype=kv_cache_dtype)
+    assert_stack_equals_layers(loaded, dtype, kind, **int4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_default_model_over_an_int8_cache(dtype):
     """int8 K/V (keys rotated, quantized as written): the stack equals the layers bit for
     bit, alone and as the recent window of 4-bit blocks."""
@@ -131,8 +146,9 @@ def test_default_model_over_an_int8_cache(dtype):
 
 
 def test_cache_formats_and_architectures_it_does_not_run(tiny_model):
-    """An fp8 KV cache or a layer it does not implement: layer by layer, said why."""
-    engine = tiny_engine(tiny_model, num_blocks=16, kv_cache_dtype="fp8_e4m3")
+    """A float16 KV cache under a float32 model or a layer it does not implement: layer
+    by layer, said why."""
+    engine = tiny_engine(tiny_model, num_blocks=16, kv_cache_dtype="float16")
     assert engine.runner.layer_stack is None
     assert "KV cache" in unsupported_reason(tiny_model.model, engine.runner.attn)
 

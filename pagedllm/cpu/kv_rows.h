@@ -97,8 +97,27 @@ template <const Fp8Table& kTable>
 struct Fp8Rows {
   using Elem = uint8_t;
   static constexpr bool kScaled = true;
+  // With AVX-512 BW/VL the codes become float16 bit patterns, converted exactly in one
+  // instruction: an E5M2 code is a float16's high byte; an E4M3 code's exponent and
+  // mantissa, put 3 bits lower, make a float16 worth 2^-8 of the code (subnormals
+  // included), and its S.1111.111 is NaN. A gather from the table measured ~2x slower.
   static vfloat widen(const Elem* p) {
-#ifdef __AVX512F__
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (&kTable == &kE5M2) {
+      return as_vfloat(_mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8)));
+    } else {
+      const __m256i magnitude = _mm256_and_si256(bytes, _mm256_set1_epi16(0x7F));
+      const __m256i half =
+          _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(bytes, magnitude), 8),
+                          _mm256_slli_epi16(magnitude, 7));
+      const __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+      const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));
+      return as_vfloat(
+          _mm512_mask_mov_ps(x, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+    }
+#elif defined(__AVX512F__)
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return as_vfloat(_mm512_i32gather_ps(idx, kTable.value, 4));
 #else

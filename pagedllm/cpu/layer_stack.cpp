@@ -10,7 +10,16 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/abs.h>
+#include <ATen/ops/amax.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_min.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/lt.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/where.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -136,6 +145,20 @@ struct Layer {
   std::optional<CompactBlocks> compact;
 };
 
+// Rows [..., head_dim] (any float dtype) as fp8 cache rows of uint8: codes of
+// `codes` and a bfloat16 scale, rounded up so that no code clips, as
+// pagedllm/kv_storage/kv_quant.py's encode_rows makes them, with the same ATen operations
+// (so the same bits).
+at::Tensor encode_fp8_rows(const at::Tensor& rows, at::ScalarType codes, double max_code) {
+  const at::Tensor x = rows.to(at::kFloat);
+  const at::Tensor exact = (x.abs().amax({-1}, /*keepdim=*/true) / max_code).clamp_min(1e-30);
+  at::Tensor scale = exact.to(at::kBFloat16);
+  scale = at::where(scale.to(at::kFloat) < exact,
+                    (scale.view(at::kShort) + 1).view(at::kBFloat16), scale);
+  const at::Tensor coded = (x / scale.to(at::kFloat)).clamp(-max_code, max_code).to(codes);
+  return at::cat({coded.view(at::kByte), scale.view(at::kByte)}, -1);
+}
+
 struct LayerStack : torch::CustomClassHolder {
   int64_t num_q_heads, num_kv_heads;
   double eps;
@@ -144,6 +167,8 @@ struct LayerStack : torch::CustomClassHolder {
   // float32 [head_dim, head_dim]: over an int8 cache, keys are stored rotated by it and
   // queries rotated alike (pagedllm/kv_storage/key_rotation.py)
   std::optional<at::Tensor> key_rotation;
+  // Over an fp8 cache: the format's largest code (kv_quant's max_code).
+  std::optional<double> fp8_max_code;
   std::vector<Layer> layers;
 
   LayerStack(int64_t num_q_heads, int64_t num_kv_heads, double eps, at::Tensor cos,
@@ -174,6 +199,11 @@ struct LayerStack : torch::CustomClassHolder {
   // they are written, keys rotated by `rotation` first, and queries rotated alike meet
   // them as float32, as the paged backend does.
   void set_int8_cache(at::Tensor rotation) { key_rotation = rotation; }
+
+  // Every layer's cache is fp8 (codes of the caches' dtype and a bfloat16 scale per row,
+  // the largest code max_code): new K/V are encoded as they are written and float32
+  // queries meet them, as the paged backend does.
+  void set_fp8_cache(double max_code) { fp8_max_code = max_code; }
 
   // The next matrix of the last layer added: qkv, o, gate_up, then down.
   void add_matrix(int64_t kind, at::Tensor data, int64_t ggml_type, int64_t out_features,
@@ -229,6 +259,11 @@ struct LayerStack : torch::CustomClassHolder {
         const at::Tensor rotated_k = at::matmul(k.to(at::kFloat), *key_rotation);
         ops::write_kv_int8(layer.k_cache, layer.v_cache, rotated_k, v.to(at::kFloat).contiguous(),
                            slot_mapping);
+      } else if (fp8_max_code.has_value()) {
+        const at::ScalarType codes = layer.k_cache.scalar_type();
+        ops::write_kv(layer.k_cache.view(at::kByte), layer.v_cache.view(at::kByte),
+                      encode_fp8_rows(k, codes, *fp8_max_code),
+                      encode_fp8_rows(v, codes, *fp8_max_code), slot_mapping);
       } else {
         ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
       }
@@ -264,6 +299,14 @@ struct LayerStack : torch::CustomClassHolder {
   // full and compact blocks (float32 query and its rotation, out in q's dtype).
   at::Tensor attend(const Layer& layer, const at::Tensor& q, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const {
+    if (!layer.compact.has_value() && fp8_max_code.has_value()) {  // float32 query
+      const at::Tensor query = q.to(at::kFloat).contiguous();
+      at::Tensor out = at::empty_like(query);
+      ops::paged_attention(out, query, layer.k_cache, layer.v_cache, block_tables, seq_lens,
+                           query_start_loc, layer.scale, layer.sliding_window,
+                           layer.logit_softcap);
+      return out.to(q.scalar_type());
+    }
     if (!layer.compact.has_value() && !key_rotation.has_value()) {
       at::Tensor attended = at::empty_like(q);
       ops::paged_attention(attended, q, layer.k_cache, layer.v_cache, block_tables, seq_lens,
@@ -318,6 +361,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       .def(torch::init<int64_t, int64_t, double, at::Tensor, at::Tensor>())
       .def("add_layer", &LayerStack::add_layer)
       .def("set_int8_cache", &LayerStack::set_int8_cache)
+      .def("set_fp8_cache", &LayerStack::set_fp8_cache)
       .def("add_matrix", &LayerStack::add_matrix)
       .def("add_expanded", &LayerStack::add_expanded)
       .def("add_compact", &LayerStack::add_compact)

@@ -57,8 +57,8 @@ def unsupported_reason(model: torch.nn.Module, attn: object) -> str | None:
         if not holds:
             return reason
     fmt = attn.kv_cache.format
-    if fmt.name != "int8" and (fmt.quantized or fmt.dtype != model.dtype):
-        return "the KV cache's format is neither the model's dtype nor int8"
+    if not fmt.quantized and fmt.dtype != model.dtype:
+        return "the KV cache's format is neither the model's dtype nor int8 or fp8"
     return None
 
 
@@ -84,9 +84,10 @@ class LayerStack:
     with :meth:`build`, which returns None (and logs why) when the model or the cache is
     not of the kind it runs. It is the paged backend's own path run across the layers:
     each layer's new K/V go through the C++ ``write_kv`` (``write_kv_int8`` over an int8
-    cache, keys rotated first) that
+    cache, keys rotated first; over an fp8 cache encoded first, by the operations of
+    :func:`~pagedllm.kv_storage.kv_quant.encode_rows`) that
     :meth:`~pagedllm.attention.paged_backend.PagedAttentionBackend.write` calls, into
-    the cache's per-layer views (a cache in the model's dtype or int8)."""
+    the cache's per-layer views (a cache in the model's dtype, int8 or fp8)."""
 
     def __init__(
         self,
@@ -107,6 +108,8 @@ class LayerStack:
         rotation = hadamard(cache.head_dim) if cache.compact is not None else None
         if cache.format.name == "int8":
             self._stack.set_int8_cache(cache.key_rotation)
+        elif cache.format.quantized:  # fp8
+            self._stack.set_fp8_cache(cache.format.max_code)
         for index, layer in enumerate(model.layers):
             options = layer.attention
             self._stack.add_layer(
