@@ -195,7 +195,7 @@ def test_the_kernel_equals_the_reference_over_every_block_decoded(
     monkeypatch.setattr(PagedAttentionBackend, "_by_age", both)
     run(engine, prompts, greedy)
     assert compact_calls > 50
-    assert max(errors) < 1e-3, max(errors)
+    assert max(errors) < 2e-3, max(errors)  # measured 3.5e-4 to 5.4e-4; a wrong layout 1e-2+
 
 
 @pytest.mark.parametrize("recent_dtype", ["auto", "int8"])
