@@ -213,28 +213,22 @@ inline vfloat tokens_in_order(vfloat x, std::integer_sequence<int, T...>) {
   else return __builtin_shufflevector(x, x, (T % P * N + T / P)...);
 }
 
-// Numbers x as integers Q ~ x / scale of at most limb_range<L> in magnitude, kept in L
-// signed bytes (limbs) L_l with Q = sum_l 256^l L_l: fixed point, multiplied by 4-bit
-// codes in VNNI dot products of bytes. Limb l is the low byte of Q_l, Q_0 = Q and
-// Q_{l+1} = (Q_l + 128) >> 8: signed digits, Q_l - L_l a multiple of 256. The folded
-// query and a value step's weights take 2 (16 bits).
-constexpr int kKeyLimbs = 2;
-constexpr int kValueLimbs = 2;
-// The largest Q whose L limbs are all within a signed byte, 127 (1 + 256 + ...), less a
-// margin for the rounding of max |x| / scale.
-template <int L>
-constexpr float limb_range = L == 3 ? 127.f * (1 + 256 + 65536) - 64 : 127.f * (1 + 256) - 1;
+// Numbers x as integers Q ~ x / scale of at most kLimbRange in magnitude, kept in kLimbs
+// signed bytes (limbs) L_l with Q = L_0 + 256 L_1: 16-bit fixed point, multiplied by
+// 4-bit codes in VNNI dot products of bytes, for the folded query and a value step's
+// weights alike. L_0 is the low byte of Q and L_1 = (Q + 128) >> 8: signed digits.
+// (24 bits, three limbs, took 1.25x the time for a thousandth of the format's error.)
+constexpr int kLimbs = 2;
+// The largest Q whose limbs are both within a signed byte, 127 (1 + 256), less a margin
+// for the rounding of max |x| / scale.
+constexpr float kLimbRange = 127.f * (1 + 256) - 1;
 
-// Stores the L limbs of Q = x * inverse rounded (16 numbers) at limbs, limbs + stride,
-// ...; returns x - Q unit (unit = 1 / inverse, or 0 with inverse), what the rounding lost.
-template <int L>
+// Stores the limbs of Q = x * inverse rounded (16 numbers) at limbs and limbs + stride;
+// returns x - Q unit (unit = 1 / inverse, or 0 with inverse), what the rounding lost.
 inline vfloat store_limbs(vfloat x, float inverse, float unit, int8_t* limbs, int64_t stride) {
   const vint rounded = round_to_int(x * inverse);
-  vint digits = rounded;
-  for (int l = 0; l < L; ++l) {
-    store_low_bytes(limbs + l * stride, digits);
-    digits = (digits + 128) >> 8;
-  }
+  store_low_bytes(limbs, rounded);
+  store_low_bytes(limbs + stride, (rounded + 128) >> 8);
   return x - __builtin_convertvector(rounded, vfloat) * unit;
 }
 
@@ -243,14 +237,10 @@ inline vfloat store_limbs(vfloat x, float inverse, float unit, int8_t* limbs, in
 // most. The kernel adds the first back.
 constexpr float kMeanCode = 7.5f;
 
-// sum_l 256^l acc[l] in float32. |acc[l]| <= 64 * 15 * 128 (a sum over 64 channels or
-// positions): limbs 0 and 1 add up exactly in 32 bits first.
-template <int L>
-inline vfloat limbs_sum(const vint (&acc)[L]) {
-  static_assert(L == 2 || L == 3);
-  const vfloat low = __builtin_convertvector((acc[1] << 8) + acc[0], vfloat);
-  if constexpr (L == 2) return low;
-  else return __builtin_convertvector(acc[2], vfloat) * 65536.f + low;
+// acc[0] + 256 acc[1] in float32, summed exactly in 32 bits first: |acc[l]| <= 64 * 15 *
+// 128 (a sum over 64 channels or positions).
+inline vfloat limbs_sum(const vint (&acc)[kLimbs]) {
+  return __builtin_convertvector((acc[1] << 8) + acc[0], vfloat);
 }
 
 // Rows of the largest divisor of RB whose NV-vector accumulators fit 24 registers: the
@@ -258,11 +248,11 @@ inline vfloat limbs_sum(const vint (&acc)[L]) {
 template <int NV, int RB>
 constexpr int kValueRows = RB * NV <= 24 ? RB : RB % 2 == 0 && RB / 2 * NV <= 24 ? RB / 2 : 1;
 
-// Rows of the largest divisor of RB whose integer sums (4 channel vectors of kValueLimbs
+// Rows of the largest divisor of RB whose integer sums (4 channel vectors of kLimbs
 // limbs each) fit 24 registers: the byte value pass's row blocks.
 template <int RB>
-constexpr int byte_value_rows = RB * 4 * kValueLimbs <= 24                              ? RB
-                                : RB % 2 == 0 && RB / 2 * 4 * kValueLimbs <= 24 ? RB / 2
+constexpr int byte_value_rows = RB * 4 * kLimbs <= 24                              ? RB
+                                : RB % 2 == 0 && RB / 2 * 4 * kLimbs <= 24 ? RB / 2
                                                                                 : 1;
 
 // One compact tile: block `block_size` tokens of one kv head (offsets as TileLayout's).
@@ -296,11 +286,11 @@ struct CompactKeys {
   }
 
   // RB rows' folded query q'[d] = q_rot[d] key_scale[d] (softmax scale included) in
-  // limbs, scale = max |q'| / limb_range, and the bias q_rot . key_zero. A score is then
-  // off by at most D * 7.5 / limb_range of max |q'|.
+  // limbs, scale = max |q'| / kLimbRange, and the bias q_rot . key_zero. A score is then
+  // off by at most D * 7.5 / kLimbRange of max |q'|.
   template <int RB>
   struct Query {
-    alignas(64) int8_t limbs[RB][kKeyLimbs][kDim];
+    alignas(64) int8_t limbs[RB][kLimbs][kDim];
     float scale[RB], bias[RB];
   };
 
@@ -317,12 +307,12 @@ struct CompactKeys {
         magnitude[i] = magnitude[i] > a ? magnitude[i] : a;
       }
     const vfloat max = max_of_rows(magnitude);  // row i in lane i
-    const vfloat scale = max * (1.f / limb_range<kKeyLimbs>);
-    const vfloat inverse = max > 0.f ? limb_range<kKeyLimbs> / max : vfloat{};
+    const vfloat scale = max * (1.f / kLimbRange);
+    const vfloat inverse = max > 0.f ? kLimbRange / max : vfloat{};
     for (int i = 0; i < RB; ++i) {
       q.scale[i] = scale[i];
       for (int j = 0; j < NV; ++j) {
-        const vfloat lost = store_limbs<kKeyLimbs>(folded[i][j], inverse[i], scale[i],
+        const vfloat lost = store_limbs(folded[i][j], inverse[i], scale[i],
                                                    &q.limbs[i][0][j * kLanes], kDim);
         bias[i] = fmadd(broadcast(kMeanCode), lost, bias[i]);
       }
@@ -348,7 +338,7 @@ struct CompactKeys {
     const int8_t* limbs = &q.limbs[0][0][0];
     asm volatile("" : "+r"(limbs));
     constexpr int kSets = RB >= 3 ? 1 : 4 / RB;
-    vint acc[kSets][RB][kKeyLimbs] = {};
+    vint acc[kSets][RB][kLimbs] = {};
     for (int half = 0; half < kWords / N; ++half) {
       vuint col[N];
       for (int r = 0; r < N; ++r)
@@ -358,10 +348,10 @@ struct CompactKeys {
       for (int k = 0; k < N; ++k) {
         const int word = half * N + k;
         const vuint low = col[k] & 0x0F0F0F0Fu, high = (col[k] >> 4) & 0x0F0F0F0Fu;
-        vint(&set)[RB][kKeyLimbs] = acc[k % kSets];
+        vint(&set)[RB][kLimbs] = acc[k % kSets];
         for (int i = 0; i < RB; ++i)
-          for (int l = 0; l < kKeyLimbs; ++l) {
-            const int8_t* limb = limbs + (i * kKeyLimbs + l) * kDim + 4 * word;
+          for (int l = 0; l < kLimbs; ++l) {
+            const int8_t* limb = limbs + (i * kLimbs + l) * kDim + 4 * word;
             set[i][l] = dot_bytes(set[i][l], low, limb);
             set[i][l] = dot_bytes(set[i][l], high, limb + kDim / 2);
           }
@@ -369,8 +359,8 @@ struct CompactKeys {
     }
     for (int i = 0; i < RB; ++i) {
       for (int c = 1; c < kSets; ++c)
-        for (int l = 0; l < kKeyLimbs; ++l) acc[0][i][l] += acc[c][i][l];
-      out[i] = tokens_in_order<N>(limbs_sum<kKeyLimbs>(acc[0][i]) * q.scale[i] + q.bias[i],
+        for (int l = 0; l < kLimbs; ++l) acc[0][i][l] += acc[c][i][l];
+      out[i] = tokens_in_order<N>(limbs_sum(acc[0][i]) * q.scale[i] + q.bias[i],
                                   std::make_integer_sequence<int, kLanes>{});
     }
   }
@@ -422,7 +412,7 @@ struct CompactKeys {
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
   // As values, the codes met in VNNI dot products of bytes: each row's weights over the
-  // step in kValueLimbs bytes of fixed point (unit: its largest weight / limb_range, so
+  // step in kLimbs bytes of fixed point (unit: its largest weight / kLimbRange, so
   // a weight is off by at most 1 / 65,000 of that), the codes of 4 positions under one
   // channel in the 4 bytes of a lane. One byte permutation interleaves them from 4
   // code rows: bytes 4 l + b of the register `low` are byte l of code row b (channels
@@ -431,9 +421,8 @@ struct CompactKeys {
   template <int RB, typename Rows>
   static void values_in_bytes(const Rows& rows, int64_t step, int64_t lo, int64_t hi,
                               const float (&weight)[RB][kStep], vfloat correction, vfloat* acc) {
-    constexpr int L = kValueLimbs;
     constexpr int VB = byte_value_rows<RB>;
-    alignas(64) int8_t limbs[RB][L][kStep];
+    alignas(64) int8_t limbs[RB][kLimbs][kStep];
     float unit[RB], restored[RB];
     const int64_t t0 = lo / 4 * 4, t1 = (hi + 3) / 4 * 4;
     const int g0 = static_cast<int>(t0 / kLanes), g1 = static_cast<int>((t1 + kLanes - 1) / kLanes);
@@ -444,18 +433,18 @@ struct CompactKeys {
         most = most > w ? most : w;
       }
       const float max = hmax(most);
-      const float inverse = max > 0.f ? limb_range<L> / max : 0.f;
-      unit[i] = max / limb_range<L>;
+      const float inverse = max > 0.f ? kLimbRange / max : 0.f;
+      unit[i] = max / kLimbRange;
       vfloat lost = vfloat{};
       for (int g = g0; g < g1; ++g)
-        lost += store_limbs<L>(load(&weight[i][g * kLanes]), inverse, unit[i],
+        lost += store_limbs(load(&weight[i][g * kLanes]), inverse, unit[i],
                                &limbs[i][0][g * kLanes], kStep);
       restored[i] = kMeanCode * hsum(lost);
     }
-    const __m512i low_index = interleave_index(0), high_index = interleave_index(16);
+    static const __m512i low_index = interleave_index(0), high_index = interleave_index(16);
     for (int v0 = 0; v0 < RB; v0 += VB) {
       for (int span = 0; span < NV / 4; ++span) {  // bytes 32 span .. + 31 of each code row
-        vint sums[VB][4][L] = {};
+        vint sums[VB][4][kLimbs] = {};
         for (int64_t t = t0; t < t1; t += 4) {
           const uint8_t* bytes = rows.value_row(step + t) + 32 * span;
           const __m512i first = two_spans(bytes), second = two_spans(bytes + 2 * kRowBytes);
@@ -465,14 +454,14 @@ struct CompactKeys {
                                   (low >> 4) & 0x0F0F0F0Fu, (high >> 4) & 0x0F0F0F0Fu};
           for (int i = 0; i < VB; ++i)
             for (int k = 0; k < 4; ++k)
-              for (int l = 0; l < L; ++l)
+              for (int l = 0; l < kLimbs; ++l)
                 sums[i][k][l] = dot_bytes(sums[i][k][l], codes[k], &limbs[v0 + i][l][t]);
         }
         // codes[k]'s channels: 32 span + 16 k (k < 2), D/2 + 32 span + 16 (k - 2).
         for (int i = 0; i < VB; ++i)
           for (int k = 0; k < 4; ++k) {
             vfloat& a = acc[(v0 + i) * NV + (k / 2) * (NV / 2) + 2 * span + k % 2];
-            a = a * correction[v0 + i] + (limbs_sum<L>(sums[i][k]) * unit[v0 + i] + restored[v0 + i]);
+            a = a * correction[v0 + i] + (limbs_sum(sums[i][k]) * unit[v0 + i] + restored[v0 + i]);
           }
       }
     }
