@@ -127,11 +127,25 @@ def test_n4_shares_the_prompts_blocks_then_leaves_them_cached(page, server, clie
             done.set()
 
     threading.Thread(target=run, daemon=True).start()
-    page.wait_for_function("window.pagedllmDashboard.counts.shared > 0", timeout=60_000)
+    # four holders: the shade of a reference count of 4, once all four samples hold the
+    # prompt's blocks (a frame drawn while the forks are made may show fewer holders)
+    four = page.evaluate("window.pagedllmDashboard.sharedColors[4 - 2]")
+    page.wait_for_function(
+        f"""() => {{
+          const d = window.pagedllmDashboard, pixel = {CELL_PIXEL};
+          const n = Number(document.querySelector('#pool').dataset.cells);
+          let shared = 0;
+          for (let id = 0; id < n; id++) {{
+            if (d.cellState(id) !== 'shared') continue;
+            if (pixel(id) !== '{four}') return false;
+            shared++;
+          }}
+          return shared > 0;
+        }}""",
+        timeout=60_000,
+    )
     shared = cells_in(page, "shared")
     assert len(shared) >= len(PROMPT.split()) // 16  # the prompt's full blocks, at least
-    # four holders: the shade of a reference count of 4
-    four = page.evaluate("window.pagedllmDashboard.sharedColors[4 - 2]")
     assert {page.evaluate(CELL_PIXEL, block_id) for block_id in shared} == {four}
     center = page.evaluate("(id) => window.pagedllmDashboard.cellCenter(id)", shared[0])
     page.mouse.move(center["x"], center["y"])
