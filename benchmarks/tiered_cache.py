@@ -46,6 +46,7 @@ from pathlib import Path
 from pagedllm import EngineConfig, LLMEngine, SamplingParams
 from pagedllm.bench.long_context import novel_text
 from pagedllm.bench.machine import machine_record
+from pagedllm.bench.rounds import median_ratio, median_record, rotation
 from pagedllm.kv_storage.kv_cache import bytes_per_block
 from pagedllm.models.loader import LoadedModel, load_model_for
 
@@ -144,8 +145,7 @@ def chat_rounds(args: argparse.Namespace) -> None:
     configs = args.configs.split(",")
     results: dict[str, list[dict]] = {c: [] for c in configs}
     for r in range(args.runs):
-        rotated = configs[r % len(configs) :] + configs[: r % len(configs)]
-        for config in rotated:
+        for config in rotation(configs, r):
             with tempfile.TemporaryDirectory() as disk_dir:
                 engine = LLMEngine(engine_config(args, config, pool, Path(disk_dir)), loaded=loaded)
                 result = run_chats(engine, args, asks)
@@ -159,16 +159,11 @@ def chat_rounds(args: argparse.Namespace) -> None:
             emit(measure="round", round=r, config=config, **result)
     for config in configs:
         rows = results[config]
-        record = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+        record = median_record(rows)
         if "off" in results and config != "off":
             off = results["off"]
-            record["ttft_p50_speedup"] = statistics.median(
-                o["ttft_p50"] / row["ttft_p50"] for o, row in zip(off, rows, strict=True)
-            )
-            record["throughput_ratio"] = statistics.median(
-                row["output_tokens_per_s"] / o["output_tokens_per_s"]
-                for o, row in zip(off, rows, strict=True)
-            )
+            record["ttft_p50_speedup"] = median_ratio(off, rows, "ttft_p50")
+            record["throughput_ratio"] = median_ratio(rows, off, "output_tokens_per_s")
         emit(measure="chat", config=config, runs=len(rows), **record)
 
 

@@ -396,6 +396,12 @@ class EngineConfig:
         0, "bytes of the second KV tier for swap, e.g. 1GiB", parse=_parse_swap_space
     )
     swap_path: str | None = knob(None, "memory-map the second KV tier to this file")
+    swap_read_ahead: bool = knob(
+        True,
+        "copy the evicted blocks of the swapped sequences that resume next back into free "
+        "pool blocks beside the running steps, so their swap-in finds them in place "
+        "(with prefix caching and one table of full-size blocks)",
+    )
     kv_tier_memory: int = knob(
         0,
         "bytes of host memory beside the pool where evicted prefix-cache blocks wait to be "

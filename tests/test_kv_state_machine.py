@@ -325,6 +325,41 @@ class KVManagerMachine(RuleBasedStateMachine):
         args = (prefix, parked - skipped, commit, compact_end)
         self.admit(prompt[skipped:], high_priority, shadow, *args)
 
+    @precondition(lambda self: self.manager.restores_cached)
+    @rule(prompt=PROMPTS, salt=SALTS, data=st.data())
+    def read_ahead(self, prompt, salt, data):
+        """A swapped sequence's parked blocks restored ahead of its swap-in, as the
+        scheduler plans it and the executor copies: they come back free and cached
+        under their keys, holding the parked K/V, later chain blocks nearer the head of
+        the free queue (evicted first); no table or held block changes, and the
+        sequence's next swap-in finds the chain through the last restored block."""
+        parked = data.draw(st.integers(0, max(0, len(prompt) - 1)), label="parked tokens")
+        max_blocks = data.draw(st.integers(0, 8), label="room")
+        query = prompt[: parked + 1]
+        prefix = self.manager.find_cached_prefix(query, (salt,), for_swap_in=True)
+        _, tables, _, _, _ = self.snapshot()
+        held = {b: self.pool.ref_count(b) for table in tables.values() for b in table}
+        restored = self.manager.restore_cached(prefix, prompt[:parked], max_blocks)
+        assert len(restored) <= max_blocks
+        event(f"{len(restored)} blocks read ahead" if restored else "nothing to read ahead")
+        shadow = ShadowSequence(salt, list(prompt[:parked]))
+        block_size = self.block_size
+        for index, block_id in restored:
+            assert self.pool.ref_count(block_id) == 0 and self.pool.block_key(block_id)
+            for offset in range(block_size):
+                self.memory[block_id * block_size + offset] = shadow.content(
+                    index * block_size + offset
+                )
+        self.record_cached_blocks([block_id for _, block_id in restored])
+        assert {s: self.manager.block_table(s) for s in self.seqs} == tables
+        assert {b: self.pool.ref_count(b) for b in held} == held
+        if restored:
+            queue = self.pool.free_block_ids()
+            order = [queue.index(block_id) for _, block_id in restored]
+            assert order == sorted(order, reverse=True), "later blocks are evicted first"
+            again = self.manager.find_cached_prefix(query, (salt,), for_swap_in=True)
+            assert again.num_tokens >= (restored[-1][0] + 1) * block_size
+
     @precondition(lambda self: self.seqs)
     @rule(
         index=st.integers(0, 99),

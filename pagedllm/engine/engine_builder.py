@@ -207,6 +207,7 @@ def build_engine(
         preemption_mode=config.preemption_mode,
         tiers=tiers,
         prefetch_on_arrival=config.kv_tier_prefetch,
+        read_ahead=config.swap_read_ahead,
     )
     tokenizer = loaded.tokenizer
     if tokenizer is not None:

@@ -127,6 +127,8 @@ class LLMEngine:
         Idempotent; also run at exit."""
         if self.tiers is not None:
             atexit.unregister(self.shutdown)
+            if self.worker.swap_space is not None:  # its last read-ahead is in the pool
+                self.worker.swap_space.finish_read_ahead()
             tiers, self.tiers = self.tiers, None
             written = tiers.persist(self.block_manager.pool.cached_blocks())
             tiers.close()
@@ -290,7 +292,12 @@ class LLMEngine:
         times = self.step_times
         t0 = time.perf_counter()
         copies = BlockCopies(
-            plan.swap_out, plan.swap_in, plan.block_copies, plan.block_encodes, plan.tier_moves
+            plan.swap_out,
+            plan.swap_in,
+            plan.block_copies,
+            plan.block_encodes,
+            plan.tier_moves,
+            plan.read_ahead,
         )
         batch = self.runner.build_batch(plan)
         t1 = time.perf_counter()

@@ -17,6 +17,15 @@ back in it: the parked compact ones compact, and the full ones full unless they 
 behind the window of the restored tokens (then re-encoded on the way in, as the next
 reservation would have).
 
+Read-ahead (``read_ahead``, with prefix caching, one table of full-size blocks): while
+swapped sequences wait, those next in the queue whose blocks the pool could hold, after
+room for the running sequences' next step, get their evicted parked blocks back ahead of
+their turn. Each step's plan takes free blocks for them, caches each under its content
+key and leaves it free (:meth:`BlockManager.restore_cached`), and the executor copies
+the parked K/V in beside that step's forward pass. The swap-in then finds them as its
+prefix hit and copies nothing for them. An allocation in need may evict them like any
+cached block, so a read-ahead never causes a preemption.
+
 With prefix caching, a sequence that starts (or restarts after preemption) first takes
 the longest chain of cached full blocks of its tokens and computes only the rest. With
 lower tiers (:mod:`pagedllm.kv_tiers`), the chain goes on through the blocks the host
@@ -50,6 +59,7 @@ head of the queue can always evict everything behind it, so some sequence always
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -118,8 +128,10 @@ class SchedulerOutput:
     A block a swap-out frees is parked before an encode may reuse it; a full block an
     encode frees may take a swap-in or a copy. ``tier_moves`` (spills of evicted cached
     blocks to the lower tiers, fills back from them) run in planned order right after
-    the swap-outs (:mod:`pagedllm.kv_tiers.tier_moves`). ``released``: sequence ids that finished
-    or were preempted since the previous plan.
+    the swap-outs (:mod:`pagedllm.kv_tiers.tier_moves`). ``read_ahead``: ``(swap block,
+    pool block)`` pairs copied back beside the forward pass, into free cached blocks
+    no sequence of the plan touches; the next plan's moves wait for them. ``released``:
+    sequence ids that finished or were preempted since the previous plan.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -128,6 +140,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_encodes: list[tuple[int, int]] = field(default_factory=list)
     tier_moves: list[TierMove] = field(default_factory=list)
+    read_ahead: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[TokenSequence] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
@@ -138,6 +151,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class ReadAheadStats:
+    """Read-ahead of swapped sequences since start-up: ``blocks`` restored ahead of
+    their swap-in (planned copies), ``used_blocks`` of them a swap-in then found in its
+    prefix hit (the others were evicted first), ``resumes`` of sequences that had blocks
+    read ahead, and ``lead_seconds`` summed over those resumes: from the plan that first
+    read ahead for the sequence to its swap-in."""
+
+    blocks: int = 0
+    used_blocks: int = 0
+    resumes: int = 0
+    lead_seconds: float = 0.0
 
 
 class Scheduler:
@@ -158,8 +185,13 @@ class Scheduler:
         preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
         tiers: TieredCache | None = None,
         prefetch_on_arrival: bool = True,
+        read_ahead: bool = False,
     ) -> None:
         self.block_manager = block_manager
+        # swapped sequence id -> (when its read-ahead began, the blocks restored for it)
+        self.read_ahead = read_ahead and swap_space is not None and block_manager.restores_cached
+        self._read_ahead: dict[int, tuple[float, set[int]]] = {}
+        self.read_ahead_stats = ReadAheadStats()
         self.cache_key = cache_key
         self.swap_space = swap_space
         self.tiers = tiers
@@ -197,6 +229,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap_space.free(seq.swap_block_ids)
             seq.swap_block_ids = []
+            self._read_ahead.pop(seq.seq_id, None)
         elif not seq.is_finished:
             self.waiting.remove(seq)
             if self.tiers is not None:
@@ -336,6 +369,8 @@ class Scheduler:
             budget = self._swap_in(budget, out)
             if not self.swapped:
                 self._admit_waiting(budget, out)
+            elif self.read_ahead:
+                self._read_ahead_swapped(out)
         if self.tiers is not None:
             out.tier_moves = self.tiers.take_moves()
         return out
@@ -376,6 +411,7 @@ class Scheduler:
             compact_end = self._parked_compact_end(seq)
             if not self._append(seq, num_tokens, out, prefix, copied, compact_end=compact_end):
                 break
+            self._note_resume(seq, prefix)
             end = cdiv(parked, manager.block_size)
             swap_ids = iter(seq.swap_block_ids)  # group by group
             for group, parked_from in enumerate(self._swap_firsts(seq)):
@@ -394,6 +430,44 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             budget -= num_tokens
         return budget
+
+    def _read_ahead_swapped(self, out: SchedulerOutput) -> None:
+        """Restore the evicted parked blocks of the swapped sequences that resume next
+        (queue order), into the free blocks the pool has past the running sequences'
+        next step: the head sequence partly if that is all there is room for, a later one
+        only after every earlier one's blocks fit. Adds the copies to the plan."""
+        manager = self.block_manager
+        size = manager.block_size
+        pending = sum(seq.num_uncomputed_tokens for seq in self.running)
+        pending -= out.num_batched_tokens  # this plan's tokens have their blocks
+        headroom = len(self.running) + cdiv(min(pending, self.max_num_batched_tokens), size)
+        room = manager.pool.num_available() - headroom
+        now = time.perf_counter()
+        for seq in self.swapped:
+            if room <= 0:
+                return
+            parked = seq.num_computed_tokens
+            tokens = seq.all_token_ids[: parked + 1]
+            prefix = manager.find_cached_prefix(tokens, self._extra_keys(seq), for_swap_in=True)
+            restored = manager.restore_cached(prefix, tokens[:parked], room)
+            room -= cdiv(parked + 1, size)
+            if not restored:
+                continue
+            out.read_ahead.extend((seq.swap_block_ids[i], block) for i, block in restored)
+            _, blocks = self._read_ahead.setdefault(seq.seq_id, (now, set()))
+            blocks.update(block for _, block in restored)
+            self.read_ahead_stats.blocks += len(restored)
+
+    def _note_resume(self, seq: TokenSequence, prefix: CachedPrefix) -> None:
+        """Count the blocks read ahead for ``seq`` that its swap-in finds in ``prefix``."""
+        entry = self._read_ahead.pop(seq.seq_id, None)
+        if entry is None:
+            return
+        since, blocks = entry
+        stats = self.read_ahead_stats
+        stats.used_blocks += len(blocks.intersection(prefix.block_ids))
+        stats.resumes += 1
+        stats.lead_seconds += time.perf_counter() - since
 
     @staticmethod
     def _swap_firsts(seq: TokenSequence) -> list[int]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import ReadAheadStats, Scheduler
 from pagedllm.kv.block_manager import AllocationTimes
 from pagedllm.kv_storage.swap_space import SwapStats
 from pagedllm.kv_tiers.tiered_cache import TierStats
@@ -94,6 +94,7 @@ class EngineStats:
     swap: SwapStats | None = None
     spec_decode: SpecDecodeStats | None = None
     tiers: TierStats | None = None  # the prefix cache's lower tiers, when configured
+    read_ahead: ReadAheadStats | None = None  # swapped sequences' read-ahead, when on
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -144,6 +145,7 @@ def gather_stats(
         swap=swap,
         spec_decode=spec_decode,
         tiers=None if scheduler.tiers is None else scheduler.tiers.stats(),
+        read_ahead=replace(scheduler.read_ahead_stats) if scheduler.read_ahead else None,
     )
 
 

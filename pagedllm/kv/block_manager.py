@@ -347,6 +347,61 @@ class BlockManager:
             num_nulls=nulls,
         )
 
+    @property
+    def restores_cached(self) -> bool:
+        """Whether a swapped sequence's parked blocks can come back as cached blocks
+        ahead of its swap-in (:meth:`restore_cached`): prefix caching on, one table of
+        full-size blocks, no sliding window."""
+        return self.enable_prefix_caching and self.windows == (None,) and self.recent_tokens is None
+
+    def restore_cached(
+        self, prefix: CachedPrefix, token_ids: Sequence[int], max_blocks: int
+    ) -> list[tuple[int, int]]:
+        """Read-ahead of a swap-in: free blocks for the full blocks of ``token_ids``
+        (a swapped sequence's computed tokens) that continue ``prefix`` (its hit found
+        ``for_swap_in``) and that no block caches, at most ``max_blocks`` of them, in
+        order. Each is cached under its content key and left free, at the tail of the
+        free queue like a released table (its later blocks evicted first), so the
+        sequence's swap-in finds the chain as its prefix hit once the caller has copied
+        the parked K/V into them, and an allocation in need may still evict them. The
+        chain's evictable blocks are kept out of this allocation's reach. Returns
+        ``(logical block, block id)`` for each block to fill.
+        """
+        if not self.restores_cached:
+            raise ValueError("restoring cached blocks needs prefix caching and one full table")
+        pool = self.pool
+        size = self.block_size
+        parent = prefix.keys[-1].digest if prefix.keys else None
+        full = token_ids[prefix.num_tokens : len(token_ids) // size * size]
+        chain: list[int | None] = list(prefix.block_ids)  # None: to restore
+        missing: list[BlockKey] = []
+        for key in iter_block_keys(full, size, prefix.extra_keys, parent):
+            block_id = pool.lookup(key)
+            if block_id is None:
+                if len(missing) == max_blocks:
+                    break
+                missing.append(key)
+            chain.append(block_id)
+        kept = [b for b in chain if b is not None and pool.ref_count(b) == 0]
+        room = pool.num_available() - len(kept)
+        if room < len(missing):  # the chain stops before the first block without room
+            missing = missing[: max(0, room)]
+            chain = chain[: _nth_none(chain, len(missing))]
+            kept = [b for b in chain if b is not None and pool.ref_count(b) == 0]
+        if not missing:
+            return []
+        pool.incref(kept)
+        blocks = iter(pool.allocate(len(missing)))
+        restored = []
+        for index, block_id in enumerate(chain):
+            if block_id is None:
+                block_id = chain[index] = next(blocks)
+                pool.cache_block(block_id, missing[len(restored)])
+                restored.append((index, block_id))
+        taken = set(kept).union(block for _, block in restored)
+        pool.free(reversed([b for b in chain if b in taken]))
+        return restored
+
     def _prefix_blocks_needed(
         self, prefix: CachedPrefix, num_new_tokens: int, num_restored: int
     ) -> int:
@@ -873,3 +928,14 @@ class BlockManager:
     def allocation_times(self) -> AllocationTimes:
         """Calls of :meth:`allocate_slots` and the seconds they took, since start-up."""
         return AllocationTimes(self._allocation_calls, self._allocation_seconds)
+
+
+def _nth_none(items: Sequence[int | None], n: int) -> int:
+    """The index of the ``n``-th None in ``items`` counting from 0 (its length when
+    there are no more)."""
+    for index, item in enumerate(items):
+        if item is None:
+            if n == 0:
+                return index
+            n -= 1
+    return len(items)

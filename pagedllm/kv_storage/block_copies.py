@@ -6,8 +6,11 @@ blocks come back (swap-in) and are copied on write. A re-encoding reads only blo
 sequence still holds, which no swap-out writes. The moves to and from the prefix
 cache's lower tiers run right after the swap-outs, in planned order
 (:mod:`pagedllm.kv_tiers.tier_moves`): a block a plan evicts still holds what it held
-before the plan, and a block a fill writes is new to its sequence. Under tensor
-parallelism every rank applies the same moves to its own slice of the cache."""
+before the plan, and a block a fill writes is new to its sequence. Read-ahead copies
+(parked blocks restored ahead of their swap-in into free cached blocks no sequence of
+the step touches) start last and run beside the forward pass; the next step's moves
+wait for them first. Under tensor parallelism every rank applies the same moves to its
+own slice of the cache."""
 
 from __future__ import annotations
 
@@ -25,14 +28,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BlockCopies:
     """``(src, dst)`` block pairs: pool -> swap space, swap space -> pool, within the
-    pool (copy-on-write), and full -> compact (re-encoded by age); and the moves between
-    the pool and the lower tiers."""
+    pool (copy-on-write), full -> compact (re-encoded by age), and swap space -> pool
+    ahead of a swap-in (read-ahead); and the moves between the pool and the lower
+    tiers."""
 
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copy_on_write: list[tuple[int, int]]
     encodes: list[tuple[int, int]] = field(default_factory=list)
     tier_moves: list[TierMove] = field(default_factory=list)
+    read_ahead: list[tuple[int, int]] = field(default_factory=list)
 
     def apply(
         self, cache: KVCache, swap_space: SwapSpace | None, tiers: TieredCache | None = None
@@ -40,6 +45,7 @@ class BlockCopies:
         """Apply the moves to ``cache`` (and ``swap_space``, ``tiers``: a cache without
         tiers, a draft model's, skips their moves; it recomputes what they restore)."""
         if swap_space is not None:
+            swap_space.finish_read_ahead()
             swap_space.copy_out(self.swap_out)
         if tiers is not None and self.tier_moves:
             tiers.apply(self.tier_moves)
@@ -49,3 +55,5 @@ class BlockCopies:
             swap_space.copy_in(self.swap_in)
         if self.copy_on_write:
             cache.copy_blocks(self.copy_on_write)
+        if swap_space is not None:
+            swap_space.start_read_ahead(self.read_ahead)

@@ -38,10 +38,13 @@ and unparks, so a swap block freed by an unpark is not overwritten before it is 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pagedllm.kv.block_pool import BlockPool, OutOfBlocksError
@@ -62,7 +65,12 @@ class SwapStats:
     bytes read). ``num_blocks``/``used_blocks`` are full-size blocks,
     ``num_compact_blocks``/``compact_used`` compact ones; ``compact_swapped_out``:
     compact blocks parked, ``compact_swapped_in``: compact pool blocks swap-ins filled
-    (copied, or re-encoded from a parked full block)."""
+    (copied, or re-encoded from a parked full block). ``read_ahead_blocks``: parked
+    full blocks copied back ahead of their sequence's resume, beside a step's forward
+    pass (:meth:`SwapSpace.start_read_ahead`); ``read_ahead_wait_seconds``: how long
+    steps waited for such copies to end (0 when each ended within its step).
+    ``copy_out_seconds``/``copy_in_seconds``: time steps spent in swap-outs and
+    swap-ins, before their forward passes (on a GPU, the time to queue the copies)."""
 
     num_blocks: int
     used_blocks: int
@@ -74,6 +82,10 @@ class SwapStats:
     compact_used: int = 0
     compact_swapped_out: int = 0
     compact_swapped_in: int = 0
+    read_ahead_blocks: int = 0
+    read_ahead_wait_seconds: float = 0.0
+    copy_out_seconds: float = 0.0
+    copy_in_seconds: float = 0.0
 
 
 class SwapSpace:
@@ -107,6 +119,12 @@ class SwapSpace:
         self._bytes_in = 0
         self._compact_out = 0
         self._compact_in = 0
+        self._read_ahead_blocks = 0
+        self._read_ahead_wait = 0.0
+        self._copy_out_seconds = 0.0
+        self._copy_in_seconds = 0.0
+        self._copier: ThreadPoolExecutor | None = None
+        self._read_ahead: Future | None = None
 
     def _allocate(
         self, full_shape: tuple[int, ...], compact_shape: tuple[int, ...], path: str | Path | None
@@ -149,39 +167,98 @@ class SwapSpace:
     def copy_out(self, pairs: Pairs) -> None:
         """Copy pool block ``src`` into swap block ``dst`` for every ``(src, dst)`` pair,
         both of one kind."""
+        start = time.perf_counter()
         groups = _by_kind(pairs, self._pool_compact, self.is_compact)
         if groups.keys() - {_FULL, _COMPACT}:
             raise ValueError(f"a block parks in a swap block of its own kind: {pairs}")
         if _FULL in groups:
             src, dst = _split(groups[_FULL])
-            self._park_rows(self.tensor, dst, _gather(self.cache.tensor, 2, src))
+            if self._on_gpu:
+                self._park_rows(self.tensor, dst, _gather(self.cache.tensor, 2, src))
+            else:
+                _copy_blocks(_bytes_of(self.cache.tensor), 2, _bytes_of(self.tensor), 0, src, dst)
         if _COMPACT in groups:
             src, dst = _split(groups[_COMPACT])
-            tiles = _gather(self.cache.compact.tensor, 1, self._compact_ids(src))
-            self._park_rows(self.compact, self._swap_rows(dst), tiles)
+            src, dst = self._compact_ids(src), self._swap_rows(dst)
+            if self._on_gpu:
+                self._park_rows(self.compact, dst, _gather(self.cache.compact.tensor, 1, src))
+            else:
+                pool = _bytes_of(self.cache.compact.tensor)
+                _copy_blocks(pool, 1, _bytes_of(self.compact), 0, src, dst)
         self._bytes_out += self._bytes(groups)
         self._compact_out += len(groups.get(_COMPACT, []))
+        self._copy_out_seconds += time.perf_counter() - start
 
     def copy_in(self, pairs: Pairs) -> None:
         """Copy swap block ``src`` into pool block ``dst`` for every ``(src, dst)`` pair:
         compact into compact and full into full, byte for byte, or full into compact,
         re-encoded from the parked bytes. A compact block never comes back full."""
+        start = time.perf_counter()
         groups = _by_kind(pairs, self.is_compact, self._pool_compact)
         if groups.keys() - {_FULL, _COMPACT, _ENCODED}:
             raise ValueError(f"a compact swap block comes back compact: {pairs}")
         device = self.cache.tensor.device
         if _FULL in groups:
-            src, dst = _split(groups[_FULL])
-            _scatter(self.cache.tensor, 2, dst, self._load_rows(self.tensor, src, device))
+            self._copy_in_full(groups[_FULL])
         if _ENCODED in groups:
             src, dst = _split(groups[_ENCODED])
             self.cache.encode_full(self._load_rows(self.tensor, src, device).movedim(0, 2), dst)
         if _COMPACT in groups:
             src, dst = _split(groups[_COMPACT])
-            tiles = self._load_rows(self.compact, self._swap_rows(src), device)
-            _scatter(self.cache.compact.tensor, 1, self._compact_ids(dst), tiles)
+            src, dst = self._swap_rows(src), self._compact_ids(dst)
+            if self._on_gpu:
+                tiles = self._load_rows(self.compact, src, device)
+                _scatter(self.cache.compact.tensor, 1, dst, tiles)
+            else:
+                pool = _bytes_of(self.cache.compact.tensor)
+                _copy_blocks(_bytes_of(self.compact), 0, pool, 1, src, dst)
         self._bytes_in += self._bytes(groups)
         self._compact_in += len(groups.get(_COMPACT, [])) + len(groups.get(_ENCODED, []))
+        self._copy_in_seconds += time.perf_counter() - start
+
+    def _copy_in_full(self, pairs: Pairs) -> None:
+        """Full swap blocks into full pool blocks, byte for byte."""
+        src, dst = _split(pairs)
+        if self._on_gpu:
+            rows = self._load_rows(self.tensor, src, self.cache.tensor.device)
+            _scatter(self.cache.tensor, 2, dst, rows)
+        else:
+            _copy_blocks(_bytes_of(self.tensor), 0, _bytes_of(self.cache.tensor), 2, src, dst)
+
+    # -- read-ahead: parked blocks copied back beside a step -------------------------------
+
+    def start_read_ahead(self, pairs: Pairs) -> None:
+        """Start copying full swap block ``src`` into pool block ``dst`` for every pair,
+        beside the step about to run: the pool blocks are free and cached under their
+        content (:meth:`~pagedllm.kv.block_manager.BlockManager.restore_cached`), so no
+        sequence of this step reads or writes them. On the CPU the copy runs on a
+        thread of its own (byte copies that release the GIL, one core's worth); on a GPU
+        it is queued on the current stream like a swap-in. The next step's moves
+        (:meth:`finish_read_ahead`) wait for it before anything touches the pool."""
+        self.finish_read_ahead()
+        if not pairs:
+            return
+        if any(self.is_compact(src) or self._pool_compact(dst) for src, dst in pairs):
+            raise ValueError(f"only full blocks are read ahead: {pairs}")
+        self._read_ahead_blocks += len(pairs)
+        if self._on_gpu:
+            self._copy_in_full(pairs)
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="swap-read-ahead")
+        self._read_ahead = self._copier.submit(self._copy_in_full, pairs)
+
+    def finish_read_ahead(self) -> None:
+        """Wait for the read-ahead copy started last, if it is still running (its time
+        counts as ``read_ahead_wait_seconds``); raises what the copy raised."""
+        future, self._read_ahead = self._read_ahead, None
+        if future is None:
+            return
+        if not future.done():
+            start = time.perf_counter()
+            future.result()
+            self._read_ahead_wait += time.perf_counter() - start
+        future.result()
 
     def _bytes(self, groups: dict[tuple[bool, bool], Pairs]) -> int:
         """Bytes a copy moves between the tiers: each pair's parked block."""
@@ -201,14 +278,11 @@ class SwapSpace:
         return [swap_id - self.pool.compact_offset for swap_id in swap_ids]
 
     def _park_rows(self, swap: torch.Tensor, rows: list[int], blocks: torch.Tensor) -> None:
-        """Store block-major ``blocks`` (on the pool's device) in rows ``rows`` of the
-        partition ``swap``."""
-        if self._on_gpu:
-            blocks = blocks.contiguous()
-            for i, row in enumerate(rows):
-                swap[row].copy_(blocks[i], non_blocking=True)
-        else:
-            swap.index_copy_(0, torch.tensor(rows, dtype=torch.int64), blocks)
+        """Store block-major ``blocks`` (on the GPU) in rows ``rows`` of the pinned
+        partition ``swap``, asynchronously."""
+        blocks = blocks.contiguous()
+        for i, row in enumerate(rows):
+            swap[row].copy_(blocks[i], non_blocking=True)
 
     def _load_rows(self, swap: torch.Tensor, rows: list[int], device: torch.device) -> torch.Tensor:
         """Rows ``rows`` of the partition ``swap``, block-major, on ``device``."""
@@ -235,6 +309,10 @@ class SwapSpace:
             compact_used=self.pool.num_compact_used,
             compact_swapped_out=self._compact_out,
             compact_swapped_in=self._compact_in,
+            read_ahead_blocks=self._read_ahead_blocks,
+            read_ahead_wait_seconds=self._read_ahead_wait,
+            copy_out_seconds=self._copy_out_seconds,
+            copy_in_seconds=self._copy_in_seconds,
         )
 
 
@@ -252,6 +330,29 @@ def _split(pairs: Pairs) -> tuple[list[int], list[int]]:
     """``(src, dst)`` pairs as the list of sources and the list of destinations."""
     src, dst = zip(*pairs, strict=True)
     return list(src), list(dst)
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a numpy array sharing its memory (its last axis in
+    bytes)."""
+    return tensor.view(torch.uint8).numpy()
+
+
+def _copy_blocks(
+    src: np.ndarray,
+    src_axis: int,
+    dst: np.ndarray,
+    dst_axis: int,
+    src_ids: list[int],
+    dst_ids: list[int],
+) -> None:
+    """Copy block ``src_ids[i]`` of ``src`` (its block axis ``src_axis``) into block
+    ``dst_ids[i]`` of ``dst``, one block at a time: numpy's strided byte copies run on
+    the calling thread without the GIL, and need no gathered copy of the blocks."""
+    src_lead = (slice(None),) * src_axis
+    dst_lead = (slice(None),) * dst_axis
+    for src_id, dst_id in zip(src_ids, dst_ids, strict=True):
+        dst[(*dst_lead, dst_id)] = src[(*src_lead, src_id)]
 
 
 def _gather(pool: torch.Tensor, axis: int, block_ids: list[int]) -> torch.Tensor:

@@ -38,6 +38,13 @@ Meanings:
   was ready before a request used it, and over requests that asked for loads, how long
   they waited for them (means: divide by the disk hits and
   ``pagedllm:kv_tier_requests_waited``). Only with ``kv_tier_memory`` or ``kv_cache_dir``.
+- ``pagedllm:swap_read_ahead_blocks`` (label ``outcome``: ``copied``, ``used``): parked
+  blocks copied back ahead of their sequence's swap-in, and those the swap-in found
+  in place; ``pagedllm:swap_read_ahead_resumes``: swap-ins that had blocks read ahead;
+  ``pagedllm:swap_read_ahead_lead_seconds``: summed over them, from the first
+  read-ahead to the swap-in; ``pagedllm:swap_read_ahead_wait_seconds``: steps' waits
+  for a read-ahead copy still running (0 when each ended within its step). Only with
+  swap preemption and ``swap_read_ahead``.
 - ``pagedllm:num_requests_failed``: requests the engine failed alone (an error inside
   the step for that request); ``pagedllm:engine_step_failures``: steps that raised for
   no single request and so failed every request in flight. Both stay 0 in health.
@@ -48,9 +55,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.scheduler import ReadAheadStats
 from pagedllm.engine.stats import EngineStats
 from pagedllm.kv.block_lifetimes import BlockLifetimes
 from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv_storage.swap_space import SwapStats
 from pagedllm.kv_tiers.tiered_cache import TierStats
 
 LATENCY_BUCKETS = (
@@ -191,6 +200,7 @@ class ServerMetrics:
         self._last_allocation_seconds = 0.0
         self._last_token_time: dict[str, float | None] = {}
         self._tiers: _TierCollectors | None = None
+        self._read_ahead: _ReadAheadCollectors | None = None
 
     def _tier_collectors(self) -> _TierCollectors:
         if self._tiers is None:
@@ -232,6 +242,10 @@ class ServerMetrics:
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
         if stats.tiers is not None:
             self._tier_collectors().record(stats.tiers)
+        if stats.read_ahead is not None and stats.swap is not None:
+            if self._read_ahead is None:
+                self._read_ahead = _ReadAheadCollectors(self.registry, self._model_name)
+            self._read_ahead.record(stats.read_ahead, stats.swap)
         spec = stats.spec_decode
         if spec is not None:
             self._advance(self.spec_drafts, "spec_drafts", spec.num_drafts)
@@ -363,3 +377,46 @@ class _TierCollectors:
     def _inc(self, counter: Counter, key: str, total: float) -> None:
         counter.inc(max(0.0, total - self._last.get(key, 0)))
         self._last[key] = total
+
+
+class _ReadAheadCollectors:
+    """The swap read-ahead's counters (made on the first step that reads ahead)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        blocks = Counter(
+            "pagedllm:swap_read_ahead_blocks",
+            "Parked blocks copied back ahead of their swap-in, and those it used.",
+            ["model_name", "outcome"],
+            registry=registry,
+        )
+        self._counters = {
+            "copied": blocks.labels(model_name, "copied"),
+            "used": blocks.labels(model_name, "used"),
+            "resumes": counter(
+                "pagedllm:swap_read_ahead_resumes", "Swap-ins that had blocks read ahead."
+            ),
+            "lead": counter(
+                "pagedllm:swap_read_ahead_lead_seconds",
+                "Seconds from a sequence's first read-ahead to its swap-in (summed).",
+            ),
+            "wait": counter(
+                "pagedllm:swap_read_ahead_wait_seconds",
+                "Seconds steps waited for a read-ahead copy to end (summed).",
+            ),
+        }
+        self._last: dict[str, float] = {}
+
+    def record(self, read_ahead: ReadAheadStats, swap: SwapStats) -> None:
+        totals = {
+            "copied": read_ahead.blocks,
+            "used": read_ahead.used_blocks,
+            "resumes": read_ahead.resumes,
+            "lead": read_ahead.lead_seconds,
+            "wait": swap.read_ahead_wait_seconds,
+        }
+        for key, total in totals.items():
+            self._counters[key].inc(max(0.0, total - self._last.get(key, 0)))
+            self._last[key] = total
