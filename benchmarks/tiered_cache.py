@@ -1,13 +1,17 @@
 """The prefix cache's lower tiers on a multi-turn chat workload (JSON lines).
 
 ``--conversations`` chats of ``--turns`` turns each: every turn sends the whole history
-(earlier questions, the model's own greedy answers) plus a new question of about
-``--question-tokens`` tokens of Pride and Prejudice, and asks for ``--answer-tokens``
-tokens. Turns go round the conversations (turn 1 of every chat, then turn 2, ...),
-``--concurrency`` requests in flight at a time (``--max-num-seqs`` of them running, the
-others queued), so by the time a chat comes back its blocks have had every other chat's
-traffic behind them. The pool holds
-``1 / --working-set`` of the last round's contexts (4: a working set 4x the pool).
+as a chat client does (the chat template over the earlier questions and the model's own
+greedy answers, as text) plus a new question of about ``--question-tokens`` tokens of
+Pride and Prejudice, and lets the model answer until its end-of-turn token or
+``--answer-tokens`` tokens. The defaults, 70 and 215, are LMSYS-Chat-1M's mean user
+turn and response (69.5 and 214.5 tokens); ``--question-tokens 260 --answer-tokens 48``
+is a passage-heavy shape. Turns go round the conversations (turn 1 of every chat, then
+turn 2, ...), ``--concurrency`` requests in flight at a time (``--max-num-seqs`` of them
+running, the others queued), so by the time a chat comes back its blocks have had every
+other chat's traffic behind them. A first pass in a roomy pool measures the chats'
+final contexts; the pool then holds ``1 / --working-set`` of them (4: a working set 4x
+the pool).
 
 Configurations, each in a fresh engine over one loaded model, rotated each of
 ``--runs`` rounds:
@@ -73,8 +77,11 @@ def run_chats(engine: LLMEngine, args: argparse.Namespace, asks: list[str]) -> d
     tok = engine.tokenizer
     histories: list[list[dict]] = [[] for _ in range(args.conversations)]
     order = [(t, c) for t in range(args.turns) for c in range(args.conversations)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)
+    # answers end at the end-of-turn token, as in a chat: past it (ignore_eos) the text
+    # sent back would no longer be the tokens the model wrote, and no cache could match it
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens)
     ttfts, outputs, prompts = [], 0, 0
+    contexts = [0] * args.conversations
     in_flight: dict[str, int] = {}
     start = time.perf_counter()
     while order or in_flight:
@@ -93,6 +100,7 @@ def run_chats(engine: LLMEngine, args: argparse.Namespace, asks: list[str]) -> d
             if out.finished:
                 chat = in_flight.pop(out.request_id)
                 histories[chat].append({"role": "assistant", "content": out.outputs[0].text})
+                contexts[chat] = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
                 ttfts.append(out.metrics.time_to_first_token)
                 outputs += len(out.outputs[0].token_ids)
     seconds = time.perf_counter() - start
@@ -103,6 +111,7 @@ def run_chats(engine: LLMEngine, args: argparse.Namespace, asks: list[str]) -> d
         "ttft_p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
         "output_tokens_per_s": outputs / seconds,
         "prompt_tokens": prompts,
+        "final_context_tokens": sum(contexts),
     }
 
 
@@ -134,14 +143,16 @@ def chat_rounds(args: argparse.Namespace) -> None:
     per_token = (
         bytes_per_block(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, loaded.model.dtype) / 16
     )
-    last_context = args.turns * (args.question_tokens + args.answer_tokens + 20)
-    pool = int(args.conversations * last_context * per_token / args.working_set)
     asks = {}
     for turn in range(args.turns):
         texts = questions(tok, args.conversations, args.question_tokens)
         for chat, text in enumerate(texts[turn:] + texts[:turn]):
             asks[turn * 1000 + chat] = f"(turn {turn + 1}) {text}"
-    emit(**machine_record(), pool_bytes=pool, working_set=args.working_set)
+    roomy = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    working_set = run_chats(LLMEngine(roomy, loaded=loaded), args, asks)["final_context_tokens"]
+    pool = int(working_set * per_token / args.working_set)
+    emit(**machine_record(), pool_bytes=pool, working_set=args.working_set,
+         working_set_tokens=working_set)  # fmt: skip
     configs = args.configs.split(",")
     results: dict[str, list[dict]] = {c: [] for c in configs}
     for r in range(args.runs):
@@ -225,8 +236,8 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--question-tokens", type=int, default=260)
-    parser.add_argument("--answer-tokens", type=int, default=48)
+    parser.add_argument("--question-tokens", type=int, default=70)
+    parser.add_argument("--answer-tokens", type=int, default=215)
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--max-num-seqs", type=int, default=4, help="the rest wait queued")
     parser.add_argument("--working-set", type=float, default=4.0)

@@ -77,3 +77,32 @@ def test_cuda_pool_sized_from_memory_profile(tiny_folder):
     free, total = torch.cuda.mem_get_info()
     assert 0 < engine.kv_budget <= 0.5 * total
     assert engine.kv_cache.nbytes <= engine.kv_budget
+
+
+def test_cuda_host_tier_is_pinned_and_keeps_tokens(tiny_folder):
+    from test_engine_tiers import conversations, two_rounds
+    from tiny_checkpoints import tiny_engine
+
+    loaded = load_model(str(tiny_folder), device="cuda")
+    roomy = two_rounds(tiny_engine(loaded, 1024), conversations())
+    engine = tiny_engine(loaded, 40, kv_tier_memory=1 << 20)
+    assert two_rounds(engine, conversations()) == roomy
+    assert engine.tiers.host.tensor.is_pinned()
+    stats = engine.get_stats()
+    assert stats.tiers.spilled_blocks > 0 and stats.tiers.host_hits > 0
+
+
+def test_cuda_swap_read_ahead_keeps_tokens(tiny_folder):
+    from test_engine_swap import make_llm, token_ids, workload
+
+    loaded = load_model(str(tiny_folder), device="cuda")
+    prompts, params = workload()
+    roomy = make_llm(loaded, 2048, max_num_batched_tokens=2048)
+    expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
+    tight = make_llm(
+        loaded, 32, preemption_mode="swap", swap_blocks=64, max_num_batched_tokens=24,
+        max_num_seqs=24,
+    )  # fmt: skip
+    assert token_ids(tight.generate(prompts, params, use_tqdm=False)) == expected
+    stats = tight.llm_engine.get_stats()
+    assert stats.read_ahead.used_blocks > 0 and stats.num_blocks_used == 0

@@ -188,8 +188,8 @@ class Scheduler:
         read_ahead: bool = False,
     ) -> None:
         self.block_manager = block_manager
-        # swapped sequence id -> (when its read-ahead began, the blocks restored for it)
         self.read_ahead = read_ahead and swap_space is not None and block_manager.restores_cached
+        # swapped sequence id -> (when its read-ahead began, the blocks restored for it)
         self._read_ahead: dict[int, tuple[float, set[int]]] = {}
         self.read_ahead_stats = ReadAheadStats()
         self.cache_key = cache_key
@@ -439,7 +439,7 @@ class Scheduler:
         manager = self.block_manager
         size = manager.block_size
         pending = sum(seq.num_uncomputed_tokens for seq in self.running)
-        pending -= out.num_batched_tokens  # this plan's tokens have their blocks
+        pending = max(0, pending - out.num_batched_tokens)  # this plan's have their blocks
         headroom = len(self.running) + cdiv(min(pending, self.max_num_batched_tokens), size)
         room = manager.pool.num_available() - headroom
         now = time.perf_counter()
