@@ -254,11 +254,12 @@ class SwapSpace:
         future, self._read_ahead = self._read_ahead, None
         if future is None:
             return
-        if not future.done():
-            start = time.perf_counter()
+        running, start = not future.done(), time.perf_counter()
+        try:
             future.result()
-            self._read_ahead_wait += time.perf_counter() - start
-        future.result()
+        finally:
+            if running:
+                self._read_ahead_wait += time.perf_counter() - start
 
     def _bytes(self, groups: dict[tuple[bool, bool], Pairs]) -> int:
         """Bytes a copy moves between the tiers: each pair's parked block."""
