@@ -17,10 +17,20 @@ pytestmark = pytest.mark.skipif(
     not avx512_kernels_available(), reason="packed_linear needs AVX-512"
 )
 
-SHAPES = [(1, 576, 960), (3, 576, 49152), (8, 1536, 576), (13, 600, 100), (300, 33, 5), (0, 16, 48)]
-"""(rows, in, out): one row, the LM head, a whole 8-row tile, ragged K (not a multiple
-of the 256-value chunks) and N (not a multiple of the panel width), rows across many
-tiles, and an empty batch."""
+SHAPES = [
+    (1, 576, 960),
+    (3, 576, 49152),
+    (8, 1536, 576),
+    (9, 1536, 576),
+    (13, 600, 100),
+    (17, 600, 100),
+    (300, 33, 5),
+    (0, 16, 48),
+]
+"""(rows, in, out): one row, the LM head, a whole 8-row tile, one 9-row tile (a
+speculative verification of 8 guesses), ragged K (not a multiple of the 256-value
+chunks) and N (not a multiple of the panel width) with a ragged tile and with a tile
+and a 9-row one, rows across many tiles, and an empty batch."""
 
 
 def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
@@ -70,6 +80,8 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
         alone = linear(x[row : row + 1], w)
         assert torch.equal(alone[0], together[row])
     assert torch.equal(linear(x[3:16], w), together[3:16])
+    assert torch.equal(linear(x[:9], w), together[:9])  # one 9-row tile
+    assert torch.equal(linear(x[5:22], w), together[5:22])  # a tile, then a 9-row one
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,20 +114,21 @@ def test_every_panel_is_computed_once_whatever_the_thread_count(dtype, rows, pan
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_long_row_is_summed_whole_across_blocks_of_k(dtype):
+@pytest.mark.parametrize("rows", [21, 17, 9])
+def test_a_long_row_is_summed_whole_across_blocks_of_k(dtype, rows):
     """K = 6,001: a panel too large for L2 is taken in blocks of K, and each output's sum
     carries over from block to block. Small integers keep every partial sum exact, so
     the result must be the exact sum, rounded once to the dtype: a block that restarted
     its sums, or rounded them to bfloat16 on the way, would show."""
     generator = torch.Generator().manual_seed(1)
-    x = torch.randint(-3, 4, (21, 6001), generator=generator).to(dtype)
+    x = torch.randint(-3, 4, (rows, 6001), generator=generator).to(dtype)
     w = torch.randint(-3, 4, (100, 6001), generator=generator).to(dtype)
     bias = torch.randint(-3, 4, (100,), generator=generator).to(dtype)
     exact = x.double() @ w.double().T + bias.double()
     packed = PackedWeight.pack(w)
     y = linear(x, packed, bias)
     assert torch.equal(y, exact.to(dtype))
-    assert torch.equal(linear(x[20:], packed, bias)[0], y[20])
+    assert torch.equal(linear(x[rows - 1 :], packed, bias)[0], y[rows - 1])
 
 
 def test_rejects_panels_that_do_not_match():

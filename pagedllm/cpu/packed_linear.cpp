@@ -207,7 +207,10 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
                 const typename F::T* next_panel) {
   const T* x = static_cast<const T*>(p.x);
   auto* y = static_cast<typename F::Y*>(p.y);
-  const int64_t tiles = ceil_div(p.M, kRowsPerTile);
+  // One row past whole tiles joins the last tile (9 rows, 27 sums: still in registers)
+  // rather than taking a second pass over the panel of its own.
+  const bool widened = p.M > kRowsPerTile && p.M % kRowsPerTile == 1;
+  const int64_t tiles = ceil_div(p.M, kRowsPerTile) - widened;
   const int64_t steps = ceil_div(p.K, F::kStep);
   // Blocks of whole float32 chunks, so that no chunk of the sums moves.
   constexpr int64_t kBlockSteps =
@@ -217,7 +220,7 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
   if constexpr (F::kRoundedOnce) {
     thread_local std::vector<float> scratch;
     if (block_steps < steps) {
-      scratch.resize(tiles * kRowsPerTile * pagedllm::kPanelWidth);
+      scratch.resize(p.M * pagedllm::kPanelWidth);
       partials = scratch.data();
     }
   }
@@ -238,8 +241,10 @@ void panel_rows(const pagedllm::PackedLinearProblem& p, const T* panel, int64_t 
                           share(m / kRowsPerTile), partial);
     };
     int64_t m = 0;
-    for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) rows.template operator()<kRowsPerTile>(m);
+    const int64_t whole = p.M - (widened ? kRowsPerTile + 1 : p.M % kRowsPerTile);
+    for (; m < whole; m += kRowsPerTile) rows.template operator()<kRowsPerTile>(m);
     switch (p.M - m) {
+      case kRowsPerTile + 1: rows.template operator()<kRowsPerTile + 1>(m); break;
       case 7: rows.template operator()<7>(m); break;
       case 6: rows.template operator()<6>(m); break;
       case 5: rows.template operator()<5>(m); break;
