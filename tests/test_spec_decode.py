@@ -4,6 +4,7 @@ the draft-length rule, and rejection sampling checked statistically."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -123,7 +124,7 @@ def test_a_draft_models_passes_count_against_its_guesses():
         return drafted
 
     cheap = policy()
-    assert cheap.most_worth_guessing(1, 1) == (1, True)  # no draft pass seen yet
+    assert cheap.most_worth_guessing(1, 1) == (4, True)  # no draft pass seen yet: measure
     for rows in (1, 2, 1, 30):
         cheap.observe_draft_pass(rows, 0.001 + 0.0001 * rows)
     assert cheap.most_worth_guessing(1, 1) == (4, False)
@@ -169,7 +170,8 @@ def test_a_draft_remeasures_less_often_where_its_catch_up_is_long():
     """Guessing does not pay (tokens cost their share of a step, 40% acceptance). A draft
     measuring with a sequence it must first catch up by 1,000 rows (0.2 s, against 0.04 s
     steps) re-measures after about 500 steps, so that its passes take 1% of the time;
-    with one row to catch up, after 64 as before."""
+    with one row to catch up, after 64 as before. The rows the sequence falls behind
+    while it waits do not move the measurement further off."""
     policy = DraftLengthPolicy(4, pays_per_guess=True)
     feed(policy, 0.002, 0.0006, [64, 80, 64, 80, 64])
     for rows in (1, 1000, 1, 1000):
@@ -181,12 +183,31 @@ def test_a_draft_remeasures_less_often_where_its_catch_up_is_long():
 
     def steps_until_measuring(rows: int) -> int:
         for step in range(1, 1000):
-            if policy.most_worth_guessing(64, 64, 64, rows) == (1, True):
+            if policy.most_worth_guessing(64, 64, 64, rows + step) == (4, True):
                 return step
         return 0
 
     assert steps_until_measuring(1000) == interval
     assert steps_until_measuring(1) == 64
+
+
+def test_a_draft_whose_rows_cost_more_than_the_share_still_remeasures():
+    """One sequence on a CPU: a draft row of catch-up costs 2% of a step, more than
+    ``EXPLORE_SHARE``, and unlucky first trials turned guessing off. The sequence falls one
+    row further behind with each step it waits; were those rows counted, the catch-up
+    would always cost more than 1% of the wait and guessing would stay off for good.
+    Left out, the draft measures again after its guesses' share, in full: 8 tokens."""
+    policy = DraftLengthPolicy(8, pays_per_guess=True)
+    feed(policy, 0.014, 0.001, [1, 9, 1, 9, 1])
+    for rows in (1, 300, 1, 300):
+        policy.observe_draft_pass(rows, 0.004 + 0.0003 * rows)
+    for _ in range(3):
+        policy.observe_acceptance(1, 0)
+    asked = [policy.most_worth_guessing(1, 1, 1 + step, 1 + step) for step in range(1, 1000)]
+    first = asked.index((8, True))
+    assert set(asked[:first]) == {(0, False)}
+    # 8 passes of 4.3 ms against 1% of a 15 ms step
+    assert first + 1 == math.ceil(8 * 0.0043 / (0.01 * 0.015))
 
 
 def test_policy_measures_with_one_token_before_it_can_fit_a_cost():

@@ -29,9 +29,10 @@ guesses for the rest of its output. A draft model measures with one sequence
 any proposal is made it asks whether even full proposals could pay, and proposes
 nothing when not. Until the fit has seen consecutive steps of different sizes, and once
 every ``EXPLORE_EVERY`` steps without guesses (a draft model: at most ``EXPLORE_SHARE`` of the
-time in its measuring passes), it guesses one token for some sequences
-(one in ``MEASURING_SHARE``), every other step while the fit has no slope, so the
-acceptance keeps being measured and the slope follows the load, at little cost.
+time in its measuring passes), it measures, every other step while the fit has no slope,
+so the acceptance keeps being measured and the slope follows the load, at little cost: a
+host proposer guesses one token for one sequence in ``MEASURING_SHARE``; a draft model
+guesses in full for one sequence (:attr:`DraftLengthPolicy.measuring_length`).
 
 Where a draft model guesses, it is asked for full-length guesses and stops each
 sequence between its passes by :meth:`DraftLengthPolicy.keep_guessing`: another guess
@@ -49,12 +50,16 @@ MIN_GAIN = 1.05
 """A guess length must promise at least this much more throughput than none."""
 
 EXPLORE_EVERY = 64
-"""After this many steps without guesses, one step guesses fully to re-measure."""
+"""After this many steps without guesses, one step guesses to re-measure."""
 
 EXPLORE_SHARE = 0.01
-"""A draft model re-measures less often than ``EXPLORE_EVERY`` where its measuring pass
-(the measuring sequence's catch-up: at high load, its whole history) would cost more
-than this share of the steps in between."""
+"""A draft model re-measures less often than ``EXPLORE_EVERY`` where its measuring passes
+(the measuring sequence's catch-up, at high load its whole history, and its guesses)
+would cost more than this share of the steps in between. The rows the draft falls behind
+while it waits are left out: catching up on them costs the same share of those steps
+whenever it happens, so no wait makes it cheaper (counted, they would put the next
+measurement forever out of reach wherever a draft row costs more than this share of a
+step, as with one sequence on a CPU)."""
 
 DECAY = 0.98
 """Weight kept by past observations at each new one (about 50 observations' memory)."""
@@ -210,14 +215,14 @@ class DraftLengthPolicy:
         pay when all of them would not: the rate moves monotonically between none and
         all); (1, True) every other step until the cost fit has seen two step sizes, and
         once every :meth:`explore_interval` steps without guesses: a one-token guess for
-        :meth:`measuring_sequences` sequences measures acceptance and widens the fit at
-        little cost. ``catch_up_rows``: a draft model's first pass for all of them;
+        :meth:`measuring_sequences` sequences (:attr:`measuring_length` tokens each)
+        measures acceptance and widens the fit at little cost. ``catch_up_rows``: a draft model's first pass for all of them;
         ``measuring_rows``: its first pass for the sequence that would measure."""
         if num_emitting == 0:
             return 0, False
         if self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None:
             self._unfitted_steps += 1
-            return (1, True) if self._unfitted_steps % 2 else (0, False)
+            return (self.measuring_length, True) if self._unfitted_steps % 2 else (0, False)
         full = [self.max_tokens] * num_emitting
         best = self._best(full, num_batched_tokens, num_emitting, catch_up_rows)
         if best > 0:
@@ -226,7 +231,7 @@ class DraftLengthPolicy:
         self._steps_without += 1
         if self._steps_without >= self.explore_interval(num_batched_tokens, measuring_rows):
             self._steps_without = 0
-            return 1, True
+            return self.measuring_length, True
         return 0, False
 
     def keep_guessing(
@@ -268,13 +273,24 @@ class DraftLengthPolicy:
 
     def explore_interval(self, num_batched_tokens: int, measuring_rows: int = 1) -> int:
         """Steps without guesses before a measuring step: ``EXPLORE_EVERY``, or for a draft
-        model whose measuring pass runs ``measuring_rows`` rows, enough steps of
-        ``num_batched_tokens`` tokens that the pass costs ``EXPLORE_SHARE`` of them."""
-        pass_seconds = self.guessing_cost(1, 1, measuring_rows)
+        model whose measuring sequence must first catch up ``measuring_rows`` rows,
+        enough steps of ``num_batched_tokens`` tokens that its measuring passes cost
+        ``EXPLORE_SHARE`` of them, the rows it fell behind while waiting left out."""
+        rows_before_wait = max(1, measuring_rows - self._steps_without)
+        pass_seconds = self.guessing_cost(self.measuring_length, 1, rows_before_wait)
         step_seconds = self.step_cost(num_batched_tokens)
         if not pass_seconds or not step_seconds:
             return EXPLORE_EVERY
         return max(EXPLORE_EVERY, math.ceil(pass_seconds / (EXPLORE_SHARE * step_seconds)))
+
+    @property
+    def measuring_length(self) -> int:
+        """Tokens each measuring sequence guesses. One for a host proposer: a cheap trial
+        for a share of the batch. All ``max_tokens`` for a draft model, whose one
+        measuring sequence must be caught up first: a one-token guess measures a single
+        trial, and one unlucky first trial could leave the acceptance near its prior,
+        and guessing off, until the next measurement hundreds of steps later."""
+        return self.max_tokens if self.pays_per_guess else 1
 
     def measuring_sequences(self, num_emitting: int) -> int:
         """How many sequences guess in a measuring step: one in ``MEASURING_SHARE``, one
