@@ -213,11 +213,12 @@ class DraftLengthPolicy:
         step (run whatever was proposed). 0 when even a full proposal for every one of
         the ``num_emitting`` decoding sequences would not pay (fewer proposals cannot
         pay when all of them would not: the rate moves monotonically between none and
-        all); (1, True) every other step until the cost fit has seen two step sizes, and
-        once every :meth:`explore_interval` steps without guesses: a one-token guess for
-        :meth:`measuring_sequences` sequences (:attr:`measuring_length` tokens each)
-        measures acceptance and widens the fit at little cost. ``catch_up_rows``: a draft model's first pass for all of them;
-        ``measuring_rows``: its first pass for the sequence that would measure."""
+        all); (:attr:`measuring_length`, True) every other step until the cost fit has
+        seen two step sizes, and once every :meth:`explore_interval` steps without
+        guesses: a guess of that many tokens for :meth:`measuring_sequences` sequences
+        measures acceptance and widens the fit at little cost. ``catch_up_rows``: a draft
+        model's first pass for all of them; ``measuring_rows``: its first pass for the
+        sequence that would measure."""
         if num_emitting == 0:
             return 0, False
         if self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None:
