@@ -15,7 +15,9 @@ the keys each scheme's greedy answer names (the same keys for every scheme).
 
 Schemes: ``bfloat16``; ``int8`` (the cache's per-token format); ``int4-kG`` (keys per
 channel in groups of G tokens, values per token); ``int4-kG-rot`` (the same after a
-Hadamard rotation of keys and queries); ``int4-tok-rot`` (keys per token too, rotated).
+Hadamard rotation of keys and queries); ``int4-tok-rot`` (keys per token too, rotated);
+a ``-vrot`` suffix rotates the values too before their per-token codes (the attention
+output rotated back).
 
     python benchmarks/kv_int4_study.py [--max-len 8192] [--windows 0,128,512]
     python benchmarks/kv_int4_study.py --measure passkey [--passkey-lengths 1024,8192]
@@ -52,7 +54,9 @@ class Scheme:
         self.name = name
         self.by_age = name.startswith("int4")
         self.kv_dtype = "auto" if self.by_age or name == "float32" else name
-        self.rotate = name.endswith("-rot")
+        parts = name.split("-")
+        self.rotate = "rot" in parts
+        self.rotate_values = "vrot" in parts
         self.group = int(name.split("-")[1][1:]) if name.startswith("int4-k") else BLOCK_SIZE
 
     def compact_keys(self, k: torch.Tensor) -> torch.Tensor:
@@ -92,14 +96,20 @@ def nll_with(loaded, token_ids: list[int], scheme: Scheme, window: int, chunk: i
 
 
 def passkey_found(loaded, scheme: Scheme, window: int, chunk: int, num_tokens: int, depth: float,
-                  key: int) -> bool:  # fmt: skip
-    """Whether the greedy answer after a pass-key prompt names the key."""
+                  key: int) -> tuple[bool, float]:  # fmt: skip
+    """Whether the greedy answer after a pass-key prompt names the key, and the key's
+    NLL (nats, summed over its tokens) after the prompt: how near a miss is."""
     prompt = passkey_prompt(loaded.tokenizer, num_tokens, depth, key)
     cache = text_cache(loaded, len(prompt) + ANSWER_TOKENS, BLOCK_SIZE, scheme.kv_dtype)
     hook = by_age(cache, loaded.config, scheme, window)
     table = torch.arange(cache.num_blocks)
     answer = greedy_continuation(loaded, prompt, cache, table, chunk, ANSWER_TOKENS, hook)
-    return str(key) in loaded.tokenizer.decode(answer)
+    answered = loaded.tokenizer.encode(f" {key}")
+    cache = text_cache(loaded, len(prompt) + len(answered), BLOCK_SIZE, scheme.kv_dtype)
+    hook = by_age(cache, loaded.config, scheme, window)
+    table = torch.arange(cache.num_blocks)
+    nll = chunked_nll(loaded, [*prompt, *answered], cache, table, chunk, hook)
+    return str(key) in loaded.tokenizer.decode(answer), nll[-len(answered) :].sum().item()
 
 
 def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
@@ -112,7 +122,11 @@ def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
         kg = k[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
         kg = scheme.compact_keys(kg)
         k[blocks] = kg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
-        v[blocks] = round_trip_values(v[blocks])
+        if scheme.rotate_values:
+            h = hadamard(mc.head_dim)
+            v[blocks] = round_trip_values(v[blocks] @ h) @ h.T
+        else:
+            v[blocks] = round_trip_values(v[blocks])
 
 
 def main() -> None:
@@ -185,13 +199,14 @@ def passkey_records(args, loaded, runs) -> None:
             "measure": "passkey",
             "scheme": scheme.name,
             "window": window if scheme.by_age else None,
-            "found": sum(found.values()),
+            "found": sum(ok for ok, _ in found.values()),
             "trials": len(found),
             "seconds": round(time.perf_counter() - start, 1),
         }
         for n in lengths:
-            record[f"found_{n}"] = sum(found[n, d] for d in depths)
-        record["missed"] = [f"{n}@{d}" for (n, d), ok in found.items() if not ok]
+            record[f"found_{n}"] = sum(found[n, d][0] for d in depths)
+        record["missed"] = [f"{n}@{d}" for (n, d), (ok, _) in found.items() if not ok]
+        record["key_nll"] = {f"{n}@{d}": round(nll, 3) for (n, d), (_, nll) in found.items()}
         print(json.dumps(record), flush=True)
 
 
