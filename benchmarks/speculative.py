@@ -14,11 +14,13 @@ one sequence decoding at a time) and ``all`` (every request at once, 64 by defau
 For every (workload, load) the methods (``off``, then each of ``--methods``) run in
 fresh engines over one loaded model, in an order rotated each of ``--runs`` rounds. At
 load ``one`` each round builds every method's engine first and then alternates them
-request by request (each request runs under every method before the next one starts),
-so a machine whose speed drifts within a run slows every method alike. The model is
-loaded once, as a speculative engine loads it: GGUF blocks without the expanded copies
-that plain decoding keeps by default for calls of many rows (``weight_expansion_memory``;
-they are not batch invariant), so ``off`` runs the same products as the methods.
+request by request (each request runs under every method before the next one starts);
+at load ``all`` every method's engine holds all requests and the engines take one step
+in turn. Either way a machine whose speed drifts within a run slows every method alike.
+The model is loaded once, as a speculative engine loads it: GGUF blocks without the
+expanded copies that plain decoding keeps by default for calls of many rows
+(``weight_expansion_memory``; they are not batch invariant), so ``off`` runs the same
+products as the methods.
 
 Per (workload, load, method) one line: median ``output_tokens_per_s``, ``ratio`` (median
 of the per-round ratios to ``off`` of the same round), ``acceptance_rate``,
@@ -187,13 +189,34 @@ def measure(loaded, args, methods, prompts, params, one_at_a_time) -> dict[str, 
                     results[method]["tokens"].update(tokens)
             for method in order:
                 rows[method].append(finished_run(results[method], engines[method]))
-        else:  # one engine at a time, every request at once
+        else:  # every request at once in every method's engine, alternating step by step
+            engines = {m: engine_for(m, args, loaded) for m in order}
+            results = run_alternating(engines, prompts, params)
             for method in order:
-                engine = engine_for(method, args, loaded)
-                seconds, tokens = run(engine, prompts, params, range(len(prompts)))
-                result = {"seconds": seconds, "tokens": tokens}
-                rows[method].append(finished_run(result, engine))
+                rows[method].append(finished_run(results[method], engines[method]))
     return rows
+
+
+def run_alternating(engines: dict[str, LLMEngine], prompts, params) -> dict[str, dict]:
+    """Every request at once in each engine, the engines taking one step in turn until
+    all are done; per engine the seconds its own calls took and its outputs by request."""
+    results = {m: {"seconds": 0.0, "tokens": {}} for m in engines}
+    for method, engine in engines.items():
+        start = time.perf_counter()
+        for i in range(len(prompts)):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        results[method]["seconds"] += time.perf_counter() - start
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for method, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            outputs = engine.step()
+            results[method]["seconds"] += time.perf_counter() - start
+            for out in outputs:
+                if out.finished:
+                    results[method]["tokens"][out.request_id] = out.outputs[0].token_ids
+    return results
 
 
 def finished_run(result: dict, engine: LLMEngine) -> dict:

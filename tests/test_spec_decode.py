@@ -218,6 +218,16 @@ def test_policy_measures_with_one_token_before_it_can_fit_a_cost():
     assert policy.most_worth_guessing(0, 0) == (0, False)
 
 
+def test_policy_does_not_measure_in_steps_its_cost_line_cannot_time():
+    policy = DraftLengthPolicy(3, pays_per_guess=True)
+    # prefill comes next: no measuring passes, and the alternation does not advance
+    assert [policy.most_worth_guessing(2, 2, timed=False) for _ in range(3)] == [(0, False)] * 3
+    assert policy.most_worth_guessing(2, 2) == (3, True)
+    assert policy.most_worth_guessing(2, 2) == (0, False)
+    assert policy.most_worth_guessing(2, 2, timed=False) == (0, False)
+    assert policy.most_worth_guessing(2, 2) == (3, True)
+
+
 def test_acceptance_is_the_geometric_estimate():
     policy = DraftLengthPolicy(4)
     for _ in range(200):

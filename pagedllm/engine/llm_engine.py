@@ -349,6 +349,7 @@ class LLMEngine:
             self.scheduler.running,
             lambda seq: self._requests[seq.request_id].sequences[seq.index].max_tokens,
             self.config.max_num_batched_tokens,
+            prompts_waiting=bool(self.scheduler.waiting),
         )
 
     def _record_prompt_logprobs(

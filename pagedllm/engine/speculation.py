@@ -163,25 +163,30 @@ class Speculator:
         running: Sequence[TokenSequence],
         max_tokens_of: Callable[[TokenSequence], int],
         token_budget: int,
+        prompts_waiting: bool = False,
     ) -> None:
         """Offer guesses for the next step to the decoding sequences among ``running``
         (each within ``max_tokens_of(seq)`` output tokens; ``token_budget``: the step's
-        ``max_num_batched_tokens``)."""
+        ``max_num_batched_tokens``; ``prompts_waiting``: requests wait to start, so the
+        next step may run prefill)."""
         candidates, num_batched_tokens = [], 0
         for seq in running:
             num_batched_tokens += seq.num_uncomputed_tokens
             if seq.num_uncomputed_tokens == 1:
                 candidates.append((seq, max_tokens_of(seq) - seq.num_output_tokens - 1))
-        self.propose(candidates, min(num_batched_tokens, token_budget))
+        prefill = prompts_waiting or any(seq.num_uncomputed_tokens > 1 for seq in running)
+        self.propose(candidates, min(num_batched_tokens, token_budget), timed=not prefill)
 
     def propose(
         self,
         candidates: Sequence[tuple[TokenSequence, int]],
         num_batched_tokens: int,
+        timed: bool = True,
     ) -> None:
         """Offer guesses to ``candidates``: (decoding sequence, most guesses its limits
         allow). ``num_batched_tokens``: the next step's tokens without guesses, as far
-        as known."""
+        as known; ``timed``: whether that step's time feeds the cost line (no prefill
+        in it, as far as known)."""
         most, measuring = self.config.num_speculative_tokens, True
         pays = self.proposer.pays_per_guess
         catch_up, least = None, 1
@@ -194,7 +199,7 @@ class Speculator:
             least = max(1, min(rows))  # a measuring step drafts for that sequence
         if self.config.adaptive_draft_length:
             most, measuring = self.policy.most_worth_guessing(
-                len(candidates), num_batched_tokens, catch_up, least
+                len(candidates), num_batched_tokens, catch_up, least, timed
             )
         self.draft_probs.clear()  # guesses live one step
         wanted = None

@@ -207,6 +207,7 @@ class DraftLengthPolicy:
         num_batched_tokens: int,
         catch_up_rows: int | None = None,
         measuring_rows: int = 1,
+        timed: bool = True,
     ) -> tuple[int, bool]:
         """Asked before any proposal is made (proposing costs host time too): the most
         tokens a sequence may usefully guess next step, and whether that is a measuring
@@ -218,10 +219,15 @@ class DraftLengthPolicy:
         guesses: a guess of that many tokens for :meth:`measuring_sequences` sequences
         measures acceptance and widens the fit at little cost. ``catch_up_rows``: a draft
         model's first pass for all of them; ``measuring_rows``: its first pass for the
-        sequence that would measure."""
+        sequence that would measure; ``timed``: whether the next step feeds the cost line
+        (it runs no prefill). While the costs are unfitted only such steps measure: a
+        measuring step whose time the line never sees cannot fit it, and a draft model's
+        measuring passes are spent for the acceptance alone."""
         if num_emitting == 0:
             return 0, False
         if self.step_cost(num_batched_tokens) is None or self.guessing_cost(1, 1) is None:
+            if not timed:
+                return 0, False
             self._unfitted_steps += 1
             return (self.measuring_length, True) if self._unfitted_steps % 2 else (0, False)
         full = [self.max_tokens] * num_emitting
