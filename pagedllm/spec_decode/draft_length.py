@@ -29,7 +29,8 @@ guesses for the rest of its output. A draft model measures with one sequence
 any proposal is made it asks whether even full proposals could pay, and proposes
 nothing when not. Until the fit has seen consecutive steps of different sizes, and once
 every ``EXPLORE_EVERY`` steps without guesses (a draft model: at most ``EXPLORE_SHARE`` of the
-time in its measuring passes), it measures, every other step while the fit has no slope,
+time in its measuring passes), it measures, every other step without prefill while the
+fit has no slope (a step with prefill is not timed, so it cannot give the fit its slope),
 so the acceptance keeps being measured and the slope follows the load, at little cost: a
 host proposer guesses one token for one sequence in ``MEASURING_SHARE``; a draft model
 guesses in full for one sequence (:attr:`DraftLengthPolicy.measuring_length`).
