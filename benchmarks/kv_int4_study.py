@@ -17,7 +17,11 @@ Schemes: ``bfloat16``; ``int8`` (the cache's per-token format); ``int4-kG`` (key
 channel in groups of G tokens, values per token); ``int4-kG-rot`` (the same after a
 Hadamard rotation of keys and queries); ``int4-tok-rot`` (keys per token too, rotated);
 a ``-vrot`` suffix rotates the values too before their per-token codes (the attention
-output rotated back).
+output rotated back); ``-kfull`` / ``-vfull`` leave keys / values unquantized (which of
+the two a loss comes from); ``-p8`` stores each key group's scale and zero as 8-bit
+codes on one linear grid per 64 tokens and KV head (:func:`round_trip_p8`), ``-vp8``
+each token's value scale and zero alike; ``-q8`` puts each key group on a grid of whole
+steps instead, an 8-bit step and an int8 zero (:func:`round_trip_q8`).
 
     python benchmarks/kv_int4_study.py [--max-len 8192] [--windows 0,128,512]
     python benchmarks/kv_int4_study.py --measure passkey [--passkey-lengths 1024,8192]
@@ -43,6 +47,7 @@ from pagedllm.kv_storage.kv_cache import KVCache
 from pagedllm.models.loader import load_model_for
 
 BLOCK_SIZE = 16
+P8_TILE = 64
 
 
 class Scheme:
@@ -57,18 +62,69 @@ class Scheme:
         parts = name.split("-")
         self.rotate = "rot" in parts
         self.rotate_values = "vrot" in parts
+        self.full_keys = "kfull" in parts
+        self.full_values = "vfull" in parts
         self.group = int(name.split("-")[1][1:]) if name.startswith("int4-k") else BLOCK_SIZE
+        self.params_8bit = "p8" in parts
+        self.values_8bit = "vp8" in parts
+        self.steps_8bit = "q8" in parts
+        tiled = self.params_8bit or self.values_8bit or self.steps_8bit
+        self.unit = P8_TILE if tiled else self.group
+        """Tokens re-encoded at once."""
 
     def compact_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """``k`` ``[heads, group, head_dim]``."""
+        """``k`` ``[heads, unit, head_dim]``."""
         if self.rotate:
             h = hadamard(k.shape[-1])
             k = k @ h
         if self.name.startswith("int4-tok"):
             k = round_trip_values(k)
+        elif self.params_8bit or self.steps_8bit:
+            k = round_trip_keys_p8(k, self.group, self.steps_8bit)
         else:
             k = round_trip_keys(k, self.group)
         return k @ h.T if self.rotate else k
+
+
+def round_trip_keys_p8(k: torch.Tensor, group: int, steps: bool = False) -> torch.Tensor:
+    """``k`` ``[heads, P8_TILE, head_dim]`` coded per channel in groups of ``group``
+    tokens (:func:`round_trip_p8`, or with ``steps`` :func:`round_trip_q8`), decoded."""
+    heads, tokens, dim = k.shape
+    grouped = k.float().reshape(heads, tokens // group, group, dim)
+    codec = round_trip_q8 if steps else round_trip_p8
+    return codec(grouped, dim=2).reshape(k.shape)
+
+
+def round_trip_q8(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` ``[heads, ...]`` coded in groups along ``dim`` on a grid ``(z + c) * step``:
+    the step an 8-bit power ``2^(-e/16)`` (rounded up) of the head's largest one, the
+    zero ``z`` an int8 count of steps, so that the group's values lie on its grid (a
+    step of at least its range / 14 and its largest magnitude / 127)."""
+    x = x.float()
+    low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    needed = torch.maximum((high - low) / 14, torch.maximum(-low, high) / 127).clamp_min(1e-30)
+    rest = tuple(range(1, x.dim()))
+    largest = needed.amax(dim=rest, keepdim=True)
+    exponent = (torch.log2(largest / needed) * 16).floor().clamp(0, 255)
+    step = largest * torch.exp2(-exponent / 16)
+    zero = (low / step).floor().clamp(-128, 127)
+    return (zero + ((x / step) - zero).round().clamp(0, 15)) * step
+
+
+def round_trip_p8(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` ``[heads, ...]`` coded in groups along ``dim``, each group's low and high
+    end as 8-bit codes (rounded outward) on a grid of 255 steps from the head's lowest
+    to its highest value (float32), decoded."""
+    x = x.float()
+    low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    rest = tuple(range(1, x.dim()))
+    tile_low = low.amin(dim=rest, keepdim=True)
+    step = ((high.amax(dim=rest, keepdim=True) - tile_low) / 255).clamp_min(1e-30)
+    low_code = ((low - tile_low) / step).floor().clamp(0, 255)
+    high_code = ((high - tile_low) / step).ceil().clamp(0, 255)
+    zero = tile_low + low_code * step
+    scale = ((high_code - low_code) * step / 15).clamp_min(1e-30)
+    return zero + ((x - zero) / scale).round().clamp(0, 15) * scale
 
 
 def by_age(cache: KVCache, mc, scheme: Scheme, window: int):
@@ -80,9 +136,9 @@ def by_age(cache: KVCache, mc, scheme: Scheme, window: int):
 
     def compact_old(end: int) -> None:
         nonlocal compacted
-        old = (end - window) // scheme.group * scheme.group
-        for first in range(compacted, old, scheme.group):
-            compact(cache, mc, scheme, first, first + scheme.group)
+        old = (end - window) // scheme.unit * scheme.unit
+        for first in range(compacted, old, scheme.unit):
+            compact(cache, mc, scheme, first, first + scheme.unit)
         compacted = max(compacted, old)
 
     return compact_old
@@ -119,13 +175,18 @@ def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
         k = cache.key(layer).view(-1, heads, BLOCK_SIZE, mc.head_dim)
         v = cache.value(layer).view(-1, heads, BLOCK_SIZE, mc.head_dim)
         blocks = slice(first // BLOCK_SIZE, last // BLOCK_SIZE)
-        kg = k[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
-        kg = scheme.compact_keys(kg)
-        k[blocks] = kg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
+        if not scheme.full_keys:
+            kg = k[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
+            kg = scheme.compact_keys(kg)
+            k[blocks] = kg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
         if scheme.rotate_values:
             h = hadamard(mc.head_dim)
             v[blocks] = round_trip_values(v[blocks] @ h) @ h.T
-        else:
+        elif scheme.values_8bit:
+            vg = v[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
+            vg = round_trip_p8(vg, dim=2)
+            v[blocks] = vg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
+        elif not scheme.full_values:
             v[blocks] = round_trip_values(v[blocks])
 
 
