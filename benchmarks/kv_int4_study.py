@@ -10,8 +10,10 @@ the scheme (``pagedllm/kv_storage/int4_codec.py``), as a cache that re-encodes b
 by age would hold them. Every chunk attends to the cache the chunks before it left.
 Perplexity over the first 2k, 4k and 8k tokens, over the second half of each, and the
 mean NLL difference to the first scheme over that half. ``--measure passkey``: a
-five-digit key hidden at each depth of 1k-8k tokens of filler, asked for at the end;
-the keys each scheme's greedy answer names (the same keys for every scheme).
+five-digit key hidden at each depth of 1k-8k tokens of filler, asked for at the end
+(``--keys-per-case`` keys each); the keys each scheme's greedy answer names (the same
+keys for every scheme) and the keys' NLL after the prompt. ``--measure key_error``: the
+keys' coding error alone, per scheme, over the first ``--max-len`` tokens of the text.
 
 Schemes: ``bfloat16``; ``int8`` (the cache's per-token format); ``int4-kG`` (keys per
 channel in groups of G tokens, values per token); ``int4-kG-rot`` (the same after a
@@ -200,9 +202,12 @@ def main() -> None:
     )
     parser.add_argument("--windows", default="0,128")
     parser.add_argument("--text-file", default=None, help="a text instead of the novel")
-    parser.add_argument("--measure", default="perplexity", help="perplexity and/or passkey")
+    parser.add_argument(
+        "--measure", default="perplexity", help="perplexity, passkey and/or key_error"
+    )
     parser.add_argument("--passkey-lengths", default="1024,2048,4096,8192")
     parser.add_argument("--passkey-depths", default="0.1,0.3,0.5,0.7,0.9")
+    parser.add_argument("--keys-per-case", type=int, default=1, help="keys per length and depth")
     args = parser.parse_args()
     print(json.dumps(machine_record()), flush=True)
     loaded = load_model_for(EngineConfig(dtype="float32", quantization="none"))
@@ -218,6 +223,33 @@ def main() -> None:
         perplexity_records(args, loaded, loaded.tokenizer.encode(text)[: args.max_len + 1], runs)
     if "passkey" in args.measure:
         passkey_records(args, loaded, runs)
+    if "key_error" in args.measure:
+        text = Path(args.text_file).read_text() if args.text_file else novel_text()
+        key_error_records(args, loaded, loaded.tokenizer.encode(text)[: args.max_len + 1], runs)
+
+
+def key_error_records(args, loaded, token_ids: list[int], runs) -> None:
+    """Per 4-bit scheme: the keys' coding error over the text's keys (float32 cache),
+    root mean square relative to the keys, per layer; its mean and largest."""
+    mc = loaded.config
+    cache = text_cache(loaded, len(token_ids) - 1, BLOCK_SIZE)
+    chunked_nll(loaded, token_ids, cache, torch.arange(cache.num_blocks), args.chunk, None)
+    for scheme in {scheme.name: scheme for scheme, _ in runs if scheme.by_age}.values():
+        errors = []
+        for layer in range(mc.num_layers):
+            k = cache.key(layer).view(-1, mc.num_kv_heads, BLOCK_SIZE, mc.head_dim)
+            k = k.transpose(0, 1).reshape(mc.num_kv_heads, -1, mc.head_dim)
+            k = k[:, : (len(token_ids) - 1) // scheme.unit * scheme.unit]
+            coded = torch.cat([scheme.compact_keys(u) for u in k.split(scheme.unit, dim=1)], 1)
+            errors.append(((coded - k).pow(2).mean() / k.pow(2).mean()).sqrt().item())
+        record = {
+            "measure": "key_error",
+            "scheme": scheme.name,
+            "tokens": k.shape[1],
+            "mean": round(sum(errors) / len(errors), 5),
+            "max": round(max(errors), 5),
+        }
+        print(json.dumps(record), flush=True)
 
 
 def perplexity_records(args, loaded, token_ids: list[int], runs) -> None:
@@ -245,16 +277,27 @@ def perplexity_records(args, loaded, token_ids: list[int], runs) -> None:
 
 
 def passkey_records(args, loaded, runs) -> None:
-    """Per scheme: keys found at each length and depth (the same keys for every scheme)."""
+    """Per scheme: keys found at each length and depth (the same keys for every scheme),
+    and the keys' NLL after the prompt, each and averaged (smoother than found/missed
+    where keys lie near the edge)."""
     lengths = [int(n) for n in args.passkey_lengths.split(",")]
     depths = [float(d) for d in args.passkey_depths.split(",")]
     rng = random.Random(0)
-    keys = {(n, d): rng.randrange(10_000, 100_000) for n in lengths for d in depths}
+    keys = {
+        (n, d, i): rng.randrange(10_000, 100_000)
+        for n in lengths
+        for d in depths
+        for i in range(args.keys_per_case)
+    }
+
+    def label(n: int, d: float, i: int) -> str:
+        return f"{n}@{d}" if args.keys_per_case == 1 else f"{n}@{d}#{i}"
+
     for scheme, window in runs:
         start = time.perf_counter()
         found = {
-            (n, d): passkey_found(loaded, scheme, window, args.chunk, n, d, key)
-            for (n, d), key in keys.items()
+            (n, d, i): passkey_found(loaded, scheme, window, args.chunk, n, d, key)
+            for (n, d, i), key in keys.items()
         }
         record = {
             "measure": "passkey",
@@ -262,12 +305,13 @@ def passkey_records(args, loaded, runs) -> None:
             "window": window if scheme.by_age else None,
             "found": sum(ok for ok, _ in found.values()),
             "trials": len(found),
+            "mean_key_nll": round(sum(nll for _, nll in found.values()) / len(found), 4),
             "seconds": round(time.perf_counter() - start, 1),
         }
         for n in lengths:
-            record[f"found_{n}"] = sum(found[n, d][0] for d in depths)
-        record["missed"] = [f"{n}@{d}" for (n, d), (ok, _) in found.items() if not ok]
-        record["key_nll"] = {f"{n}@{d}": round(nll, 3) for (n, d), (_, nll) in found.items()}
+            record[f"found_{n}"] = sum(ok for (m, _, _), (ok, _) in found.items() if m == n)
+        record["missed"] = [label(*case) for case, (ok, _) in found.items() if not ok]
+        record["key_nll"] = {label(*case): round(nll, 3) for case, (_, nll) in found.items()}
         print(json.dumps(record), flush=True)
 
 
