@@ -66,7 +66,7 @@ class Scheme:
         self.rotate_values = "vrot" in parts
         self.full_keys = "kfull" in parts
         self.full_values = "vfull" in parts
-        self.group = int(name.split("-")[1][1:]) if name.startswith("int4-k") else BLOCK_SIZE
+        self.group = int(parts[1][1:]) if name.startswith("int4-k") else BLOCK_SIZE
         self.params_8bit = "p8" in parts
         self.values_8bit = "vp8" in parts
         self.steps_8bit = "q8" in parts
@@ -82,19 +82,27 @@ class Scheme:
         if self.name.startswith("int4-tok"):
             k = round_trip_values(k)
         elif self.params_8bit or self.steps_8bit:
-            k = round_trip_keys_p8(k, self.group, self.steps_8bit)
+            codec = round_trip_q8 if self.steps_8bit else round_trip_p8
+            k = round_trip_key_groups(k, self.group, codec)
         else:
             k = round_trip_keys(k, self.group)
         return k @ h.T if self.rotate else k
 
 
-def round_trip_keys_p8(k: torch.Tensor, group: int, steps: bool = False) -> torch.Tensor:
+def round_trip_key_groups(k: torch.Tensor, group: int, codec) -> torch.Tensor:
     """``k`` ``[heads, P8_TILE, head_dim]`` coded per channel in groups of ``group``
-    tokens (:func:`round_trip_p8`, or with ``steps`` :func:`round_trip_q8`), decoded."""
+    tokens by ``codec`` (:func:`round_trip_p8` or :func:`round_trip_q8`), decoded."""
     heads, tokens, dim = k.shape
     grouped = k.float().reshape(heads, tokens // group, group, dim)
-    codec = round_trip_q8 if steps else round_trip_p8
     return codec(grouped, dim=2).reshape(k.shape)
+
+
+def by_head(rows: torch.Tensor, coding) -> torch.Tensor:
+    """``rows`` ``[blocks, heads, BLOCK_SIZE, head_dim]`` laid in token order, through
+    ``coding`` of ``[heads, tokens, head_dim]``, in the same layout."""
+    blocks, heads, _, dim = rows.shape
+    coded = coding(rows.transpose(0, 1).reshape(heads, blocks * BLOCK_SIZE, dim))
+    return coded.reshape(heads, blocks, BLOCK_SIZE, dim).transpose(0, 1)
 
 
 def round_trip_q8(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -178,16 +186,12 @@ def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
         v = cache.value(layer).view(-1, heads, BLOCK_SIZE, mc.head_dim)
         blocks = slice(first // BLOCK_SIZE, last // BLOCK_SIZE)
         if not scheme.full_keys:
-            kg = k[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
-            kg = scheme.compact_keys(kg)
-            k[blocks] = kg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
+            k[blocks] = by_head(k[blocks], scheme.compact_keys)
         if scheme.rotate_values:
             h = hadamard(mc.head_dim)
             v[blocks] = round_trip_values(v[blocks] @ h) @ h.T
         elif scheme.values_8bit:
-            vg = v[blocks].transpose(0, 1).reshape(heads, last - first, mc.head_dim)
-            vg = round_trip_p8(vg, dim=2)
-            v[blocks] = vg.reshape(heads, -1, BLOCK_SIZE, mc.head_dim).transpose(0, 1)
+            v[blocks] = by_head(v[blocks], lambda rows: round_trip_p8(rows, dim=2))
         elif not scheme.full_values:
             v[blocks] = round_trip_values(v[blocks])
 
@@ -236,16 +240,17 @@ def key_error_records(args, loaded, token_ids: list[int], runs) -> None:
     chunked_nll(loaded, token_ids, cache, torch.arange(cache.num_blocks), args.chunk, None)
     for scheme in {scheme.name: scheme for scheme, _ in runs if scheme.by_age}.values():
         errors = []
+        num_blocks = (len(token_ids) - 1) // scheme.unit * scheme.unit // BLOCK_SIZE
         for layer in range(mc.num_layers):
-            k = cache.key(layer).view(-1, mc.num_kv_heads, BLOCK_SIZE, mc.head_dim)
-            k = k.transpose(0, 1).reshape(mc.num_kv_heads, -1, mc.head_dim)
-            k = k[:, : (len(token_ids) - 1) // scheme.unit * scheme.unit]
-            coded = torch.cat([scheme.compact_keys(u) for u in k.split(scheme.unit, dim=1)], 1)
+            k = cache.key(layer).view(-1, mc.num_kv_heads, BLOCK_SIZE, mc.head_dim)[:num_blocks]
+            coded = torch.cat(
+                [by_head(unit, scheme.compact_keys) for unit in k.split(scheme.unit // BLOCK_SIZE)]
+            )
             errors.append(((coded - k).pow(2).mean() / k.pow(2).mean()).sqrt().item())
         record = {
             "measure": "key_error",
             "scheme": scheme.name,
-            "tokens": k.shape[1],
+            "tokens": num_blocks * BLOCK_SIZE,
             "mean": round(sum(errors) / len(errors), 5),
             "max": round(max(errors), 5),
         }

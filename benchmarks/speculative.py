@@ -142,19 +142,6 @@ def workloads(
     }
 
 
-def run(engine: LLMEngine, prompts, params, indexes) -> tuple[float, dict[str, list[int]]]:
-    """Generate requests ``indexes`` at once; wall time and outputs by request."""
-    outputs: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    for i in indexes:
-        engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-    return time.perf_counter() - start, outputs
-
-
 def spec_config(method: str, args: argparse.Namespace) -> dict | None:
     if method == "off":
         return None
@@ -184,26 +171,27 @@ def measure(loaded, args, methods, prompts, params, one_at_a_time) -> dict[str, 
             results = {m: {"seconds": 0.0, "tokens": {}} for m in order}
             for i in range(len(prompts)):
                 for method in order:
-                    seconds, tokens = run(engines[method], prompts, params, [i])
-                    results[method]["seconds"] += seconds
-                    results[method]["tokens"].update(tokens)
+                    result = run_alternating({method: engines[method]}, prompts, params, [i])
+                    results[method]["seconds"] += result[method]["seconds"]
+                    results[method]["tokens"].update(result[method]["tokens"])
             for method in order:
                 rows[method].append(finished_run(results[method], engines[method]))
         else:  # every request at once in every method's engine, alternating step by step
             engines = {m: engine_for(m, args, loaded) for m in order}
-            results = run_alternating(engines, prompts, params)
+            results = run_alternating(engines, prompts, params, range(len(prompts)))
             for method in order:
                 rows[method].append(finished_run(results[method], engines[method]))
     return rows
 
 
-def run_alternating(engines: dict[str, LLMEngine], prompts, params) -> dict[str, dict]:
-    """Every request at once in each engine, the engines taking one step in turn until
-    all are done; per engine the seconds its own calls took and its outputs by request."""
+def run_alternating(engines: dict[str, LLMEngine], prompts, params, indexes) -> dict[str, dict]:
+    """Requests ``indexes`` at once in each engine, the engines taking one step in turn
+    until all are done; per engine the seconds its own calls took and its outputs by
+    request."""
     results = {m: {"seconds": 0.0, "tokens": {}} for m in engines}
     for method, engine in engines.items():
         start = time.perf_counter()
-        for i in range(len(prompts)):
+        for i in indexes:
             engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
         results[method]["seconds"] += time.perf_counter() - start
     while any(e.has_unfinished_requests() for e in engines.values()):
