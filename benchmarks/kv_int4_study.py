@@ -23,7 +23,8 @@ output rotated back); ``-kfull`` / ``-vfull`` leave keys / values unquantized (w
 the two a loss comes from); ``-p8`` stores each key group's scale and zero as 8-bit
 codes on one linear grid per 64 tokens and KV head (:func:`round_trip_p8`), ``-vp8``
 each token's value scale and zero alike; ``-q8`` puts each key group on a grid of whole
-steps instead, an 8-bit step and an int8 zero (:func:`round_trip_q8`).
+steps instead, an 8-bit step and an int8 zero (:func:`round_trip_q8`); ``-kNvM`` codes
+keys in N bits and values in M (``-k5v3``: the same code bytes as 4 and 4).
 
     python benchmarks/kv_int4_study.py [--max-len 8192] [--windows 0,128,512]
     python benchmarks/kv_int4_study.py --measure passkey [--passkey-lengths 1024,8192]
@@ -35,6 +36,7 @@ import argparse
 import json
 import math
 import random
+import re
 import time
 from pathlib import Path
 
@@ -70,6 +72,9 @@ class Scheme:
         self.params_8bit = "p8" in parts
         self.values_8bit = "vp8" in parts
         self.steps_8bit = "q8" in parts
+        widths = [re.fullmatch(r"k(\d)v(\d)", part) for part in parts]
+        key_bits, value_bits = next(((int(m[1]), int(m[2])) for m in widths if m), (4, 4))
+        self.key_levels, self.value_levels = 2**key_bits - 1, 2**value_bits - 1
         tiled = self.params_8bit or self.values_8bit or self.steps_8bit
         self.unit = P8_TILE if tiled else self.group
         """Tokens re-encoded at once."""
@@ -80,12 +85,12 @@ class Scheme:
             h = hadamard(k.shape[-1])
             k = k @ h
         if self.name.startswith("int4-tok"):
-            k = round_trip_values(k)
+            k = round_trip_values(k, self.key_levels)
         elif self.params_8bit or self.steps_8bit:
             codec = round_trip_q8 if self.steps_8bit else round_trip_p8
             k = round_trip_key_groups(k, self.group, codec)
         else:
-            k = round_trip_keys(k, self.group)
+            k = round_trip_keys(k, self.group, self.key_levels)
         return k @ h.T if self.rotate else k
 
 
@@ -189,11 +194,11 @@ def compact(cache: KVCache, mc, scheme: Scheme, first: int, last: int) -> None:
             k[blocks] = by_head(k[blocks], scheme.compact_keys)
         if scheme.rotate_values:
             h = hadamard(mc.head_dim)
-            v[blocks] = round_trip_values(v[blocks] @ h) @ h.T
+            v[blocks] = round_trip_values(v[blocks] @ h, scheme.value_levels) @ h.T
         elif scheme.values_8bit:
             v[blocks] = by_head(v[blocks], lambda rows: round_trip_p8(rows, dim=2))
         elif not scheme.full_values:
-            v[blocks] = round_trip_values(v[blocks])
+            v[blocks] = round_trip_values(v[blocks], scheme.value_levels)
 
 
 def main() -> None:

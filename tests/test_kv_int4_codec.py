@@ -15,20 +15,29 @@ from pagedllm.kv_storage.int4_codec import (
 )
 
 
-def _bound(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _bound(x: torch.Tensor, dim: int, levels: int = LEVELS) -> torch.Tensor:
     """Half a step of the group along ``dim``, plus the bfloat16 rounding of its zero
     point (a relative 2^-8) and of the step (rounded up, at most 2^-7 of it per code)."""
     low, high = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    step = (high - low) / LEVELS
-    return step * (0.5 + LEVELS * 2**-7) + low.abs() * 2**-8 + 1e-6
+    step = (high - low) / levels
+    return step * (0.5 + levels * 2**-7) + low.abs() * 2**-8 + 1e-6
 
 
-def test_values_round_trip_within_half_a_step_of_their_token() -> None:
+@pytest.mark.parametrize("levels", [LEVELS, 7, 31])
+def test_values_round_trip_within_half_a_step_of_their_token(levels: int) -> None:
     g = torch.Generator().manual_seed(0)
     v = torch.randn(5, 3, 16, 64, generator=g) * torch.rand(5, 3, 16, 1, generator=g) * 10
-    back = round_trip_values(v)
+    back = round_trip_values(v, levels)
     assert back.dtype == torch.float32 and back.shape == v.shape
-    assert ((back - v).abs() <= _bound(v, dim=-1)).all()
+    assert ((back - v).abs() <= _bound(v, dim=-1, levels=levels)).all()
+
+
+def test_each_bit_more_about_halves_the_error() -> None:
+    v = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    error = {
+        levels: (round_trip_values(v, levels) - v).abs().mean().item() for levels in (7, 15, 31)
+    }
+    assert 1.7 < error[7] / error[15] < 2.3 and 1.7 < error[15] / error[31] < 2.3
 
 
 def test_keys_round_trip_per_channel_over_their_group_of_tokens() -> None:

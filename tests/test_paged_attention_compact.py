@@ -28,7 +28,12 @@ from paged_cases import read_only_metadata
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import reference_paged_attention
 from pagedllm.cpu import paged_attention_compact
-from pagedllm.kv_storage.compact_blocks import TileLayout, decode_tiles, encode_tiles
+from pagedllm.kv_storage.compact_blocks import (
+    TileLayout,
+    decode_tiles,
+    encode_tiles,
+    key_bit_order,
+)
 from pagedllm.kv_storage.int4_codec import hadamard
 from pagedllm.kv_storage.kv_quant import KVFormat, decode_rows, encode_rows, resolve_kv_format
 
@@ -244,7 +249,8 @@ def test_peaked_softmax():
 
 def corrupted(tiles: torch.Tensor, how: str, block_size: int, head_dim: int) -> torch.Tensor:
     """Tiles in a wrong layout: code bytes with their nibbles swapped, key codes stored
-    channel-major (as [D/2, B] for a [B, D/2] section), or the key scale and zero
+    channel-major (as [D/2, B] for a [B, D/2] section), the keys' fifth bits where their
+    key nibbles lie rather than where key_bit_order moves them, or the key scale and zero
     sections swapped."""
     layout = TileLayout(block_size, head_dim)
     tiles = tiles.clone()
@@ -255,6 +261,11 @@ def corrupted(tiles: torch.Tensor, how: str, block_size: int, head_dim: int) -> 
         keys = tiles[..., : layout.codes_bytes]
         shape = (*keys.shape[:-1], block_size, head_dim // 2)
         keys.copy_(keys.reshape(shape).transpose(-1, -2).reshape(keys.shape))
+    elif how == "fifth_bits_unmoved":
+        values = tiles[..., layout.codes_bytes : 2 * layout.codes_bytes]
+        rows = values.reshape(*values.shape[:-1], block_size, head_dim // 2)
+        unmoved = (rows & 0x77) | key_bit_order(rows & 0x88)
+        values.copy_(unmoved.reshape(values.shape))
     else:
         scale = tiles[..., layout.key_scale_offset : layout.key_zero_offset].clone()
         tiles[..., layout.key_scale_offset : layout.key_zero_offset] = tiles[
@@ -264,7 +275,7 @@ def corrupted(tiles: torch.Tensor, how: str, block_size: int, head_dim: int) -> 
     return tiles
 
 
-@pytest.mark.parametrize("how", ["nibbles", "transposed", "scale_zero"])
+@pytest.mark.parametrize("how", ["nibbles", "transposed", "fifth_bits_unmoved", "scale_zero"])
 def test_a_wrong_tile_layout_fails(how):
     """The comparison can fail: tiles written in another layout than the kernel reads."""
     case = sharp_case()

@@ -89,7 +89,7 @@ def mixed_case(
     compact_ids = torch.randperm(num_compact - 1, generator=gen).tolist()
     tables = []
     for i, (n, c) in enumerate(zip(blocks, compact_blocks, strict=True)):
-        shared = tables[0][:shared_compact] if i == 1 else []
+        shared = tables[0][: min(shared_compact, c)] if i == 1 else []
         own = [cache.compact_offset + compact_ids.pop() for _ in range(c - len(shared))]
         tables.append(shared + own + [full_ids.pop() for _ in range(n - c)])
     block_tables = torch.full((len(seq_lens), max(blocks) + 1), -1, dtype=torch.int32)
@@ -149,11 +149,12 @@ SHAPES = [
     (16, 8, 2, 64, torch.bfloat16),
     (16, 4, 4, 128, torch.float32),
     (32, 8, 1, 32, torch.float16),
+    (64, 4, 2, 128, torch.float32),  # 5-bit keys
 ]
 # compact blocks then full (the last partly filled), all compact, none compact, and a
 # sequence sharing the first's compact prefix
 SEQ_LENS = [150, 64, 77, 33]
-COMPACT_BLOCKS = {16: [5, 4, 3, 0], 32: [2, 2, 2, 0]}
+COMPACT_BLOCKS = {16: [5, 4, 3, 0], 32: [2, 2, 2, 0], 64: [2, 1, 1, 0]}
 
 
 @pytest.mark.parametrize(("block", "hq", "hkv", "dim", "dtype"), SHAPES)

@@ -30,7 +30,7 @@
 // p_t value_scale[t] in 16-bit fixed point against 4 positions' codes of a channel per
 // lane, sum_t p_t value_zero[t] apart; elsewhere channel by channel in float32.
 // Rounding to 16 bits costs a score or a weight at most 1/65,000 of the largest, about
-// a thousandth of what the 4-bit codes lose. At 8k positions, SmolLM2's heads (9 query,
+// a thousandth of what the codes lose. At 8k positions, SmolLM2's heads (9 query,
 // 3 kv, 64 channels) and blocks of 64, decode runs ~2.2x faster than paged_attention
 // over bfloat16 blocks (AMD Zen 4; see benchmarks/attention_compact.py).
 
@@ -147,6 +147,15 @@ inline vint round_to_int(vfloat x) {
 #endif
 }
 
+// Codes within a tile (compact_blocks.py). In blocks of fewer than kFifthKeyBitTokens
+// tokens a code is its nibble, 0 .. 15. From there on a key code is its nibble in the key
+// codes plus 16 times its fifth bit, stored as bit 3 of a value nibble, 0 .. 31, and a
+// value code is the low 3 bits of its nibble, 0 .. 7.
+constexpr int64_t kFifthKeyBitTokens = 64;
+constexpr uint32_t kNibbles = 0x0F0F0F0Fu;
+constexpr uint32_t kThreeBits = 0x07070707u;
+constexpr uint32_t kFifthKeyBits = 0x08080808u;  // where the keys' fifth bits lie
+
 // Lane l: the float value of the low 4 bits of lane l of x.
 inline vfloat nibble_values(vuint x) {
 #ifdef __AVX512F__
@@ -215,7 +224,7 @@ inline vfloat tokens_in_order(vfloat x, std::integer_sequence<int, T...>) {
 
 // Numbers x as integers Q ~ x / scale of at most kLimbRange in magnitude, kept in kLimbs
 // signed bytes (limbs) L_l with Q = L_0 + 256 L_1: 16-bit fixed point, multiplied by
-// 4-bit codes in VNNI dot products of bytes, for the folded query and a value step's
+// the codes in VNNI dot products of bytes, for the folded query and a value step's
 // weights alike. L_0 is the low byte of Q and L_1 = (Q + 128) >> 8: signed digits.
 // (24 bits, three limbs, took 1.25x the time for a thousandth of the format's error.)
 constexpr int kLimbs = 2;
@@ -232,13 +241,12 @@ inline vfloat store_limbs(vfloat x, float inverse, float unit, int8_t* limbs, in
   return x - __builtin_convertvector(rounded, vfloat) * unit;
 }
 
-// Codes are 0 .. 15, 7.5 on average: a sum of code times rounding loss over channels
-// (or positions) is 7.5 times the losses' sum, plus a part of mean 0 half as large at
-// most. The kernel adds the first back.
-constexpr float kMeanCode = 7.5f;
+// A sum of code times rounding loss over channels (or positions) is the mean code (7.5
+// for codes 0 .. 15) times the losses' sum, plus a part of mean 0 half as large at most.
+// The kernel adds the first back.
 
-// acc[0] + 256 acc[1] in float32, summed exactly in 32 bits first: |acc[l]| <= 64 * 15 *
-// 128 (a sum over 64 channels or positions).
+// acc[0] + 256 acc[1] in float32, summed exactly in 32 bits first: |acc[l]| <= 256 * 31 *
+// 128 (a sum over up to 256 channels or 64 positions).
 inline vfloat limbs_sum(const vint (&acc)[kLimbs]) {
   return __builtin_convertvector((acc[1] << 8) + acc[0], vfloat);
 }
@@ -269,6 +277,10 @@ struct CompactKeys {
   const uint16_t* value_scale;
   const uint16_t* value_zero;
   Ahead ahead;
+  // The codes' bits (in every byte of a dword): the keys' fifth bits among the value
+  // nibbles (0 when keys have 4 bits), the value codes' bits in each nibble; mean codes.
+  uint32_t fifth_key_bits = 0, value_bits = kNibbles;
+  float mean_key_code = 7.5f, mean_value_code = 7.5f;
 
   static int64_t tile_bytes(int64_t block_size) {
     return block_size * kDim + 4 * kDim + 4 * block_size;
@@ -283,11 +295,17 @@ struct CompactKeys {
     key_zero = key_scale + kDim;
     value_scale = key_zero + kDim;
     value_zero = value_scale + block_size;
+    if (block_size >= kFifthKeyBitTokens) {
+      fifth_key_bits = kFifthKeyBits;
+      value_bits = kThreeBits;
+      mean_key_code = 15.5f;
+      mean_value_code = 3.5f;
+    }
   }
 
   // RB rows' folded query q'[d] = q_rot[d] key_scale[d] (softmax scale included) in
   // limbs, scale = max |q'| / kLimbRange, and the bias q_rot . key_zero. A score is then
-  // off by at most D * 7.5 / kLimbRange of max |q'|.
+  // off by at most D * 15.5 / kLimbRange of max |q'| (5-bit codes).
   template <int RB>
   struct Query {
     alignas(64) int8_t limbs[RB][kLimbs][kDim];
@@ -314,25 +332,36 @@ struct CompactKeys {
       for (int j = 0; j < NV; ++j) {
         const vfloat lost = store_limbs(folded[i][j], inverse[i], scale[i],
                                                    &q.limbs[i][0][j * kLanes], kDim);
-        bias[i] = fmadd(broadcast(kMeanCode), lost, bias[i]);
+        bias[i] = fmadd(broadcast(mean_key_code), lost, bias[i]);
       }
     }
     const vfloat sums = sum_of_rows(bias);
     for (int i = 0; i < RB; ++i) q.bias[i] = sums[i];
   }
 
-  // Scores of tokens t .. t + 15 (t a multiple of 16), one per lane. The 16 code rows
-  // (64 N bytes) load as N registers and transpose so that register k holds dword k of
-  // every token's row: channels 4k .. 4k + 3 in its low nibbles, 4k + D/2 .. in its high
-  // ones, which a mask (and a shift) turn into 4 bytes of codes per lane to meet 4 bytes
-  // of a limb in the dot product of bytes. D = 256 goes in two halves. Each row's limbs
-  // sum in kSets interleaved chains, so that there are at least 6 to keep the units busy.
+  // Scores of tokens t .. t + 15 (t a multiple of 16), one per lane. The 16 key nibble
+  // rows (64 N bytes) load as N registers and transpose so that register k holds dword k
+  // of every token's row: channels 4k .. 4k + 3 in its low nibbles, 4k + D/2 .. in its
+  // high ones, which a mask (and a shift) turn into 4 bytes per lane. 5-bit keys' fifth
+  // bits (bit 3 of each value nibble) are stored transposed already (compact_blocks.py's
+  // key_bit_order), so the value nibbles at the same offsets give them as they are, and
+  // each becomes its byte's bit 4 (4-bit keys mask them to 0): 4 bytes of key codes to
+  // meet 4 bytes of a limb in the dot product of bytes. D = 256 goes in two halves. Each
+  // row's limbs sum in kSets interleaved chains, so that there are at least 6 to keep the
+  // units busy.
   template <int RB>
   void scores(const Query<RB>& q, int64_t t, int, int, vfloat (&out)[RB]) const {
+    if (fifth_key_bits) return scores_of<RB, true>(q, t, out);
+    scores_of<RB, false>(q, t, out);
+  }
+
+  template <int RB, bool kFifthBit>
+  void scores_of(const Query<RB>& q, int64_t t, vfloat (&out)[RB]) const {
     ahead.fetch(t);
     constexpr int kWords = kDim / 8;  // dwords per code row
     constexpr int N = std::min(kWords, kLanes);
     const uint8_t* codes = key_codes + t * kRowBytes;
+    const uint8_t* high_bits = value_codes + t * kRowBytes;
     // The limbs are the same for every 16 tokens; read through a pointer the compiler
     // cannot follow, else it hoists their broadcasts out of the caller's loop and spills.
     const int8_t* limbs = &q.limbs[0][0][0];
@@ -347,7 +376,13 @@ struct CompactKeys {
 #pragma GCC unroll 16
       for (int k = 0; k < N; ++k) {
         const int word = half * N + k;
-        const vuint low = col[k] & 0x0F0F0F0Fu, high = (col[k] >> 4) & 0x0F0F0F0Fu;
+        vuint low = col[k] & kNibbles, high = (col[k] >> 4) & kNibbles;
+        if constexpr (kFifthBit) {
+          vuint bits;  // stored in the order the transpose leaves col in
+          std::memcpy(&bits, high_bits + 64 * (k * (kWords / N) + half), sizeof bits);
+          low |= (bits & kFifthKeyBits) << 1;
+          high |= (bits >> 3) & (kFifthKeyBits << 1);
+        }
         vint(&set)[RB][kLimbs] = acc[k % kSets];
         for (int i = 0; i < RB; ++i)
           for (int l = 0; l < kLimbs; ++l) {
@@ -366,6 +401,8 @@ struct CompactKeys {
   }
 
   vfloat value_scales(int64_t t, int, int) const { return load(value_scale + t); }
+  uint32_t value_code_bits() const { return value_bits; }
+  float mean_value_of_codes() const { return mean_value_code; }
   vfloat value_zeros(int64_t t) const { return load(value_zero + t); }
 
   // The value codes of position t.
@@ -393,10 +430,11 @@ struct CompactKeys {
       vfloat a[VB][NV];
       for (int i = 0; i < VB; ++i)
         for (int j = 0; j < NV; ++j) a[i][j] = acc[(v0 + i) * NV + j] * correction[v0 + i];
+      const uint32_t both_nibbles = (rows.value_code_bits() & 0xFFu) * 0x11u;  // one byte's
       for (int64_t t = lo; t < hi; ++t) {
         const uint8_t* row = rows.value_row(step + t);
         for (int h = 0; h < NV / 2; ++h) {  // bytes 16 h ..: channels 16 h .. (low), + D/2 (high)
-          const vuint bytes = widen_bytes(row + h * kLanes);
+          const vuint bytes = widen_bytes(row + h * kLanes) & both_nibbles;
           const vfloat low = nibble_values(bytes), high = nibble_values(bytes >> 4);
           for (int i = 0; i < VB; ++i) {
             const vfloat p = broadcast(weight[v0 + i][t]);
@@ -439,9 +477,10 @@ struct CompactKeys {
       for (int g = g0; g < g1; ++g)
         lost += store_limbs(load(&weight[i][g * kLanes]), inverse, unit[i],
                                &limbs[i][0][g * kLanes], kStep);
-      restored[i] = kMeanCode * hsum(lost);
+      restored[i] = rows.mean_value_of_codes() * hsum(lost);
     }
     static const __m512i low_index = interleave_index(0), high_index = interleave_index(16);
+    const uint32_t bits = rows.value_code_bits();
     for (int v0 = 0; v0 < RB; v0 += VB) {
       for (int span = 0; span < NV / 4; ++span) {  // bytes 32 span .. + 31 of each code row
         vint sums[VB][4][kLimbs] = {};
@@ -450,8 +489,7 @@ struct CompactKeys {
           const __m512i first = two_spans(bytes), second = two_spans(bytes + 2 * kRowBytes);
           const vuint low = (vuint)_mm512_permutex2var_epi8(first, low_index, second);
           const vuint high = (vuint)_mm512_permutex2var_epi8(first, high_index, second);
-          const vuint codes[4] = {low & 0x0F0F0F0Fu, high & 0x0F0F0F0Fu,
-                                  (low >> 4) & 0x0F0F0F0Fu, (high >> 4) & 0x0F0F0F0Fu};
+          const vuint codes[4] = {low & bits, high & bits, (low >> 4) & bits, (high >> 4) & bits};
           for (int i = 0; i < VB; ++i)
             for (int k = 0; k < 4; ++k)
               for (int l = 0; l < kLimbs; ++l)
@@ -522,6 +560,9 @@ struct CompactRun {
     const int64_t b = t >> shift;
     return part[b].value_zeros(t - (b << shift));
   }
+  // Its blocks are of one size, so of one code format.
+  uint32_t value_code_bits() const { return part[0].value_code_bits(); }
+  float mean_value_of_codes() const { return part[0].mean_value_of_codes(); }
   const uint8_t* value_row(int64_t t) const {
     const int64_t b = t >> shift;
     return part[b].value_row(t - (b << shift));

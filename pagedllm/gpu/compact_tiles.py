@@ -2,10 +2,14 @@
 
 A block-table entry ``e >= compact_offset`` names compact block ``e - compact_offset``,
 whose tile for one kv head (:mod:`pagedllm.kv_storage.compact_blocks`, ``B`` = block
-size, ``D`` = head dim) holds, from its first byte: key codes ``[B, D/2]``, value codes
-``[B, D/2]`` (byte ``j`` of a row: dimension ``j`` in its low nibble, ``j + D/2`` in its
-high one), then bfloat16 key scales and zeros ``[D]`` each (per channel) and value scales
-and zeros ``[B]`` each (per token). A code ``c`` means ``zero + c * scale``. Keys are
+size, ``D`` = head dim) holds, from its first byte: key nibbles ``[B, D/2]``, value
+nibbles ``[B, D/2]`` (byte ``j`` of a row: dimension ``j`` in its low nibble, ``j + D/2``
+in its high one), then bfloat16 key scales and zeros ``[D]`` each (per channel) and value
+scales and zeros ``[B]`` each (per token). A code is its nibble (0..15); from
+``FIFTH_KEY_BIT_TOKENS`` tokens on, a value code (0..7) is its nibble's low 3 bits and a
+key code (0..31) its nibble plus 16 times its fifth bit, bit 3 of a value nibble at the
+place :func:`~pagedllm.kv_storage.compact_blocks.key_bit_order` moves it to. A code
+``c`` means ``zero + c * scale``. Keys are
 stored rotated (``k @ H``, :func:`~pagedllm.kv_storage.int4_codec.hadamard`), so they are
 scored against the query rotated alike: ``(q @ H) . (k @ H) = q . k``.
 """
@@ -18,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kv_storage.compact_blocks import TileLayout
+from pagedllm.kv_storage.compact_blocks import FIFTH_KEY_BIT_TOKENS, TileLayout
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,8 @@ def _load_bfloat16(byte_ptrs, mask):
 
 
 @triton.jit
-def _load_codes(codes_ptr, valid, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """float32 codes ``[BLOCK_SIZE, HEAD_DIM]`` (0..15, 0 in rows not ``valid``) of the
+def _load_nibbles(codes_ptr, valid, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """int32 nibbles ``[BLOCK_SIZE, HEAD_DIM]`` (0..15, 0 in rows not ``valid``) of the
     ``[BLOCK_SIZE, HEAD_DIM / 2]`` bytes at ``codes_ptr``: each byte is loaded for both of
     its dimensions."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -60,7 +64,28 @@ def _load_codes(codes_ptr, valid, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constex
     packed = tl.load(
         codes_ptr + tokens[:, None] * HALF + (dims % HALF)[None, :], mask=valid[:, None], other=0
     )
-    return ((packed.to(tl.int32) >> (4 * (dims // HALF))[None, :]) & 15).to(tl.float32)
+    return (packed.to(tl.int32) >> (4 * (dims // HALF))[None, :]) & 15
+
+
+@triton.jit
+def _load_fifth_bits(values_ptr, valid, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """int32 fifth bits ``[BLOCK_SIZE, HEAD_DIM]`` of the key codes (0 in rows not
+    ``valid``), from the value nibbles at ``values_ptr``: (token, dimension)'s bit lies in
+    the byte its key nibble's dword moves to under ``key_bit_order``."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    WORDS: tl.constexpr = HEAD_DIM // 8
+    N: tl.constexpr = WORDS if WORDS < 16 else 16
+    H: tl.constexpr = WORDS // N
+    tokens = tl.arange(0, BLOCK_SIZE)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    byte = dims % HALF
+    index = (tokens % 16) * WORDS + byte // 4  # the dword in its 16-token group
+    r, h = index // 16 // H, index // 16 % H
+    s, m = index % 16 // N, index % 16 % N
+    moved = (m * H + h) * 16 + s * N + r
+    address = (tokens // 16) * (16 * HALF) + moved * 4 + byte % 4
+    packed = tl.load(values_ptr + address, mask=valid[:, None], other=0).to(tl.int32)
+    return (packed >> (3 + 4 * (dims // HALF))) & 1
 
 
 @triton.jit
@@ -83,12 +108,19 @@ def load_compact_tile(
     VALUE_ZERO: tl.constexpr = VALUE_SCALE + 2 * BLOCK_SIZE
     dims = tl.arange(0, HEAD_DIM)
     tokens = tl.arange(0, BLOCK_SIZE)
-    key_codes = _load_codes(tile_ptr, valid, HEAD_DIM, BLOCK_SIZE)
+    value_nibbles = _load_nibbles(tile_ptr + CODES, valid, HEAD_DIM, BLOCK_SIZE)
+    key_nibbles = _load_nibbles(tile_ptr, valid, HEAD_DIM, BLOCK_SIZE)
+    if BLOCK_SIZE >= FIFTH_KEY_BIT_TOKENS:
+        fifth_bits = _load_fifth_bits(tile_ptr + CODES, valid, HEAD_DIM, BLOCK_SIZE)
+        key_codes = (key_nibbles | (fifth_bits << 4)).to(tl.float32)
+        value_codes = (value_nibbles & 7).to(tl.float32)
+    else:
+        key_codes = key_nibbles.to(tl.float32)
+        value_codes = value_nibbles.to(tl.float32)
     every_dim = dims < HEAD_DIM  # all true: scales and zeros per channel
     key_scale = _load_bfloat16(tile_ptr + KEY_SCALE + 2 * dims, every_dim)
     key_zero = _load_bfloat16(tile_ptr + KEY_ZERO + 2 * dims, every_dim)
     keys = key_zero[None, :] + key_codes * key_scale[None, :]
-    value_codes = _load_codes(tile_ptr + CODES, valid, HEAD_DIM, BLOCK_SIZE)
     value_scale = _load_bfloat16(tile_ptr + VALUE_SCALE + 2 * tokens, valid)
     value_zero = _load_bfloat16(tile_ptr + VALUE_ZERO + 2 * tokens, valid)
     values = value_zero[:, None] + value_codes * value_scale[:, None]

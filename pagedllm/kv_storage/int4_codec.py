@@ -1,7 +1,8 @@
 """4-bit K/V codes with a scale and a zero point per group (the reference codec).
 
-A group of values ``x`` is stored as codes ``c = round((x - zero) / scale)`` in 0..15,
-``zero = min(x)`` and ``scale = (max(x) - min(x)) / 15``, both kept as bfloat16 (the
+A group of values ``x`` is stored as codes ``c = round((x - zero) / scale)`` in 0..L
+(``L`` = LEVELS = 15 by default, 2^bits - 1), ``zero = min(x)`` and ``scale = (max(x) -
+min(x)) / L``, both kept as bfloat16 (the
 codes are computed against the stored, rounded parameters, so decoding ``zero + c *
 scale`` is within half a step of ``x`` but for the rounding of ``zero``). Which values
 share a group differs for keys and values, as KIVI found works best:
@@ -26,20 +27,22 @@ import torch
 LEVELS = 15  # the largest code
 
 
-def quantize_groups(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (uint8, 0..LEVELS), scale and zero (bfloat16, kept dims) of ``x`` grouped
+def quantize_groups(
+    x: torch.Tensor, dim: int, levels: int = LEVELS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, 0..``levels``), scale and zero (bfloat16, kept dims) of ``x`` grouped
     along ``dim``."""
     x = x.float()
     low = x.amin(dim=dim, keepdim=True)
     high = x.amax(dim=dim, keepdim=True)
     zero = low.to(torch.bfloat16)
-    exact = ((high - zero.float()) / LEVELS).clamp_min(1e-30)
+    exact = ((high - zero.float()) / levels).clamp_min(1e-30)
     scale = exact.to(torch.bfloat16)
-    # round the step up, so that the largest value needs no code above LEVELS
+    # round the step up, so that the largest value needs no code above `levels`
     scale = torch.where(
         scale.float() < exact, (scale.view(torch.int16) + 1).view(scale.dtype), scale
     )
-    codes = ((x - zero.float()) / scale.float()).round().clamp(0, LEVELS).to(torch.uint8)
+    codes = ((x - zero.float()) / scale.float()).round().clamp(0, levels).to(torch.uint8)
     return codes, scale, zero
 
 
@@ -47,19 +50,21 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return zero.float() + codes.float() * scale.float()
 
 
-def round_trip_keys(k: torch.Tensor, group_tokens: int) -> torch.Tensor:
+def round_trip_keys(k: torch.Tensor, group_tokens: int, levels: int = LEVELS) -> torch.Tensor:
     """``k`` ``[..., tokens, head_dim]`` (tokens a multiple of ``group_tokens``) after
-    encoding per channel in groups of ``group_tokens`` tokens and decoding (float32)."""
+    encoding per channel in groups of ``group_tokens`` tokens into codes 0..``levels``
+    and decoding (float32)."""
     *lead, tokens, dim = k.shape
     if tokens % group_tokens:
         raise ValueError(f"{tokens} tokens do not split into groups of {group_tokens}")
     grouped = k.reshape(*lead, tokens // group_tokens, group_tokens, dim)
-    return _dequantize(*quantize_groups(grouped, dim=-2)).reshape(k.shape)
+    return _dequantize(*quantize_groups(grouped, dim=-2, levels=levels)).reshape(k.shape)
 
 
-def round_trip_values(v: torch.Tensor) -> torch.Tensor:
-    """``v`` ``[..., head_dim]`` after encoding per token and decoding (float32)."""
-    return _dequantize(*quantize_groups(v, dim=-1))
+def round_trip_values(v: torch.Tensor, levels: int = LEVELS) -> torch.Tensor:
+    """``v`` ``[..., head_dim]`` after encoding per token into codes 0..``levels`` and
+    decoding (float32)."""
+    return _dequantize(*quantize_groups(v, dim=-1, levels=levels))
 
 
 @functools.cache
