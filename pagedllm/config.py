@@ -316,8 +316,8 @@ class EngineConfig:
         "KV cache format: auto (the model's dtype), bfloat16, float16, or 8-bit fp8_e4m3, "
         "fp8_e5m2, int8 with a scale per token and KV head; int4 keeps each sequence's "
         "kv_recent_tokens in the model's dtype and re-encodes older blocks into 4 bits per "
-        "element on average (keys in 5 bits per channel over a block, values in 3 per "
-        "token; docs/capacity.md)",
+        "element (keys per channel over a block, values per token; from 64-token blocks "
+        "on keys take 5 bits and values 3; docs/capacity.md)",
         KVCacheDtype,
     )
     kv_recent_tokens: int = knob(

@@ -241,10 +241,6 @@ inline vfloat store_limbs(vfloat x, float inverse, float unit, int8_t* limbs, in
   return x - __builtin_convertvector(rounded, vfloat) * unit;
 }
 
-// A sum of code times rounding loss over channels (or positions) is the mean code (7.5
-// for codes 0 .. 15) times the losses' sum, plus a part of mean 0 half as large at most.
-// The kernel adds the first back.
-
 // acc[0] + 256 acc[1] in float32, summed exactly in 32 bits first: |acc[l]| <= 256 * 31 *
 // 128 (a sum over up to 256 channels or 64 positions).
 inline vfloat limbs_sum(const vint (&acc)[kLimbs]) {
@@ -278,8 +274,11 @@ struct CompactKeys {
   const uint16_t* value_zero;
   Ahead ahead;
   // The codes' bits (in every byte of a dword): the keys' fifth bits among the value
-  // nibbles (0 when keys have 4 bits), the value codes' bits in each nibble; mean codes.
+  // nibbles (0 when keys have 4 bits), the value codes' bits in each nibble.
   uint32_t fifth_key_bits = 0, value_bits = kNibbles;
+  // Mean codes (7.5 for codes 0 .. 15): a sum of code times rounding loss over channels
+  // (or positions) is the mean code times the losses' sum, plus a part of mean 0 half as
+  // large at most. The kernel adds the first back.
   float mean_key_code = 7.5f, mean_value_code = 7.5f;
 
   static int64_t tile_bytes(int64_t block_size) {
