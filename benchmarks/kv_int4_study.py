@@ -76,6 +76,8 @@ class Scheme:
         key_bits, value_bits = next(((int(m[1]), int(m[2])) for m in widths if m), (4, 4))
         self.key_levels, self.value_levels = 2**key_bits - 1, 2**value_bits - 1
         tiled = self.params_8bit or self.values_8bit or self.steps_8bit
+        if tiled and (key_bits, value_bits) != (4, 4):
+            raise ValueError(f"{name}: the 8-bit group parameters (-p8, -vp8, -q8) code 4 bits")
         self.unit = P8_TILE if tiled else self.group
         """Tokens re-encoded at once."""
 

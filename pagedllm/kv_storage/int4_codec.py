@@ -1,11 +1,11 @@
 """4-bit K/V codes with a scale and a zero point per group (the reference codec).
 
 A group of values ``x`` is stored as codes ``c = round((x - zero) / scale)`` in 0..L
-(``L`` = LEVELS = 15 by default, 2^bits - 1), ``zero = min(x)`` and ``scale = (max(x) -
-min(x)) / L``, both kept as bfloat16 (the
-codes are computed against the stored, rounded parameters, so decoding ``zero + c *
-scale`` is within half a step of ``x`` but for the rounding of ``zero``). Which values
-share a group differs for keys and values, as KIVI found works best:
+(``L = 2^bits - 1``, LEVELS = 15 by default), ``zero = min(x)`` and ``scale = (max(x) -
+min(x)) / L``, both kept as bfloat16 (the codes are computed against the stored, rounded
+parameters, so decoding ``zero + c * scale`` is within half a step of ``x`` but for the
+rounding of ``zero``). Which values share a group differs for keys and values, as
+KIVI found works best:
 
 - keys: per channel, over ``group_tokens`` consecutive tokens of one KV head (a few
   channels carry large values in every token; a per-token scale would spend its 16
