@@ -1,6 +1,7 @@
 """The fused RMSNorm, SiLU·mul and rotary kernels against the operations of transformers'
 Llama modules: float32 to rounding, bfloat16 bit for bit (the kernels round where the
-modules round), rotary bit for bit in both (no fused multiply-add)."""
+modules round), rotary bit for bit in both (no fused multiply-add); the residual add
+fused into the norm bit for bit against the two run apart."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.cpu.extension import avx512_kernels_available, rms_norm, rotary, silu_and_mul
+from pagedllm.cpu.extension import (
+    add_rms_norm,
+    avx512_kernels_available,
+    rms_norm,
+    rotary,
+    silu_and_mul,
+)
 from pagedllm.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(
@@ -53,6 +60,25 @@ def test_rms_norm_of_a_float32_residual_stream_rounds_once(dim):
     assert (ours == exact.float().bfloat16()).float().mean() > 0.99
     # unlike the bfloat16 kernel, which rounds the normed value before the weight
     assert not torch.equal(ours, rms_norm(x.bfloat16(), weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [576, 40, 7])
+def test_add_rms_norm_has_the_bits_of_the_add_then_the_norm(dtype, dim):
+    """A float32 residual stream plus a branch of the model's dtype, then the norm: the
+    stream and the normed rows equal ``hidden.add_(branch)`` and :func:`rms_norm` bit for
+    bit (rows 0 and 1 stay on one thread, 3,000 rows split between threads)."""
+    for rows in (1, 2, 3000):
+        generator = torch.Generator().manual_seed(dim + rows)
+        hidden = 3 * torch.randn(rows, dim, generator=generator)
+        branch = torch.randn(rows, dim, generator=generator).to(dtype)
+        weight = torch.randn(dim, generator=generator).to(dtype)
+        expected_hidden = hidden.clone().add_(branch)
+        expected = rms_norm(expected_hidden, weight, 1e-5)
+        ours = add_rms_norm(hidden, branch, weight, 1e-5)
+        assert ours.dtype == dtype
+        assert torch.equal(hidden, expected_hidden)
+        assert torch.equal(ours, expected)
 
 
 def test_bfloat16_rounding_keeps_subnormals_and_quiets_nan():
@@ -119,6 +145,13 @@ def test_rejects_bad_input():
         )
     with pytest.raises(RuntimeError, match="weight"):
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="hidden is a contiguous float32"):
+        add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16(),
+                     torch.randn(8).bfloat16(), 1e-5)  # fmt: skip
+    with pytest.raises(RuntimeError, match="branch is \\[rows, dim\\] of the weight's dtype"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.randn(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="weight is \\[dim\\]"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.randn(7), 1e-5)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         silu_and_mul(torch.randn(2, 8).half())
     with pytest.raises(RuntimeError, match="2 \\* width"):

@@ -2,7 +2,7 @@
 // packed_linear.cpp, elementwise.cpp, argmax.cpp and the quant_*.cpp files: argument
 // checks, then raw pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention,
 // paged_attention_compact, write_kv, write_kv_int8, pack_weight, packed_linear, rms_norm,
-// silu_and_mul, rotary, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
+// add_rms_norm, silu_and_mul, rotary, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
 // quant_x16_supports, quant_x16_int8_supports, dequantize_rows, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
@@ -324,6 +324,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// hidden (float32, updated in place) += branch, then its RMSNorm in the weight's dtype;
+// branch has the weight's dtype.
+at::Tensor add_rms_norm(const at::Tensor& hidden, const at::Tensor& branch,
+                        const at::Tensor& weight, double eps) {
+  const bool bf16 = is_bfloat16(weight, "add_rms_norm");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "add_rms_norm: hidden is a contiguous float32 [rows, dim]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden.size(1),
+              "add_rms_norm: weight is [dim]");
+  TORCH_CHECK(branch.sizes() == hidden.sizes() && branch.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: branch is [rows, dim] of the weight's dtype");
+  const at::Tensor rows = branch.contiguous();
+  at::Tensor out = at::empty_like(hidden, weight.options());
+  pagedllm::add_rms_norm({hidden.data_ptr<float>(), rows.data_ptr(), weight.data_ptr(),
+                          out.data_ptr(), hidden.size(0), hidden.size(1),
+                          static_cast<float>(eps), bf16, at::get_num_threads()});
+  return out;
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const bool bf16 = is_bfloat16(gate_up, "silu_and_mul");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
@@ -490,6 +509,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, "
         "bool float_output=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor branch, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
@@ -514,6 +534,7 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("pack_weight", &pagedllm::tensor_ops::pack_weight);
   m.impl("packed_linear", &pagedllm::tensor_ops::packed_linear);
   m.impl("rms_norm", &pagedllm::tensor_ops::rms_norm);
+  m.impl("add_rms_norm", &pagedllm::tensor_ops::add_rms_norm);
   m.impl("silu_and_mul", &pagedllm::tensor_ops::silu_and_mul);
   m.impl("argmax_rows", &pagedllm::tensor_ops::argmax_rows);
   m.impl("rotary", &pagedllm::tensor_ops::rotary);

@@ -1,5 +1,5 @@
-// The elementwise parts of a decoder layer, each one pass over its rows: RMSNorm,
-// SiLU(gate) * up, and rotary embeddings with the q / k / v split.
+// The elementwise parts of a decoder layer, each one pass over its rows: RMSNorm (alone
+// or after the residual add), SiLU(gate) * up, and rotary embeddings with the q / k / v split.
 //
 // torch runs each of these as several operators (RMSNorm alone is a square, a mean, an
 // add, a reciprocal square root and two products), every one a pass over memory and a
@@ -49,8 +49,21 @@ inline __mmask16 lanes_left(int64_t left) {
                         : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// X reads x (and rounds the normed rows where it is transformers' bfloat16 module), S
-// the weight and the output.
+// Row `xr` normed into `yr` given the sum of its squared elements, 16 partial sums in
+// `squares` (lane i: elements i, i + 16, ...). X reads x and rounds the normed values
+// where it is transformers' bfloat16 module, S reads the weight and writes the output.
+template <typename S, typename X, typename T = typename S::T>
+void norm_row(const typename X::T* xr, const T* weight, T* yr, int64_t dim, float eps,
+              __m512 squares) {
+  const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
+  const __m512 inv_rms = _mm512_set1_ps(1.f / __builtin_sqrtf(mean + eps));
+  for (int64_t i = 0; i < dim; i += kLanes) {
+    const __mmask16 m = lanes_left(dim - i);
+    const __m512 normed = X::round(_mm512_mul_ps(X::load(xr + i, m), inv_rms));
+    S::store(yr + i, _mm512_mul_ps(S::load(weight + i, m), normed), m);
+  }
+}
+
 template <typename S, typename X = S, typename T = typename S::T>
 void rms_norm_rows(const pagedllm::RmsNormProblem& p) {
   using XT = typename X::T;
@@ -61,19 +74,35 @@ void rms_norm_rows(const pagedllm::RmsNormProblem& p) {
 #pragma omp parallel for schedule(static) num_threads(threads_for(p.rows * dim, p.num_threads))
   for (int64_t row = 0; row < p.rows; ++row) {
     const XT* xr = x + row * dim;
-    T* yr = out + row * dim;
     __m512 squares = _mm512_setzero_ps();
     for (int64_t i = 0; i < dim; i += kLanes) {
       const __m512 v = X::load(xr + i, lanes_left(dim - i));
       squares = _mm512_fmadd_ps(v, v, squares);
     }
-    const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
-    const __m512 inv_rms = _mm512_set1_ps(1.f / __builtin_sqrtf(mean + p.eps));
+    norm_row<S, X>(xr, weight, out + row * dim, dim, p.eps, squares);
+  }
+}
+
+// The residual add and the norm after it in one pass per row: each sum is stored and
+// squared while in a register, and the row is still in L1 when the norm reads it back.
+template <typename S, typename T = typename S::T>
+void add_rms_norm_rows(const pagedllm::AddRmsNormProblem& p) {
+  const T* branch = static_cast<const T*>(p.branch);
+  const T* weight = static_cast<const T*>(p.weight);
+  T* out = static_cast<T*>(p.out);
+  const int64_t dim = p.dim;
+#pragma omp parallel for schedule(static) num_threads(threads_for(p.rows * dim, p.num_threads))
+  for (int64_t row = 0; row < p.rows; ++row) {
+    float* xr = p.hidden + row * dim;
+    const T* br = branch + row * dim;
+    __m512 squares = _mm512_setzero_ps();
     for (int64_t i = 0; i < dim; i += kLanes) {
       const __mmask16 m = lanes_left(dim - i);
-      const __m512 normed = X::round(_mm512_mul_ps(X::load(xr + i, m), inv_rms));
-      S::store(yr + i, _mm512_mul_ps(S::load(weight + i, m), normed), m);
+      const __m512 v = _mm512_add_ps(Float32::load(xr + i, m), S::load(br + i, m));
+      Float32::store(xr + i, v, m);
+      squares = _mm512_fmadd_ps(v, v, squares);
     }
+    norm_row<S, Float32>(xr, weight, out + row * dim, dim, p.eps, squares);
   }
 }
 
@@ -163,6 +192,9 @@ void rms_norm(const RmsNormProblem& p) {
     rms_norm_rows<BFloat16>(p);
   }
 }
+void add_rms_norm(const AddRmsNormProblem& p) {
+  p.bfloat16 ? add_rms_norm_rows<BFloat16>(p) : add_rms_norm_rows<Float32>(p);
+}
 void silu_and_mul(const SiluMulProblem& p) {
   p.bfloat16 ? silu_and_mul_rows<BFloat16>(p) : silu_and_mul_rows<Float32>(p);
 }
@@ -171,6 +203,7 @@ void rotary(const RotaryProblem& p) {
 }
 #else
 void rms_norm(const RmsNormProblem&) {}
+void add_rms_norm(const AddRmsNormProblem&) {}
 void silu_and_mul(const SiluMulProblem&) {}
 void rotary(const RotaryProblem&) {}
 #endif

@@ -259,6 +259,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ops().rms_norm(x, weight, eps)
 
 
+def add_rms_norm(
+    hidden: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``hidden += branch`` (contiguous float32 ``[rows, dim]``, in place), then
+    :func:`rms_norm` of the sum in ``weight``'s dtype, in one pass per row; ``branch``
+    has ``weight``'s dtype (float32 or bfloat16, widened exactly). The bits of
+    ``hidden.add_(branch)`` followed by ``rms_norm(hidden, weight, eps)``."""
+    return ops().add_rms_norm(hidden, branch, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` ``[rows, width]`` for contiguous ``gate_up`` ``[rows, 2 * width]``
     (gate first), float32 or bfloat16."""

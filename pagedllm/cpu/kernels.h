@@ -155,6 +155,22 @@ struct RmsNormProblem {
 };
 void rms_norm(const RmsNormProblem& problem);
 
+// hidden [rows, dim] (float32, updated in place) += branch [rows, dim], then out = the
+// RMSNorm of the sum, as rms_norm with x_float32 makes it: one pass over the rows where
+// an add and a norm took two. branch, weight and out are float32, or bfloat16 when
+// `bfloat16` (widened exactly into the float32 sum, as torch's add promotes them).
+struct AddRmsNormProblem {
+  float* hidden;
+  const void* branch;
+  const void* weight;
+  void* out;
+  int64_t rows, dim;
+  float eps;
+  bool bfloat16;
+  int num_threads;
+};
+void add_rms_norm(const AddRmsNormProblem& problem);
+
 // out [rows, width] = silu(gate_up[:, :width]) * gate_up[:, width:].
 struct SiluMulProblem {
   const void* gate_up;

@@ -3,6 +3,8 @@
 // residual adds) as one call per step: the same kernels, in the same order, on the same
 // tensors as the Python layers (pagedllm/models/decoder.py), so every value is bit for bit
 // the same; what goes away is Python and the dispatcher between ~11 operators per layer.
+// Each residual add and the norm after it (the next layer's input norm included) run as
+// one pass, add_rms_norm, to the bits of the two.
 // Registered as the torch class torch.classes.pagedllm_cpu.LayerStack.
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -240,6 +242,7 @@ struct LayerStack : torch::CustomClassHolder {
     PhaseClock clock(profiling ? &phase_seconds : nullptr);
     TORCH_CHECK(slot_mappings.size() == block_tables.size(),
                 "LayerStack: a slot mapping and block tables per KV layer group");
+    at::Tensor normed;  // the residual stream normed for the layer's next product
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& layer = layers[i];
       TORCH_CHECK(layer.matrices.size() == 4, "LayerStack: layer ", i, " lacks matrices");
@@ -249,8 +252,10 @@ struct LayerStack : torch::CustomClassHolder {
       const at::Tensor& tables = block_tables[layer.kv_group];
       const Matrix &qkv_proj = layer.matrices[0], &o_proj = layer.matrices[1],
                    &gate_up_proj = layer.matrices[2], &down_proj = layer.matrices[3];
-      at::Tensor normed = ops::rms_norm(hidden, layer.input_norm, eps);
-      clock.lap(Phase::kNorms);
+      if (i == 0) {
+        normed = ops::rms_norm(hidden, layer.input_norm, eps);
+        clock.lap(Phase::kNorms);
+      }
       const at::Tensor qkv = qkv_proj.apply(normed);
       clock.lap(Phase::kProducts);
       auto [q, k, v] = ops::rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads);
@@ -278,9 +283,7 @@ struct LayerStack : torch::CustomClassHolder {
       const at::Tensor projected =
           o_proj.apply(attended.reshape({hidden.size(0), q.size(1) * q.size(2)}));
       clock.lap(Phase::kProducts);
-      hidden.add_(projected);
-      clock.lap(Phase::kResidual);
-      normed = ops::rms_norm(hidden, layer.post_attention_norm, eps);
+      normed = ops::add_rms_norm(hidden, projected, layer.post_attention_norm, eps);
       clock.lap(Phase::kNorms);
       const at::Tensor gate_up = gate_up_proj.apply(normed);
       clock.lap(Phase::kProducts);
@@ -288,8 +291,13 @@ struct LayerStack : torch::CustomClassHolder {
       clock.lap(Phase::kActivation);
       const at::Tensor down = down_proj.apply(activated);
       clock.lap(Phase::kProducts);
-      hidden.add_(down);
-      clock.lap(Phase::kResidual);
+      if (i + 1 < layers.size()) {  // the next layer's input norm, with the add before it
+        normed = ops::add_rms_norm(hidden, down, layers[i + 1].input_norm, eps);
+        clock.lap(Phase::kNorms);
+      } else {
+        hidden.add_(down);
+        clock.lap(Phase::kResidual);
+      }
     }
     if (profiling) ++profiled_steps;
     return hidden;

@@ -28,6 +28,8 @@ at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const std::optional<at::Tensor>& bias, bool float_output = false);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& hidden, const at::Tensor& branch,
+                        const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
