@@ -6,10 +6,12 @@ pass, sampling and output processing. Inside the forward pass:
 
 - ``stack`` (the default for Llama-shaped models on AVX-512 CPUs): the one-call layer
   stack's own phase clocks (``pagedllm/cpu/layer_stack.cpp``) add up each layer's
-  products, attention, K/V writes, norms, rotary, activation, residual adds and copies;
-  the rest of the forward pass (embedding, final norm, LM head, Python) is reported as
-  outside the stack, and scheduling, preparation, sampling and output processing as the
-  host. ``non_product_ms_per_step`` is everything but the products.
+  products, attention, K/V writes, norms, rotary, activation, residual adds and copies
+  (fused passes count once: the K/V write of a cache in the model's dtype under rotary,
+  each residual add but the last layer's under norms); the rest of the forward pass
+  (embedding, final norm, LM head, Python) is reported as outside the stack, and
+  scheduling, preparation, sampling and output processing as the host.
+  ``non_product_ms_per_step`` is everything but the products.
 - ``layers`` (``enforce_eager``): torch's profiler attributes each operator's own CPU
   time to a kind (the C++ kernels are torch operators: ``packed_linear``,
   ``quant_linear``, ``paged_attention``, ...); what the operators do not account for is

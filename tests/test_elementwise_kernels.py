@@ -14,7 +14,9 @@ from pagedllm.cpu.extension import (
     avx512_kernels_available,
     rms_norm,
     rotary,
+    rotary_to_cache,
     silu_and_mul,
+    write_kv,
 )
 from pagedllm.models.rope import apply_rope
 
@@ -138,6 +140,35 @@ def test_rotary_splits_and_rotates_exactly_like_separate_operators(dtype):
     assert torch.equal(v, qkv[:, k_end:].reshape(tokens, kv_heads, head_dim))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("token_major", [False, True], ids=["head_major", "token_major"])
+def test_rotary_to_cache_writes_the_bits_of_rotary_then_write_kv(dtype, token_major):
+    """q returned, k and v in their slots of both caches (a skipped slot, a token-major
+    cache seen through a permuted view), every other byte of the caches untouched."""
+    generator = torch.Generator().manual_seed(7)
+    tokens, q_heads, kv_heads, head_dim, block_size, blocks = 40, 9, 3, 64, 16, 6
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    positions = torch.randint(0, 100, (tokens,), generator=generator)
+    angles = torch.randn(100, head_dim // 2, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    slots[5] = -1
+    shape = (2, blocks, block_size, kv_heads, head_dim) if token_major else (
+        2, blocks, kv_heads, block_size, head_dim)  # fmt: skip
+    filled = torch.randn(shape, generator=generator).to(dtype)
+    expected_caches, our_caches = filled.clone(), filled.clone()
+    if token_major:
+        expected_caches = expected_caches.permute(0, 1, 3, 2, 4)
+        our_caches = our_caches.permute(0, 1, 3, 2, 4)
+    q, k, v = rotary(qkv, positions, cos, sin, q_heads, kv_heads)
+    write_kv(*expected_caches.unbind(0), k, v, slots)
+    ours = rotary_to_cache(qkv, positions, cos, sin, q_heads, kv_heads, *our_caches.unbind(0),
+                           slots)  # fmt: skip
+    assert torch.equal(ours, q)
+    assert torch.equal(our_caches, expected_caches)
+    assert not torch.equal(our_caches, filled)
+
+
 def test_rejects_bad_input():
     with pytest.raises(RuntimeError, match="outside the table"):
         rotary(
@@ -145,6 +176,15 @@ def test_rejects_bad_input():
         )
     with pytest.raises(RuntimeError, match="weight"):
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+    cache = torch.zeros(2, 1, 4, 2)  # 2 blocks of 4 slots, one kv head of dim 2
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
+        rotary_to_cache(torch.randn(1, 3 * 2), torch.tensor([0]), torch.ones(5, 1),
+                        torch.ones(5, 1), 1, 1, cache, cache.clone(),
+                        torch.tensor([8]))  # fmt: skip
+    with pytest.raises(RuntimeError, match="the cache's dtype"):
+        rotary_to_cache(torch.randn(1, 3 * 2), torch.tensor([0]), torch.ones(5, 1),
+                        torch.ones(5, 1), 1, 1, cache.bfloat16(), cache.bfloat16(),
+                        torch.tensor([0]))  # fmt: skip
     with pytest.raises(RuntimeError, match="hidden is a contiguous float32"):
         add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16(),
                      torch.randn(8).bfloat16(), 1e-5)  # fmt: skip

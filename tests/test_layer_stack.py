@@ -161,7 +161,9 @@ def test_cache_formats_and_architectures_it_does_not_run(tiny_model):
 
 def test_phase_clocks_count_what_the_stack_runs(tiny_model):
     """Profiling on: every phase a layer runs gets time, once per step; off: the clocks
-    stand still. Turning it on starts from zero."""
+    stand still. Turning it on starts from zero. Over a cache in the model's dtype the K/V
+    write is part of the rotary pass, and every residual add but the last layer's part of
+    the norm after it."""
     engine = tiny_engine(tiny_model, num_blocks=64)
     stack = engine.runner.layer_stack
     stack.set_profiling(True)
@@ -170,8 +172,9 @@ def test_phase_clocks_count_what_the_stack_runs(tiny_model):
     seconds = stack.phase_seconds()
     steps = seconds.pop("steps")
     assert steps == engine.step_times.steps
-    ran = ("products", "attention", "write_kv", "norms", "rotary", "activation", "residual_adds")
+    ran = ("products", "attention", "norms", "rotary", "activation", "residual_adds")
     assert all(seconds[name] > 0 for name in ran)
+    assert seconds["write_kv"] == 0
     assert seconds["copies"] > 0  # the last layer keeps only the sampled rows
     stack.set_profiling(False)
     run_outputs(engine, [[5, 6, 7]], params)

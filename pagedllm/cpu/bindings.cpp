@@ -2,7 +2,7 @@
 // packed_linear.cpp, elementwise.cpp, argmax.cpp and the quant_*.cpp files: argument
 // checks, then raw pointers. Registered as torch.ops.pagedllm_cpu.{paged_attention,
 // paged_attention_compact, write_kv, write_kv_int8, pack_weight, packed_linear, rms_norm,
-// add_rms_norm, silu_and_mul, rotary, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
+// add_rms_norm, silu_and_mul, rotary, rotary_to_cache, argmax_rows, quant_linear, quant_linear_x16, quant_linear_x16_int8,
 // quant_x16_supports, quant_x16_int8_supports, dequantize_rows, avx512_kernels_available}.
 
 #include <ATen/Parallel.h>
@@ -364,11 +364,11 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
-                                                      const at::Tensor& positions,
-                                                      const at::Tensor& cos,
-                                                      const at::Tensor& sin,
-                                                      int64_t num_q_heads, int64_t num_kv_heads) {
+// The checked problem of rotary over qkv, q allocated; k, v and the cache left to the
+// caller.
+pagedllm::RotaryProblem rotary_problem(const at::Tensor& qkv, const at::Tensor& positions,
+                                       const at::Tensor& cos, const at::Tensor& sin,
+                                       int64_t num_q_heads, int64_t num_kv_heads, at::Tensor& q) {
   const bool bf16 = is_bfloat16(qkv, "rotary");
   TORCH_CHECK(qkv.dim() == 2 && num_q_heads > 0 && num_kv_heads > 0 &&
               qkv.size(1) % (num_q_heads + 2 * num_kv_heads) == 0,
@@ -388,13 +388,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
                 " outside the table");
   }
   const int64_t tokens = qkv.size(0);
-  at::Tensor q = at::empty({tokens, num_q_heads, head_dim}, qkv.options());
-  at::Tensor k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
-  at::Tensor v = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
-  pagedllm::rotary({qkv.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                    k.data_ptr(), v.data_ptr(), tokens, num_q_heads, num_kv_heads, head_dim, bf16,
-                    at::get_num_threads()});
+  q = at::empty({tokens, num_q_heads, head_dim}, qkv.options());
+  return {qkv.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), nullptr, nullptr,
+          tokens, num_q_heads, num_kv_heads, head_dim, bf16, at::get_num_threads()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
+                                                      const at::Tensor& positions,
+                                                      const at::Tensor& cos,
+                                                      const at::Tensor& sin,
+                                                      int64_t num_q_heads, int64_t num_kv_heads) {
+  at::Tensor q;
+  pagedllm::RotaryProblem problem =
+      rotary_problem(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q);
+  const std::vector<int64_t> shape = {problem.num_tokens, num_kv_heads, problem.head_dim};
+  at::Tensor k = at::empty(shape, qkv.options());
+  at::Tensor v = at::empty(shape, qkv.options());
+  problem.k = k.data_ptr();
+  problem.v = v.data_ptr();
+  pagedllm::rotary(problem);
   return {q, k, v};
+}
+
+// rotary with k and v written to flat slots slot_mapping[t] of the caches, as write_kv
+// writes them (-1: skipped), in the same pass; returns q.
+at::Tensor rotary_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                           const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                           int64_t num_kv_heads, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  at::Tensor q;
+  pagedllm::RotaryProblem problem =
+      rotary_problem(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q);
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "new K/V must have the cache's dtype");
+  TORCH_CHECK(k_cache.size(1) == num_kv_heads && k_cache.size(3) == problem.head_dim,
+              "rotary_to_cache: the cache is [num_blocks, num_kv_heads, block_size, head_dim]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == qkv.size(0) &&
+              slot_mapping.is_contiguous(), "rotary_to_cache: one slot per token");
+  const pagedllm::KVSlots slots{k_cache.data_ptr(), v_cache.data_ptr(),
+                                checked_slots(slot_mapping, k_cache), k_cache.size(2),
+                                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  problem.cache = &slots;
+  pagedllm::rotary(problem);
+  return q;
 }
 
 // x [M, K] (float32 or bfloat16) @ dequantized(weight)^T + bias, in x's dtype, or float32
@@ -514,6 +550,9 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rotary(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
         "int num_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("rotary_to_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, "
+        "int num_q_heads, int num_kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor weight, int type, Tensor? bias, "
         "bool float_output=False) -> Tensor");
   m.def("quant_linear_x16(Tensor x, Tensor weight, int type, int out_features, Tensor? bias, "
@@ -538,6 +577,7 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("silu_and_mul", &pagedllm::tensor_ops::silu_and_mul);
   m.impl("argmax_rows", &pagedllm::tensor_ops::argmax_rows);
   m.impl("rotary", &pagedllm::tensor_ops::rotary);
+  m.impl("rotary_to_cache", &pagedllm::tensor_ops::rotary_to_cache);
   m.impl("quant_linear", &pagedllm::tensor_ops::quant_linear);
   m.impl("quant_linear_x16", &pagedllm::tensor_ops::quant_linear_x16);
   m.impl("quant_linear_x16_int8", &pagedllm::tensor_ops::quant_linear_x16_int8);

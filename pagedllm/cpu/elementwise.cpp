@@ -136,12 +136,13 @@ inline __m512 product(__m512 a, __m512 b) {
   return S::round(_mm512_mul_round_ps(a, b, kNearest));
 }
 
+// Rotates `heads` heads of src (contiguous) into dst, head h at dst + h * dst_stride.
 template <typename S, typename T = typename S::T>
-void rotate_heads(const T* src, T* dst, int64_t heads, int64_t half, const T* cos_row,
-                  const T* sin_row) {
+void rotate_heads(const T* src, T* dst, int64_t dst_stride, int64_t heads, int64_t half,
+                  const T* cos_row, const T* sin_row) {
   for (int64_t h = 0; h < heads; ++h) {
     const T* x = src + h * 2 * half;
-    T* y = dst + h * 2 * half;
+    T* y = dst + h * dst_stride;
     for (int64_t i = 0; i < half; i += kLanes) {
       const __mmask16 m = lanes_left(half - i);
       const __m512 x1 = S::load(x + i, m), x2 = S::load(x + half + i, m);
@@ -161,18 +162,31 @@ void rotary_rows(const pagedllm::RotaryProblem& p) {
   const int64_t d = p.head_dim, half = d / 2;
   const int64_t q_width = p.num_q_heads * d, kv_width = p.num_kv_heads * d;
   const int64_t row_width = q_width + 2 * kv_width;
+  const pagedllm::KVSlots* cache = p.cache;
 #pragma omp parallel for schedule(static) \
     num_threads(threads_for(p.num_tokens * row_width, p.num_threads))
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const T* row = qkv + t * row_width;
     const T* cos_row = cos + p.positions[t] * half;
     const T* sin_row = sin + p.positions[t] * half;
-    rotate_heads<S>(row, static_cast<T*>(p.q) + t * q_width, p.num_q_heads, half, cos_row,
+    rotate_heads<S>(row, static_cast<T*>(p.q) + t * q_width, d, p.num_q_heads, half, cos_row,
                     sin_row);
-    rotate_heads<S>(row + q_width, static_cast<T*>(p.k) + t * kv_width, p.num_kv_heads, half,
-                    cos_row, sin_row);
-    std::memcpy(static_cast<T*>(p.v) + t * kv_width, row + q_width + kv_width,
-                kv_width * sizeof(T));
+    // Where this token's k and v go: its rows of the k / v tensors, or its cache slot.
+    T* k = static_cast<T*>(p.k) + t * kv_width;
+    T* v = static_cast<T*>(p.v) + t * kv_width;
+    int64_t head_stride = d;
+    if (cache != nullptr) {
+      const int64_t slot = cache->slots[t];
+      if (slot < 0) continue;
+      const int64_t at = slot / cache->block_size * cache->block_stride +
+                         slot % cache->block_size * cache->token_stride;
+      k = static_cast<T*>(cache->k_cache) + at;
+      v = static_cast<T*>(cache->v_cache) + at;
+      head_stride = cache->head_stride;
+    }
+    rotate_heads<S>(row + q_width, k, head_stride, p.num_kv_heads, half, cos_row, sin_row);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h)
+      std::memcpy(v + h * head_stride, row + q_width + kv_width + h * d, d * sizeof(T));
   }
 }
 

@@ -300,6 +300,25 @@ def rotary(
     return ops().rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads)
 
 
+def rotary_to_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rotary`'s ``q``, with its ``k`` and ``v`` written in the same pass to flat slots
+    ``slot_mapping`` (int64 ``[T]``; -1 skipped) of caches of ``qkv``'s dtype, as
+    :func:`write_kv` writes them."""
+    return ops().rotary_to_cache(
+        qkv, positions, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, slot_mapping
+    )
+
+
 def quant_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

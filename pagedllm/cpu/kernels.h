@@ -186,9 +186,21 @@ void silu_and_mul(const SiluMulProblem& problem);
 // the first maximum, or the first NaN where a row has one (argmax.cpp).
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out, int num_threads);
 
+// Where rotary writes k and v instead of into tensors: row t goes to flat slot slots[t]
+// of the caches (element strides as in KVWrite), as write_kv would copy it; slot -1 is
+// skipped.
+struct KVSlots {
+  void* k_cache;
+  void* v_cache;
+  const int64_t* slots;
+  int64_t block_size, block_stride, head_stride, token_stride;
+};
+
 // Splits qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] into q, k, v
 // ([num_tokens, heads, head_dim] each), rotating q and k ("rotate half" layout) by the
-// cos / sin rows [max_positions, head_dim / 2] of each token's position.
+// cos / sin rows [max_positions, head_dim / 2] of each token's position. With `cache`,
+// k and v go to their cache slots instead (k and v unused): the K/V write in the same
+// pass.
 struct RotaryProblem {
   const void* qkv;
   const int64_t* positions;
@@ -200,6 +212,7 @@ struct RotaryProblem {
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim;
   bool bfloat16;
   int num_threads;
+  const KVSlots* cache = nullptr;
 };
 void rotary(const RotaryProblem& problem);
 

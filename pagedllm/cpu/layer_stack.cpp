@@ -4,7 +4,8 @@
 // tensors as the Python layers (pagedllm/models/decoder.py), so every value is bit for bit
 // the same; what goes away is Python and the dispatcher between ~11 operators per layer.
 // Each residual add and the norm after it (the next layer's input norm included) run as
-// one pass, add_rms_norm, to the bits of the two.
+// one pass, add_rms_norm, and so do the rotary embedding and the K/V write of a cache in
+// the model's dtype (rotary_to_cache), to the bits of the two.
 // Registered as the torch class torch.classes.pagedllm_cpu.LayerStack.
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,6 +30,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -258,21 +260,27 @@ struct LayerStack : torch::CustomClassHolder {
       }
       const at::Tensor qkv = qkv_proj.apply(normed);
       clock.lap(Phase::kProducts);
-      auto [q, k, v] = ops::rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads);
-      clock.lap(Phase::kRotary);
-      if (key_rotation.has_value()) {
-        const at::Tensor rotated_k = at::matmul(k.to(at::kFloat), *key_rotation);
-        ops::write_kv_int8(layer.k_cache, layer.v_cache, rotated_k, v.to(at::kFloat).contiguous(),
-                           slot_mapping);
-      } else if (fp8_max_code.has_value()) {
-        const at::ScalarType codes = layer.k_cache.scalar_type();
-        ops::write_kv(layer.k_cache.view(at::kByte), layer.v_cache.view(at::kByte),
-                      encode_fp8_rows(k, codes, *fp8_max_code),
-                      encode_fp8_rows(v, codes, *fp8_max_code), slot_mapping);
-      } else {
-        ops::write_kv(layer.k_cache, layer.v_cache, k, v, slot_mapping);
+      at::Tensor q;
+      if (key_rotation.has_value() || fp8_max_code.has_value()) {  // K/V encoded as written
+        at::Tensor k, v;
+        std::tie(q, k, v) = ops::rotary(qkv, positions, cos, sin, num_q_heads, num_kv_heads);
+        clock.lap(Phase::kRotary);
+        if (key_rotation.has_value()) {
+          const at::Tensor rotated_k = at::matmul(k.to(at::kFloat), *key_rotation);
+          ops::write_kv_int8(layer.k_cache, layer.v_cache, rotated_k,
+                             v.to(at::kFloat).contiguous(), slot_mapping);
+        } else {
+          const at::ScalarType codes = layer.k_cache.scalar_type();
+          ops::write_kv(layer.k_cache.view(at::kByte), layer.v_cache.view(at::kByte),
+                        encode_fp8_rows(k, codes, *fp8_max_code),
+                        encode_fp8_rows(v, codes, *fp8_max_code), slot_mapping);
+        }
+        clock.lap(Phase::kWriteKV);
+      } else {  // k and v rotated straight into their cache slots
+        q = ops::rotary_to_cache(qkv, positions, cos, sin, num_q_heads, num_kv_heads,
+                                 layer.k_cache, layer.v_cache, slot_mapping);
+        clock.lap(Phase::kRotary);
       }
-      clock.lap(Phase::kWriteKV);
       at::Tensor attended = attend(layer, q, tables, seq_lens, query_start_loc);
       clock.lap(Phase::kAttention);
       if (i + 1 == layers.size() && output_rows.has_value()) {

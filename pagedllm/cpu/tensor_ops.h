@@ -37,6 +37,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary(const at::Tensor& qkv,
                                                       const at::Tensor& cos,
                                                       const at::Tensor& sin,
                                                       int64_t num_q_heads, int64_t num_kv_heads);
+at::Tensor rotary_to_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                           const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                           int64_t num_kv_heads, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slot_mapping);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                         const std::optional<at::Tensor>& bias, bool float_output = false);
 at::Tensor quant_linear_x16(const at::Tensor& x, const at::Tensor& weight, int64_t type,

@@ -156,7 +156,9 @@ class LayerStack:
     def phase_seconds(self) -> dict[str, float]:
         """Seconds of every layer's products, attention, K/V writes, norms, rotary,
         activation, residual adds and copies since profiling was turned on, and the
-        number of ``steps`` they cover."""
+        number of ``steps`` they cover. Fused passes count once: over a cache in the
+        model's dtype the K/V write is in ``rotary``; every residual add but the last
+        layer's is in ``norms`` (the norm after it)."""
         return dict(self._stack.phases())
 
     def forward(
