@@ -30,7 +30,7 @@ from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.models.architectures import NORM_NAMES
 from pagedllm.models.block_expansion import ExpandedBlocks
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.fused import activation, gated_activation, rms_norm
+from pagedllm.models.fused import activation, add_rms_norm, gated_activation, rms_norm
 from pagedllm.models.interleaved_weight import BlockWeight
 from pagedllm.models.layer_stack import LayerStack
 from pagedllm.models.linear import (
@@ -214,6 +214,15 @@ class DecoderLayer(nn.Module):
         multiplier = self.config.residual_multiplier
         hidden += branch if multiplier == 1.0 else branch * multiplier
 
+    def _add_then_norm(self, hidden: torch.Tensor, branch: torch.Tensor, name: str) -> torch.Tensor:
+        """``_add(hidden, branch)``, then norm ``name`` of the sum: one pass for a plain
+        RMSNorm (:func:`~pagedllm.models.fused.add_rms_norm`), the same bits."""
+        c = self.config
+        if c.spec.norm == "rms" and c.residual_multiplier == 1.0:
+            return add_rms_norm(hidden, branch, getattr(self, name), c.rms_norm_eps)
+        self._add(hidden, branch)
+        return self._norm(name, hidden)
+
     def _qk_normed(self, name: str, x: torch.Tensor, heads: int) -> torch.Tensor:
         """q or k ``[T, heads * D]`` through its norm, as ``[T, heads, D]``."""
         c, tokens, weight = self.config, x.shape[0], getattr(self, name)
@@ -278,14 +287,14 @@ class DecoderLayer(nn.Module):
         out = self._row_parallel(attended, self.o_weight, self.o_bias)
         if layout in ("sandwich", "post"):
             out = self._norm("post_attention_layernorm", out)
-        self._add(hidden, out)
-
         if layout == "pre":
-            normed = self._norm("post_attention_layernorm", hidden)
+            normed = self._add_then_norm(hidden, out, "post_attention_layernorm")
         elif layout == "sandwich":
-            normed = self._norm("pre_feedforward_layernorm", hidden)
-        elif layout == "post":
-            normed = hidden.to(self.dtype)
+            normed = self._add_then_norm(hidden, out, "pre_feedforward_layernorm")
+        else:
+            self._add(hidden, out)
+            if layout == "post":
+                normed = hidden.to(self.dtype)
         if self.moe is not None:
             out = self.moe(normed)
         else:

@@ -1,12 +1,14 @@
-"""RMSNorm and the gated MLP activations: RMSNorm and SwiGLU in one C++ pass per row
-where the AVX-512 kernels run (``pagedllm/cpu/elementwise.cpp``), torch's operators
-elsewhere and for GeGLU. Every path rounds like transformers' modules."""
+"""RMSNorm and the gated MLP activations: RMSNorm (alone or after the residual add) and
+SwiGLU in one C++ pass per row where the AVX-512 kernels run
+(``pagedllm/cpu/elementwise.cpp``), torch's operators elsewhere and for GeGLU. Every path
+rounds like transformers' modules."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.cpu.extension import add_rms_norm as add_rms_norm_kernel
 from pagedllm.cpu.extension import fits_avx512_kernels
 from pagedllm.cpu.extension import rms_norm as rms_norm_kernel
 from pagedllm.cpu.extension import silu_and_mul as silu_and_mul_kernel
@@ -24,6 +26,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if fits_avx512_kernels(x, weight):
         return rms_norm_kernel(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``hidden += branch`` (in place), then :func:`rms_norm` of the sum: one C++ pass per
+    row where ``hidden`` is the float32 residual stream and ``branch`` has the weight's
+    dtype, else the two apart; the same bits either way."""
+    if (
+        hidden.dtype == torch.float32
+        and branch.dtype == weight.dtype
+        and fits_avx512_kernels(hidden)
+        and fits_avx512_kernels(branch, weight)
+    ):
+        return add_rms_norm_kernel(hidden, branch, weight, eps)
+    hidden += branch
+    return rms_norm(hidden, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
