@@ -18,6 +18,7 @@ from pagedllm.cpu.extension import (
     silu_and_mul,
     write_kv,
 )
+from pagedllm.models import fused
 from pagedllm.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(
@@ -81,6 +82,21 @@ def test_add_rms_norm_has_the_bits_of_the_add_then_the_norm(dtype, dim):
         assert ours.dtype == dtype
         assert torch.equal(hidden, expected_hidden)
         assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layers_add_then_norm_takes_the_kernel_or_torch_to_the_same_bits(dtype):
+    """``fused.add_rms_norm``: a contiguous branch takes the kernel, a strided one the add
+    and the norm apart; stream and normed rows agree bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = 3 * torch.randn(9, 576, generator=generator)
+    wide = torch.randn(9, 2 * 576, generator=generator).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    apart_hidden = hidden.clone()
+    apart = fused.add_rms_norm(apart_hidden, wide[:, ::2], weight, 1e-5)  # strided: torch
+    ours = fused.add_rms_norm(hidden, wide[:, ::2].contiguous(), weight, 1e-5)
+    assert torch.equal(hidden, apart_hidden)
+    assert torch.equal(ours, apart)
 
 
 def test_bfloat16_rounding_keeps_subnormals_and_quiets_nan():
