@@ -129,24 +129,25 @@ def test_n4_shares_the_prompts_blocks_then_leaves_them_cached(page, server, clie
     threading.Thread(target=run, daemon=True).start()
     # four holders: the shade of a reference count of 4, once all four samples hold the
     # prompt's blocks (a frame drawn while the forks are made may show fewer holders)
+    # (read in one evaluation: a later frame may already show a sample that finished)
     four = page.evaluate("window.pagedllmDashboard.sharedColors[4 - 2]")
-    page.wait_for_function(
+    frame = page.wait_for_function(
         f"""() => {{
           const d = window.pagedllmDashboard, pixel = {CELL_PIXEL};
           const n = Number(document.querySelector('#pool').dataset.cells);
-          let shared = 0;
+          const shared = [];
           for (let id = 0; id < n; id++) {{
             if (d.cellState(id) !== 'shared') continue;
             if (pixel(id) !== '{four}') return false;
-            shared++;
+            shared.push([id, pixel(id)]);
           }}
-          return shared > 0;
+          return shared.length > 0 && shared;
         }}""",
         timeout=60_000,
-    )
-    shared = cells_in(page, "shared")
+    ).json_value()
+    shared = [block_id for block_id, _ in frame]
     assert len(shared) >= len(PROMPT.split()) // 16  # the prompt's full blocks, at least
-    assert {page.evaluate(CELL_PIXEL, block_id) for block_id in shared} == {four}
+    assert {pixel for _, pixel in frame} == {four}
     center = page.evaluate("(id) => window.pagedllmDashboard.cellCenter(id)", shared[0])
     page.mouse.move(center["x"], center["y"])
     page.wait_for_selector("#tooltip", state="visible")
